@@ -1,0 +1,163 @@
+"""The glossary and the ONE implementation of every acceptance formula (training, evaluation and runtime share it).
+
+Glossary (DESIGN §5):
+- target call: one verification forward of the target.
+- committed tokens per call = accepted drafts + 1 (the corrected token on rejection, or the bonus token when
+  every drafted depth was accepted).
+- tau (acceptance length) = committed tokens / target calls, bonus included.
+- per-position acceptance a_k = P(depth-k draft accepted | depths 1..k-1 accepted), k = 1..K.
+- teacher-forced (analytic) acceptance on held-out data, per position t and draft depth k:
+    greedy:   alpha_{t,k} = 1[argmax q = argmax p]
+    sampling: alpha_{t,k} = sum_v min(p(v), q(v))   (p, q after the same temperature / top-k / top-p)
+  chain reach E_k = mean_t prod_{j<=k} alpha_{t,j};  a_k = E_k / E_{k-1};  simulated tau = 1 + sum_k E_k
+  (= 1 + sum_k prod_{j<=k} a_j).
+
+This module only computes numbers; it does not run models, load files or print reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def tau(committed_tokens: int, target_calls: int) -> float:
+    """Acceptance length: committed tokens per target call (bonus included)."""
+    return committed_tokens / target_calls if target_calls else 0.0
+
+
+def simulated_tau(per_position: Sequence[float]) -> float:
+    """Expected committed tokens per call of a chain whose depth-k conditional acceptance is a_k."""
+    total, reach = 1.0, 1.0
+    for a in per_position:
+        reach *= a
+        total += reach
+    return total
+
+
+def greedy_alpha(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced greedy acceptance: 1[argmax q == argmax p] per row.  [..., V] x [..., V] -> [...]"""
+    return (target_logits.argmax(-1) == draft_logits.argmax(-1)).to(target_logits.dtype)
+
+
+def sampled_alpha(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced sampling acceptance: sum_v min(p(v), q(v)) per row.  [..., V] x [..., V] -> [...]"""
+    import torch
+
+    return torch.minimum(target_probs, draft_probs).sum(-1)
+
+
+def chain_reach(alpha: torch.Tensor, valid: torch.Tensor | None = None) -> list[float]:
+    """E_k = mean over positions of prod_{j<=k} alpha_{t,j}.
+
+    alpha: [N, K] per-position, per-depth acceptance (greedy 0/1 or sampled probability);
+    valid: [N, K] bool, whether depth k exists for position t (end of sequence / loss mask). A position counts
+    for depth k only if depths 1..k are all valid.
+    """
+    import torch
+
+    a = alpha.double()
+    if valid is None:
+        valid = torch.ones_like(a, dtype=torch.bool)
+    ok = torch.cumprod(valid.double(), dim=1)  # [N, K]
+    reach = torch.cumprod(a * ok, dim=1)  # [N, K]
+    denom = ok.sum(0).clamp_min(1)
+    return (reach.sum(0) / denom).tolist()
+
+
+def per_position_from_reach(reach: Sequence[float]) -> list[float]:
+    """a_k = E_k / E_{k-1} (E_0 = 1)."""
+    out, prev = [], 1.0
+    for e in reach:
+        out.append(e / prev if prev > 0 else 0.0)
+        prev = e
+    return out
+
+
+@dataclass
+class AcceptanceStats:
+    """Live acceptance counters of a runtime (or an evaluation of one), per verification step.
+
+    `record(accepted, drafted_depth, verified_nodes)` is called once per target call: `accepted` drafts were
+    accepted (root excluded), the draft tree/chain reached depth `drafted_depth`, and `verified_nodes` draft nodes
+    were sent to the target.
+    """
+
+    max_depth: int = 16
+    target_calls: int = 0
+    committed_tokens: int = 0
+    drafted_tokens: int = 0  # draft nodes verified (root excluded)
+    accepted_tokens: int = 0
+    bonus_tokens: int = 0  # calls where every drafted depth was accepted (the extra token is a bonus)
+    attempts: list[int] = field(default_factory=list)  # attempts[k-1]: calls that reached depth k
+    accepts: list[int] = field(default_factory=list)  # accepts[k-1]: calls that accepted depth k
+    histogram: list[int] = field(default_factory=list)  # histogram[n]: calls that accepted exactly n drafts
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    accept_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = self.max_depth
+        self.attempts = self.attempts or [0] * n
+        self.accepts = self.accepts or [0] * n
+        self.histogram = self.histogram or [0] * (n + 1)
+
+    def record(self, accepted: int, drafted_depth: int, verified_nodes: int, committed: int | None = None) -> None:
+        if accepted > drafted_depth:
+            raise ValueError(f"accepted {accepted} > drafted depth {drafted_depth}")
+        depth = min(drafted_depth, self.max_depth)
+        self.target_calls += 1
+        self.committed_tokens += accepted + 1 if committed is None else committed
+        self.drafted_tokens += verified_nodes
+        self.accepted_tokens += accepted
+        if drafted_depth > 0 and accepted == drafted_depth:
+            self.bonus_tokens += 1
+        for k in range(min(accepted + 1, depth)):
+            self.attempts[k] += 1
+        for k in range(min(accepted, depth)):
+            self.accepts[k] += 1
+        self.histogram[min(accepted, self.max_depth)] += 1
+
+    def merge(self, other: AcceptanceStats) -> None:
+        for name in ("target_calls", "committed_tokens", "drafted_tokens", "accepted_tokens", "bonus_tokens",
+                     "draft_seconds", "verify_seconds", "accept_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("attempts", "accepts", "histogram"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if len(theirs) > len(mine):
+                mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    @property
+    def tau(self) -> float:
+        return tau(self.committed_tokens, self.target_calls)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """a_k for every depth that was attempted at least once."""
+        return [acc / att for acc, att in zip(self.accepts, self.attempts) if att > 0]
+
+    @property
+    def bonus_rate(self) -> float:
+        return self.bonus_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def wasted_verified_tokens(self) -> int:
+        return self.drafted_tokens - self.accepted_tokens
+
+    def to_dict(self) -> dict:
+        last = max((i for i, v in enumerate(self.histogram) if v), default=0)
+        return {
+            "tau": round(self.tau, 4), "target_calls": self.target_calls, "committed_tokens": self.committed_tokens,
+            "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+            "per_position_acceptance": [round(a, 4) for a in self.per_position_acceptance],
+            "accepted_length_histogram": self.histogram[: last + 1], "bonus_rate": round(self.bonus_rate, 4),
+            "wasted_verified_tokens": self.wasted_verified_tokens,
+            "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
+            "accept_seconds": round(self.accept_seconds, 4),
+        }

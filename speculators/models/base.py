@@ -1,0 +1,131 @@
+"""The Speculator interface: the one contract every family (EAGLE-3, Medusa, MTP) implements.
+
+The trainer, the evaluator and the runtime only talk to this interface; they never branch on a family's name.
+
+Alignment convention shared by every family (and by the loss, the metrics and the evaluator):
+    step k (k = 0..K-1) of the speculator, evaluated at sequence position t, predicts token t+2+k,
+    i.e. its target is the TEACHER distribution at position t+1+k (the target's next-token law there).
+    It counts toward the loss iff token t+2+k exists and is an assistant token (loss_mask[t+2+k] == 1).
+EAGLE-3 step k = the k-th training-time-test step; Medusa step k = head k; MTP step k = the k-th recursive step.
+
+Runtime protocol (batch 1, called by `speculators.serving.engine`):
+    state = spec.new_state(max_len, device)           # the drafter's own per-request state (its KV cache ...)
+    spec.absorb(state, features, next_tokens)          # committed positions p..p+n-1 with the target's
+                                                       # features there and the token that follows each one
+    tree = spec.propose(state, root_token, tree_cfg, sampling, generator)   # a DraftTree rooted at root_token
+`propose` never commits anything: the next `absorb` continues from the committed length.
+`features` holds what `required_features()` asked for: "taps" [n, n_taps*H] (the residual stream entering the
+tap layers) and/or "last_hidden" [n, H] (the target's post-norm final hidden state).
+
+This module does no file I/O (families implement `state_dict`-level persistence; see models/io.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from speculators.config import SpeculatorConfig, TreeConfig
+    from speculators.serving.sampling import SamplingParams
+    from speculators.serving.trees import DraftTree
+
+
+@dataclass(frozen=True)
+class FeatureRequest:
+    """What a speculator needs from the target at every position."""
+
+    tap_layer_ids: tuple[int, ...] | None  # residual stream ENTERING these decoder layers (EAGLE-3)
+    last_hidden: bool  # the post-norm final hidden state (Medusa, MTP)
+
+
+@dataclass
+class TargetWeights:
+    """Frozen tensors a speculator copies from its target at construction."""
+
+    embed_tokens: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H]
+    final_norm: torch.Tensor  # [H]
+
+
+class Speculator(nn.Module, ABC):
+    """Base class of every speculator family. Subclasses set `family` and implement the abstract methods."""
+
+    family: ClassVar[str]
+
+    # ---- construction / identity ------------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def from_target(cls, target_config: Any, spec: SpeculatorConfig, weights: TargetWeights,
+                    layer_ids: list[int] | None = None, d2t: torch.Tensor | None = None) -> Speculator:
+        """Build an untrained speculator for a target (HF config + frozen weights; d2t for reduced vocabs)."""
+
+    @abstractmethod
+    def config_dict(self) -> dict:
+        """The checkpoint config (vLLM speculators / Medusa layout fields + our own `speculators_native` block)."""
+
+    @classmethod
+    @abstractmethod
+    def from_config_dict(cls, config: dict) -> Speculator:
+        """An uninitialised module with the architecture described by `config_dict()` (weights loaded after)."""
+
+    @property
+    @abstractmethod
+    def num_steps(self) -> int:
+        """K: how many tokens ahead of the root the speculator predicts in training."""
+
+    @abstractmethod
+    def required_features(self) -> FeatureRequest: ...
+
+    @property
+    @abstractmethod
+    def draft_to_target(self) -> torch.Tensor:
+        """[Vd] long: target token id of each draft-vocab id (arange(V) for full-vocab speculators)."""
+
+    def step_weights(self, decay: float) -> list[float]:
+        return [decay**k for k in range(self.num_steps)]
+
+    # ---- training ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def forward_train(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Per-step draft logits over the draft vocab: K tensors [B, T, Vd] (step k at position t targets the
+        teacher at t+1+k). `batch` has "input_ids" [B, T], "attention_mask" [B, T] and the requested features
+        ("taps" [B, T, n*H] and/or "last_hidden" [B, T, H], float)."""
+
+    # ---- runtime ------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def new_state(self, max_len: int, device: torch.device | str) -> Any: ...
+
+    @abstractmethod
+    def absorb(self, state: Any, features: dict[str, torch.Tensor], next_tokens: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def propose(self, state: Any, root_token: int, tree: TreeConfig, sampling: SamplingParams,
+                generator: torch.Generator | None) -> DraftTree: ...
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the one loss every family trains with
+
+
+def shift_for_step(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x[:, t+1+k] aligned at position t (zero/False padded at the end).  [B, T, ...] -> [B, T, ...]"""
+    shift = 1 + k
+    out = torch.zeros_like(x)
+    if shift < x.shape[1]:
+        out[:, : x.shape[1] - shift] = x[:, shift:]
+    return out
+
+
+def step_valid_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions t whose step-k prediction (token t+2+k) counts: that token exists, is real and is an assistant
+    token.  [B, T] -> [B, T] bool"""
+    shift = 2 + k
+    valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+    if shift < loss_mask.shape[1]:
+        valid[:, : loss_mask.shape[1] - shift] = (loss_mask[:, shift:] > 0) & (attention_mask[:, shift:] > 0)
+    return valid

@@ -1,0 +1,93 @@
+"""The recipe pipeline: the ordered stages of DESIGN §1 and the resumable `speculators run`.
+
+Each stage lives in its own module and exposes two functions:
+
+    run(recipe: Recipe, *, force: bool = False) -> dict   # does the work, returns a short summary
+    is_complete(recipe: Recipe) -> bool                   # outputs exist, are complete and valid
+
+`run_pipeline` runs every stage of a recipe in order and skips stages whose outputs are already complete. Stages
+are imported lazily so `import speculators` stays light. This module does not parse arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from speculators.config import Recipe
+from speculators.errors import SpeculatorsError
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    module: str
+    summary: str
+
+    def load(self) -> tuple[Callable[..., dict], Callable[[Recipe], bool]]:
+        try:
+            mod = importlib.import_module(self.module)
+        except ModuleNotFoundError as exc:
+            if exc.name and (exc.name == self.module or self.module.startswith(exc.name + ".")):
+                raise SpeculatorsError(f"stage '{self.name}' is not built yet ({self.module} is missing)") from None
+            raise
+        return mod.run, mod.is_complete
+
+    def enabled(self, recipe: Recipe) -> bool:
+        if self.name == "regenerate":
+            return recipe.data.regenerate.enabled
+        if self.name == "capture":
+            return recipe.capture.mode == "offline"
+        return True
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("prepare", "speculators.data.prepare", "chat template -> input_ids + assistant loss mask"),
+    Stage("regenerate", "speculators.data.regenerate", "the target rewrites the assistant turns"),
+    Stage("capture", "speculators.data.capture", "target hidden-state taps -> feature shards + draft vocab"),
+    Stage("train", "speculators.train.loop", "train the speculator (accelerate)"),
+    Stage("evaluate", "speculators.evaluate.acceptance", "per-position acceptance on held-out workloads"),
+    Stage("export", "speculators.export.vllm", "vLLM-loadable checkpoint + pairing.json"),
+)
+
+
+def stage(name: str) -> Stage:
+    for s in STAGES:
+        if s.name == name:
+            return s
+    raise SpeculatorsError(f"unknown stage {name!r}; stages: {', '.join(s.name for s in STAGES)}")
+
+
+def run_stage(name: str, recipe: Recipe, *, force: bool = False, log: Callable[[str], None] = print) -> dict:
+    run, _ = stage(name).load()
+    t0 = time.time()
+    summary = run(recipe, force=force) or {}
+    summary.setdefault("seconds", round(time.time() - t0, 1))
+    return summary
+
+
+def run_pipeline(recipe: Recipe, *, only: list[str] | None = None, force: bool = False,
+                 log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Run every enabled stage in order; skip stages whose outputs are already complete and valid."""
+    results: dict[str, dict] = {}
+    for s in STAGES:
+        if only and s.name not in only:
+            continue
+        if not s.enabled(recipe):
+            results[s.name] = {"status": "disabled"}
+            log(f"[{s.name}] disabled by the recipe")
+            continue
+        run, is_complete = s.load()
+        if not force and is_complete(recipe):
+            results[s.name] = {"status": "skipped (complete)"}
+            log(f"[{s.name}] outputs complete, skipping")
+            continue
+        log(f"[{s.name}] {s.summary}")
+        t0 = time.time()
+        summary = run(recipe, force=force) or {}
+        summary.setdefault("seconds", round(time.time() - t0, 1))
+        summary.setdefault("status", "done")
+        results[s.name] = summary
+    return results

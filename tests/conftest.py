@@ -1,0 +1,89 @@
+"""Shared test fixtures: tiny random targets built from config (never a download) and the house target.
+
+- `tiny_target(family)` saves a tiny random Llama / Qwen3 / Qwen3-MoE causal LM (8 layers so EAGLE-3 taps
+  2, N//2, N-3 are distinct) with the house tokenizer to a temp dir and returns its path.
+- `house_target` is the embedded default target in data/targets/stdlib-lm (integration tests).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HOUSE_TARGET = REPO / "data" / "targets" / "stdlib-lm"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _house_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(HOUSE_TARGET)
+
+
+def tiny_config(family: str, vocab_size: int, **overrides):
+    """A tiny random config of one model family (hidden 64, 8 layers)."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen3":
+        return Qwen3Config(**common)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              decoder_sparse_step=1, mlp_only_layers=[])
+    raise ValueError(f"unknown tiny family {family!r}")
+
+
+def make_tiny_target(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random target (+ the house tokenizer and its chat template) to `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = _house_tokenizer()
+    config = tiny_config(family, vocab_size=len(tok), **overrides)
+    eos = [tok.convert_tokens_to_ids("<|end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
+    config.eos_token_id = eos
+    config.pad_token_id = tok.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def house_target() -> Path:
+    assert (HOUSE_TARGET / "config.json").is_file(), "the house target is missing from data/targets/stdlib-lm"
+    return HOUSE_TARGET
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe")
+
+
+@pytest.fixture(params=["llama", "qwen3", "qwen3_moe"])
+def tiny_target_any(request, tmp_path_factory) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
