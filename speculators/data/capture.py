@@ -1,0 +1,591 @@
+"""`speculators capture`: run the target over the training data and store what the speculator family needs.
+
+- What is stored comes from the recipe (`feature_request`): EAGLE-3 -> taps = the residual stream ENTERING the
+  decoder layers `capture.layer_ids` (default `[2, N//2, N-3]`, vLLM's semantics); Medusa / MTP -> the post-norm
+  last hidden state. The teacher is either recomputed from a stored last hidden state (`capture.teacher: hidden`)
+  or stored as the target's top-k next-token log-probs (`topk`). Storage: bf16, or int8 with one absmax scale
+  per token and group of channels (`capture.storage`). Format: `shards.py`.
+- Shards are planned from the row lengths alone (consecutive rows up to `capture.shard_tokens` tokens), so the
+  shard contents do not depend on how many processes run: rank r of W writes shards r, r+W, ... Each shard is
+  written atomically with a sidecar `shard-XXXXX.json` (sha256, rows, inputs hash); a re-run skips shards whose
+  sidecar and checksum are valid (resume). Work happens in `features.partial/`; rank 0 then writes
+  `token_freq.safetensors`, `vocab-<Vd>.safetensors` (EAGLE-3 with a reduced vocab), `manifest.json` (last) and
+  moves the dir to `features/`, so an earlier complete output stays intact until the new one is complete.
+- `capture.num_processes > 1` runs `accelerate launch` with `speculators.data.capture_worker`.
+- `compute_features` is also what the training loop calls in online mode (`capture.mode: online`, no disk).
+
+This module does not train anything and does not import the speculator families.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators.config import Recipe
+from speculators.data import artifacts, shards, vocab
+from speculators.errors import SpeculatorsError
+
+TOPK_CHUNK_ELEMENTS = 1 << 26  # logits converted to float32 at a time for the top-k teacher (256 MiB)
+TOPK_MASS_WARNING = 0.9  # the summary says so when the stored top-k holds less of the target's mass on average
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what to capture
+
+
+def feature_request(recipe: Recipe, num_layers: int) -> Any:
+    """The FeatureRequest of the recipe's speculator family (own mapping; never imports the families)."""
+    from speculators.models.base import FeatureRequest
+    from speculators.target import default_tap_layers, validate_layer_ids
+
+    family = recipe.speculator.family
+    if family == "eagle3":
+        ids = recipe.capture.layer_ids if recipe.capture.layer_ids is not None else default_tap_layers(num_layers)
+        return FeatureRequest(tap_layer_ids=tuple(validate_layer_ids(list(ids), num_layers)), last_hidden=False)
+    if family in ("medusa", "mtp"):
+        return FeatureRequest(tap_layer_ids=None, last_hidden=True)
+    raise SpeculatorsError(f"unknown speculator family {family!r}; known: eagle3, medusa, mtp")
+
+
+def stored_features(request: Any, teacher: str) -> list[str]:
+    out = []
+    if request.tap_layer_ids:
+        out.append("taps")
+    if request.last_hidden or teacher == "hidden":
+        out.append("last_hidden")
+    return out
+
+
+def compute_features(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, request: Any, *,
+                     teacher: str = "none", topk: int = 20, need_last_hidden: bool | None = None) -> dict:
+    """One target forward -> float32 features: "taps" [B, T, n*H], "last_hidden" [B, T, H]; teacher "topk" adds
+    "teacher_topk_ids" [B, T, k] long + "teacher_topk_logprobs" [B, T, k]; teacher "logits" adds "logits"
+    [B, T, V]. Used offline by capture and online by the training loop."""
+    from speculators.target import forward_with_taps
+
+    layer_ids = list(request.tap_layer_ids) if request.tap_layer_ids else None
+    out = forward_with_taps(model, input_ids, attention_mask, layer_ids)
+    res: dict[str, torch.Tensor] = {}
+    if out.taps is not None:
+        res["taps"] = out.taps.float()
+    if need_last_hidden if need_last_hidden is not None else request.last_hidden:
+        res["last_hidden"] = out.last_hidden.float()
+    if teacher == "topk":
+        logits = out.logits  # [B, T, V]
+        b, t, v = logits.shape
+        flat = logits.reshape(b * t, v)
+        values, ids = [], []
+        for chunk in flat.split(max(1, TOPK_CHUNK_ELEMENTS // v)):  # bounded float32 log-softmax
+            top = torch.log_softmax(chunk.float(), dim=-1).topk(topk, dim=-1)
+            values.append(top.values)
+            ids.append(top.indices)
+        res["teacher_topk_ids"] = torch.cat(ids).reshape(b, t, topk)  # [B, T, k]
+        res["teacher_topk_logprobs"] = torch.cat(values).reshape(b, t, topk).clamp_min(-1e4)  # [B, T, k]
+    elif teacher == "logits":
+        res["logits"] = out.logits.float()
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the job: validated inputs, shard plan
+
+
+@dataclass
+class Job:
+    recipe: Recipe
+    data_dir: Path
+    partial: Path
+    final: Path
+    inputs: dict
+    inputs_hash: str
+    plan: list[tuple[int, int]]  # shard -> [row_start, row_end)
+    stored: list[str]
+    layer_ids: list[int] | None
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    fingerprint: dict
+    data_manifest: dict
+
+
+def shard_plan(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:
+    plan, start, acc = [], 0, 0
+    for i, n in enumerate(lengths):
+        acc += n
+        if acc >= shard_tokens:
+            plan.append((start, i + 1))
+            start, acc = i + 1, 0
+    if start < len(lengths):
+        plan.append((start, len(lengths)))
+    return plan
+
+
+def row_lengths(ds: Any) -> list[int]:
+    """Token count of every row of a token dataset (Arrow metadata only, no Python lists of ids)."""
+    import pyarrow.compute as pc
+
+    return [int(n) for n in pc.list_value_length(ds.data.column("input_ids")).to_pylist()]
+
+
+def _validate_capture_cfg(recipe: Recipe, vocab_size: int) -> None:
+    c = recipe.capture
+    if c.shard_tokens < 1 or c.batch_size < 1 or c.num_processes < 1:
+        raise SpeculatorsError("capture.shard_tokens, capture.batch_size and capture.num_processes must be >= 1")
+    if c.teacher == "topk" and not 1 <= c.teacher_topk <= vocab_size:
+        raise SpeculatorsError(f"capture.teacher_topk={c.teacher_topk} must be in [1, {vocab_size}]")
+    if c.mode != "offline":
+        raise SpeculatorsError("capture.mode is 'online': taps are computed inside the training step, there is "
+                               "nothing to capture (set capture.mode=offline to write shards)")
+
+
+def _data_identity(manifest: dict) -> str:
+    return artifacts.hash_json([manifest.get("inputs_hash"), manifest.get("counts"), manifest.get("tokens"),
+                                manifest.get("stage")])
+
+
+def make_job(recipe: Recipe) -> Job:
+    """Validate everything capture needs (before any output is touched) and compute the inputs hash + plan."""
+    from transformers import AutoConfig
+
+    from speculators.target import check_target_location, fingerprint_target, load_tokenizer, text_config
+
+    data_dir = recipe.training_data_dir
+    stage = "regenerate" if recipe.data.regenerate.enabled else "prepare"
+    ds, data_manifest = artifacts.load_token_dataset(data_dir, f"training data (`speculators {stage}`)")
+    check_target_location(recipe.target.name_or_path)
+    try:
+        config = text_config(AutoConfig.from_pretrained(recipe.target.name_or_path, revision=recipe.target.revision,
+                                                        trust_remote_code=recipe.target.trust_remote_code))
+    except (OSError, ValueError) as exc:
+        raise SpeculatorsError(f"cannot read the config of {recipe.target.name_or_path}: "
+                               f"{str(exc).splitlines()[0]}") from None
+    num_layers, hidden, vsize = int(config.num_hidden_layers), int(config.hidden_size), int(config.vocab_size)
+    _validate_capture_cfg(recipe, vsize)
+    request = feature_request(recipe, num_layers)
+    tokenizer = load_tokenizer(recipe.target)
+    fp = fingerprint_target(recipe.target, tokenizer=tokenizer).to_dict()
+    data_tok = data_manifest.get("inputs", {}).get("tokenizer_hash")
+    if data_tok != fp["tokenizer_hash"]:
+        raise SpeculatorsError(f"the training data in {data_dir} was tokenized with another tokenizer/template "
+                               f"({str(data_tok)[:12]}) than target {recipe.target.name_or_path} "
+                               f"({fp['tokenizer_hash'][:12]}); re-run prepare (and regenerate) for this target")
+    stored = stored_features(request, recipe.capture.teacher)
+    inputs = {
+        "format": shards.FEATURES_FORMAT, "data_dir": str(data_dir), "data": _data_identity(data_manifest),
+        "target_content_hash": fp["content_hash"], "tokenizer_hash": fp["tokenizer_hash"],
+        "dtype": recipe.target.dtype, "family": recipe.speculator.family,
+        "layer_ids": list(request.tap_layer_ids) if request.tap_layer_ids else None, "stored": stored,
+        "storage": recipe.capture.storage, "teacher": recipe.capture.teacher,
+        "teacher_topk": recipe.capture.teacher_topk if recipe.capture.teacher == "topk" else None,
+        "shard_tokens": recipe.capture.shard_tokens, "batch_size": recipe.capture.batch_size,
+        "group_size": shards.group_size_for(hidden) if recipe.capture.storage == "int8" else None,
+    }
+    lengths = row_lengths(ds)
+    final = recipe.paths.features
+    return Job(recipe=recipe, data_dir=data_dir, partial=final.with_name(final.name + ".partial"), final=final,
+               inputs=inputs, inputs_hash=artifacts.hash_json(inputs),
+               plan=shard_plan(lengths, recipe.capture.shard_tokens), stored=stored,
+               layer_ids=inputs["layer_ids"], num_layers=num_layers, hidden_size=hidden, vocab_size=vsize,
+               fingerprint=fp, data_manifest=data_manifest)
+
+
+def _sidecar(directory: Path, i: int) -> Path:
+    return directory / f"shard-{i:05d}.json"
+
+
+def _valid_shard(directory: Path, i: int, job: Job, check_sha: bool = True) -> dict | None:
+    side = _sidecar(directory, i)
+    f = directory / shards.SHARD_PATTERN.format(i)
+    if not side.is_file() or not f.is_file():
+        return None
+    try:
+        rec = json.loads(side.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if rec.get("inputs_hash") != job.inputs_hash or rec.get("rows") != list(job.plan[i]) or \
+            f.stat().st_size != rec.get("bytes"):
+        return None
+    if check_sha and shards.sha256_file(f) != rec.get("sha256"):
+        return None
+    return rec
+
+
+def setup_partial(job: Job, force: bool) -> None:
+    """Create (or keep, for resume) `features.partial/`; reuse valid shards of an earlier `features/` output."""
+    marker = job.partial / "inputs.json"
+    if job.partial.exists():
+        try:
+            same = json.loads(marker.read_text()).get("inputs_hash") == job.inputs_hash
+        except (OSError, json.JSONDecodeError):
+            same = False
+        if force or not same:
+            shutil.rmtree(job.partial)
+    if not job.partial.exists():
+        job.partial.mkdir(parents=True)
+        artifacts.write_json_atomic(marker, {"inputs_hash": job.inputs_hash, "inputs": job.inputs})
+        if not force and job.final.is_dir():  # an earlier output with the same inputs: keep its valid shards
+            for i in range(len(job.plan)):
+                if _valid_shard(job.final, i, job) is not None:
+                    for p in (job.final / shards.SHARD_PATTERN.format(i), _sidecar(job.final, i)):
+                        try:
+                            os.link(p, job.partial / p.name)
+                        except OSError:
+                            shutil.copy2(p, job.partial / p.name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# per-rank work
+
+
+def _capture_shard(job: Job, target: Any, request: Any, i: int, bar: Any) -> dict:
+    """Run the target over the rows of shard i and write it atomically (+ its sidecar)."""
+    ds = _dataset(job)
+    a, b = job.plan[i]
+    rows = ds.select(range(a, b))
+    ids_list = [list(map(int, x)) for x in rows["input_ids"]]
+    mask_list = [list(map(int, x)) for x in rows["loss_mask"]]
+    row_ids = list(rows["id"])
+    cap = job.recipe.capture
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    order = sorted(range(len(ids_list)), key=lambda r: (-len(ids_list[r]), r))
+    per_row: dict[int, dict[str, torch.Tensor]] = {}
+    t_fwd = 0.0
+    err = {"taps": [0.0, 0.0], "last_hidden": [0.0, 0.0]}
+    mass = [0.0, 0]
+    for start in range(0, len(order), cap.batch_size):
+        batch = order[start:start + cap.batch_size]
+        width = max(len(ids_list[r]) for r in batch)
+        inp = torch.full((len(batch), width), pad, dtype=torch.long)
+        att = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, r in enumerate(batch):
+            inp[j, : len(ids_list[r])] = torch.tensor(ids_list[r])
+            att[j, : len(ids_list[r])] = 1
+        t0 = time.time()
+        feats = compute_features(target.model, inp.to(target.device), att.to(target.device), request,
+                                 teacher=cap.teacher, topk=cap.teacher_topk,
+                                 need_last_hidden="last_hidden" in job.stored)
+        feats = {k: v.cpu() for k, v in feats.items()}  # one device->host copy per tensor and batch
+        t_fwd += time.time() - t0
+        for j, r in enumerate(batch):
+            n = len(ids_list[r])
+            mask = torch.tensor(mask_list[r], dtype=torch.int8)
+            out: dict[str, torch.Tensor] = {}
+            for name in job.stored:
+                x = feats[name][j, :n]  # [T, W]
+                shards.check_finite(name, x, f"row {row_ids[r]!r}")
+                enc = shards.encode_hidden(x, cap.storage, name, job.hidden_size)
+                back = shards.decode_hidden(enc, name)
+                err[name][0] += float((back - x).pow(2).sum())
+                err[name][1] += float(x.pow(2).sum())
+                out.update(enc)
+            if cap.teacher == "topk":
+                pos = shards.teacher_positions(mask)
+                lp = feats["teacher_topk_logprobs"][j, :n][pos]  # [M_row, k]
+                out["teacher_topk_ids"] = feats["teacher_topk_ids"][j, :n][pos].to(
+                    shards.topk_id_dtype(job.vocab_size))
+                out["teacher_topk_logprobs"] = lp.to(torch.float16)
+                mass[0] += float(lp.exp().sum())
+                mass[1] += int(pos.sum())
+            per_row[r] = out
+        bar.update(sum(len(ids_list[r]) for r in batch))
+    tensors: dict[str, torch.Tensor] = {
+        "input_ids": torch.tensor([t for x in ids_list for t in x], dtype=torch.int32),
+        "loss_mask": torch.tensor([t for x in mask_list for t in x], dtype=torch.int8),
+        "offsets": torch.tensor([0] + list(_cumsum(len(x) for x in ids_list)), dtype=torch.int64),
+    }
+    for key in per_row[0]:
+        tensors[key] = torch.cat([per_row[r][key] for r in range(len(ids_list))], dim=0)
+    meta = {"format": shards.FEATURES_FORMAT, "shard": i, "ids": row_ids}
+    path = job.partial / shards.SHARD_PATTERN.format(i)
+    digest, size = shards.write_shard(path, tensors, meta)
+    rec = {"index": i, "file": path.name, "rows": [a, b], "tokens": int(tensors["input_ids"].numel()),
+           "masked": int(tensors["loss_mask"].sum()), "sha256": digest, "bytes": size,
+           "inputs_hash": job.inputs_hash, "forward_seconds": round(t_fwd, 3),
+           "quant_sq_err": {k: v for k, v in err.items() if v[1] > 0},
+           "topk_mass": mass if cap.teacher == "topk" else None}
+    artifacts.write_json_atomic(_sidecar(job.partial, i), rec)
+    return rec
+
+
+def _cumsum(values: Any) -> Any:
+    acc = 0
+    for v in values:
+        acc += v
+        yield acc
+
+
+_DATASETS: dict[str, Any] = {}
+
+
+def _dataset(job: Job) -> Any:
+    key = str(job.data_dir)
+    if key not in _DATASETS:
+        _DATASETS.clear()
+        _DATASETS[key] = artifacts.load_token_dataset(job.data_dir, "training data")[0]
+    return _DATASETS[key]
+
+
+def capture_rank(job: Job, rank: int, world: int, device: str | None = None) -> dict:
+    """Write this rank's shards (skipping complete ones); returns counts for the summary."""
+    from tqdm import tqdm
+
+    from speculators.target import load_target
+
+    mine = [i for i in range(len(job.plan)) if i % world == rank]
+    todo = [i for i in mine if _valid_shard(job.partial, i, job) is None]
+    stats = {"shards_written": 0, "shards_reused": len(mine) - len(todo), "tokens": 0, "forward_seconds": 0.0}
+    if not todo:
+        return stats
+    target = load_target(job.recipe.target, device=device)
+    request = feature_request(job.recipe, job.num_layers)
+    lengths = _dataset(job)["input_ids"]
+    total = sum(len(lengths[r]) for i in todo for r in range(*job.plan[i]))
+    with tqdm(total=total, desc=f"capture[{rank}/{world}]" if world > 1 else "capture", unit=" tok",
+              unit_scale=True, dynamic_ncols=True, position=rank) as bar:
+        for i in todo:
+            rec = _capture_shard(job, target, request, i, bar)
+            stats["shards_written"] += 1
+            stats["tokens"] += rec["tokens"]
+            stats["forward_seconds"] += rec["forward_seconds"]
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# finalisation (rank 0)
+
+
+def _always_include(job: Job) -> list[int]:
+    from speculators.target import load_tokenizer
+
+    tok = load_tokenizer(job.recipe.target)
+    ids = set(int(i) for i in tok.all_special_ids if i is not None)
+    ids.update(int(i) for i in job.data_manifest.get("tokenizer", {}).get("end_of_turn_ids", []))
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    return sorted(i for i in ids if 0 <= i < job.vocab_size)
+
+
+def _split_counts(job: Job) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assistant-token counts [V] of the train split and of the held-out val split (vectorised over Arrow)."""
+    import numpy as np
+
+    ds = _dataset(job)
+    n = len(ds)
+    is_val = np.zeros(n, dtype=bool)
+    is_val[shards.split_indices(n, "val", job.recipe.data.val_fraction, job.recipe.seed)] = True
+    counts = {False: np.zeros(job.vocab_size, dtype=np.int64), True: np.zeros(job.vocab_size, dtype=np.int64)}
+    ids_col, mask_col = ds.data.column("input_ids"), ds.data.column("loss_mask")
+    base = 0
+    for ids_chunk, mask_chunk in zip(ids_col.chunks, _rechunk(mask_col, ids_col), strict=True):
+        lens = np.diff(ids_chunk.offsets.to_numpy())
+        start, stop = int(ids_chunk.offsets[0].as_py()), int(ids_chunk.offsets[-1].as_py())
+        ids = ids_chunk.values.to_numpy()[start:stop].astype(np.int64)
+        m0, m1 = int(mask_chunk.offsets[0].as_py()), int(mask_chunk.offsets[-1].as_py())
+        mask = mask_chunk.values.to_numpy()[m0:m1] > 0
+        row_val = np.repeat(is_val[base:base + len(lens)], lens)
+        if ids.size and (ids.max() >= job.vocab_size or ids.min() < 0):
+            raise SpeculatorsError(f"token id {int(ids.max())} is outside the target vocab ({job.vocab_size}); the "
+                                   "data was tokenized for another tokenizer — re-run prepare")
+        for flag in (False, True):
+            sel = mask & (row_val == flag)
+            counts[flag] += np.bincount(ids[sel], minlength=job.vocab_size)
+        base += len(lens)
+    return torch.from_numpy(counts[False]), torch.from_numpy(counts[True])
+
+
+def _rechunk(col: Any, like: Any) -> list[Any]:
+    """`col` cut into chunks with the same row counts as `like` (both are columns of one table)."""
+    import pyarrow as pa
+
+    out, at = [], 0
+    whole = pa.concat_arrays(col.chunks) if col.num_chunks != 1 else col.chunk(0)
+    for chunk in like.chunks:
+        out.append(whole.slice(at, len(chunk)))
+        at += len(chunk)
+    return out
+
+
+def _workload_counts(job: Job) -> dict[str, torch.Tensor]:
+    """Token counts [V] of the held-out workload prompts, per cohort (as the target would see them)."""
+    from speculators.data.chat import ChatEncoder
+    from speculators.data.workloads import load_workloads
+    from speculators.target import load_tokenizer
+
+    rows = load_workloads(job.recipe.evaluate.workloads, job.recipe.evaluate.max_rows_per_cohort)
+    tok = load_tokenizer(job.recipe.target)
+    enc = ChatEncoder(tok, job.recipe.data.chat_template_kwargs)
+    out: dict[str, torch.Tensor] = {}
+    for row in rows:
+        ids = enc.prompt_ids(row.messages, None) if row.messages else tok(row.prompt)["input_ids"]
+        c = torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=job.vocab_size)[: job.vocab_size]
+        out[row.cohort] = out.get(row.cohort, torch.zeros(job.vocab_size, dtype=torch.long)) + c
+    return out
+
+
+def finalize(job: Job, seconds: float, rank_stats: dict | None = None) -> dict:
+    """Check every shard, write token_freq / vocab / manifest into the partial dir, move it into place."""
+    recs = []
+    for i in range(len(job.plan)):
+        rec = _valid_shard(job.partial, i, job, check_sha=False)
+        if rec is None:
+            raise SpeculatorsError(f"capture did not complete shard {i} in {job.partial}; re-run capture to resume")
+        recs.append(rec)
+    train_c, val_c = _split_counts(job)
+    forced = _always_include(job)
+    vocab.save_token_freq(job.partial, train_c, forced, {"split": "train", "val_fraction":
+                                                         job.recipe.data.val_fraction, "seed": job.recipe.seed})
+    coverage: dict[str, Any] = {}
+    vd = job.recipe.speculator.draft_vocab_size
+    if job.recipe.speculator.family == "eagle3" and vd is not None:
+        d2t, t2d = vocab.build_vocab(train_c, vd, forced)
+        coverage = {"draft_vocab_size": vd,
+                    "train_assistant_tokens": round(vocab.coverage(t2d, train_c), 4),
+                    "val_assistant_tokens (held-out rows)": round(vocab.coverage(t2d, val_c), 4) if int(
+                        val_c.sum()) else None}
+        try:
+            coverage["workload_prompt_tokens"] = {k: round(vocab.coverage(t2d, c), 4)
+                                                  for k, c in sorted(_workload_counts(job).items())}
+        except SpeculatorsError as exc:
+            coverage["workload_prompt_tokens"] = f"unavailable: {exc}"
+        vocab.save_vocab(job.partial, d2t, t2d, {"draft_vocab_size": vd, "coverage": coverage})
+    tokens = sum(r["tokens"] for r in recs)
+    masked = sum(r["masked"] for r in recs)
+    shard_bytes = sum(r["bytes"] for r in recs)
+    h = job.hidden_size
+    fwd = sum(r["forward_seconds"] for r in recs)
+    quality: dict[str, Any] = {}
+    for name in job.stored:
+        e = [sum(r["quant_sq_err"].get(name, [0, 0])[0] for r in recs),
+             sum(r["quant_sq_err"].get(name, [0, 0])[1] for r in recs)]
+        quality[f"{name}_relative_rmse"] = round(math.sqrt(e[0] / e[1]), 6) if e[1] else 0.0
+    if job.recipe.capture.teacher == "topk":
+        m = [sum(r["topk_mass"][0] for r in recs), sum(r["topk_mass"][1] for r in recs)]
+        quality["teacher_topk_mean_mass"] = round(m[0] / m[1], 6) if m[1] else None
+    manifest = {
+        "format": shards.FEATURES_FORMAT, "complete": True, "created": artifacts.now(), "output": str(job.final),
+        "target": job.fingerprint, "data_dir": str(job.data_dir), "data_stage": job.data_manifest.get("stage"),
+        "family": job.recipe.speculator.family, "layer_ids": job.layer_ids, "num_layers": job.num_layers,
+        "hidden_size": h, "vocab_size": job.vocab_size, "stored": job.stored, "storage": job.recipe.capture.storage,
+        "group_size": job.inputs["group_size"], "teacher": job.recipe.capture.teacher,
+        "teacher_topk": job.inputs["teacher_topk"], "compute_dtype": job.recipe.target.dtype,
+        "inputs": job.inputs, "inputs_hash": job.inputs_hash,
+        "counts": {"sequences": sum(r["rows"][1] - r["rows"][0] for r in recs), "tokens": tokens,
+                   "masked_tokens": masked, "masked_share": round(masked / tokens, 4) if tokens else 0.0,
+                   "shards": len(recs)},
+        "storage_report": {"shard_bytes": shard_bytes, "bytes_per_token": round(shard_bytes / tokens, 2),
+                           "reference_bytes_per_token (bf16 taps + last hidden, 8H)": 8 * h,
+                           "ratio_to_reference": round(shard_bytes / tokens / (8 * h), 4)},
+        "quality": quality, "vocab": coverage,
+        "throughput": {"forward_tokens_per_s": round(tokens / fwd, 1) if fwd else None,
+                       "wall_seconds": round(seconds, 2), **(rank_stats or {})},
+        "shards": [{"file": r["file"], "rows": r["rows"][1] - r["rows"][0], "tokens": r["tokens"],
+                    "bytes": r["bytes"], "sha256": r["sha256"]} for r in recs],
+    }
+    artifacts.write_json_atomic(job.partial / artifacts.MANIFEST, manifest)
+    (job.partial / "inputs.json").unlink(missing_ok=True)
+    artifacts.replace_dir(job.partial, job.final)
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# stage entry points
+
+
+def summary_of(manifest: dict, status: str) -> dict:
+    c, st, q = manifest["counts"], manifest["storage_report"], manifest.get("quality", {})
+    out = {"status": status, "output": manifest.get("output"),
+           "rows": c["sequences"], "tokens": c["tokens"], "masked_share": c["masked_share"], "shards": c["shards"],
+           "stored": "+".join(manifest["stored"]) + f" ({manifest['storage']}), teacher={manifest['teacher']}",
+           "layer_ids": manifest["layer_ids"], "bytes_per_token": st["bytes_per_token"],
+           "vs_8H_reference": f"{st['ratio_to_reference']:.3f}x of {8 * manifest['hidden_size']} B/token",
+           "tokens_per_s": manifest["throughput"].get("forward_tokens_per_s"), **q}
+    if manifest.get("vocab"):
+        v = manifest["vocab"]
+        out["draft_vocab"] = {k: v[k] for k in v if k != "workload_prompt_tokens"}
+    mass = q.get("teacher_topk_mean_mass")
+    if mass is not None and mass < TOPK_MASS_WARNING:
+        out["note"] = (f"the top-{manifest['teacher_topk']} teacher keeps {mass:.0%} of the target's probability "
+                       "mass; for sampling (T>0) raise capture.teacher_topk or use capture.teacher=hidden")
+    return out
+
+
+def _vocab_ready(recipe: Recipe, features: Path) -> bool:
+    vd = recipe.speculator.draft_vocab_size
+    return recipe.speculator.family != "eagle3" or vd is None or vocab.vocab_file(features, vd).is_file()
+
+
+def is_complete(recipe: Recipe) -> bool:
+    m = artifacts.try_manifest(recipe.paths.features, shards.FEATURES_FORMAT)
+    if m is None:
+        return False
+    try:
+        job = make_job(recipe)
+    except SpeculatorsError:
+        return False
+    if m.get("inputs_hash") != job.inputs_hash:
+        return False
+    for rec in m["shards"]:
+        p = recipe.paths.features / rec["file"]
+        if not p.is_file() or p.stat().st_size != rec["bytes"]:
+            return False
+    return _vocab_ready(recipe, recipe.paths.features)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(recipe: Recipe, force: bool) -> None:
+    """Run `capture.num_processes` workers through accelerate (CPU: gloo; GPUs: one per process)."""
+    from speculators.config import dump_recipe
+
+    logs = recipe.paths.logs
+    logs.mkdir(parents=True, exist_ok=True)
+    recipe_file = logs / "capture-recipe.yaml"
+    recipe_file.write_text(dump_recipe(recipe))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
+           "--num_processes", str(recipe.capture.num_processes), "--mixed_precision", "no", "--dynamo_backend",
+           "no", "--main_process_port", str(_free_port()), "-m", "speculators.data.capture_worker",
+           str(recipe_file)] + (["--force"] if force else [])
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // recipe.capture.num_processes)))
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode != 0:
+        raise SpeculatorsError(f"capture workers failed (exit {proc.returncode}); see the messages above. Complete "
+                               f"shards are kept in {recipe.paths.features}.partial: re-run to resume")
+
+
+def run(recipe: Recipe, *, force: bool = False) -> dict:
+    t0 = time.time()
+    job = make_job(recipe)
+    existing = artifacts.try_manifest(job.final, shards.FEATURES_FORMAT)
+    if not force and existing and existing.get("inputs_hash") == job.inputs_hash and \
+            is_complete(recipe):
+        return summary_of(existing, "complete (skipped)")
+    if not force and existing and existing.get("inputs_hash") == job.inputs_hash and \
+            not _vocab_ready(recipe, job.final) and all(
+                (job.final / r["file"]).is_file() for r in existing["shards"]):
+        vocab.load_vocab(job.final, recipe.speculator.draft_vocab_size)  # only the draft vocab size changed
+        return summary_of(existing, "complete (built draft vocab)")
+    if recipe.capture.num_processes > 1:
+        _launch(recipe, force)
+        manifest = artifacts.read_manifest(job.final, shards.FEATURES_FORMAT, "features")
+        return summary_of(manifest, "done")
+    setup_partial(job, force)
+    stats = capture_rank(job, 0, 1)
+    manifest = finalize(job, time.time() - t0, stats)
+    return summary_of(manifest, "done")

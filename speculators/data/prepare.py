@@ -1,0 +1,235 @@
+"""`speculators prepare`: conversations -> the target's chat template -> `input_ids` + assistant-only `loss_mask`.
+
+Reads every `data.sources` entry (hub id or local jsonl/json/parquet/arrow, schemas in `schemas.py`), encodes each
+row with `chat.ChatEncoder` (the target's template, or `target.chat_template`), applies the length policy
+(`data.max_length`, drop or truncate; both counted) and writes `prepared/` (token-dataset format, see
+`artifacts.py`) with `manifest.json` last. Malformed rows fail the stage with their id, or are skipped and listed
+in the manifest when `data.on_bad_row: skip`. `is_complete` is true only when the manifest is complete and the
+inputs (source contents, tokenizer + template, length policy) are unchanged.
+
+This module does not generate text (regenerate.py) or run the target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from speculators.config import DataConfig, Recipe
+from speculators.data import artifacts
+from speculators.data.chat import ChatEncoder, RowEncodeError
+from speculators.data.schemas import (
+    Conversation,
+    RowError,
+    SourceInfo,
+    detect_schema,
+    iter_source,
+    normalize_row,
+    row_id_of,
+    source_fingerprint,
+    source_kind,
+)
+from speculators.errors import SpeculatorsError
+
+MAX_LISTED_BAD_ROWS = 100
+
+
+@dataclass
+class EncodeTally:
+    """Counts shared by prepare and regenerate."""
+
+    rows: int = 0
+    bad: list[RowError] = field(default_factory=list)
+    dropped_too_long: int = 0
+    truncated: int = 0
+    dropped_no_answer: int = 0
+    methods: dict[str, int] = field(default_factory=dict)
+    lengths: list[int] = field(default_factory=list)
+    masked: list[int] = field(default_factory=list)
+
+    def counts(self) -> dict:
+        return {"rows": self.rows, "bad_rows": len(self.bad), "dropped_too_long": self.dropped_too_long,
+                "truncated": self.truncated, "dropped_no_answer_after_truncation": self.dropped_no_answer}
+
+
+def target_eos_ids(recipe: Recipe) -> list[int]:
+    """EOS ids the target stops on (generation_config, else config), for end-of-turn detection."""
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(recipe.target.name_or_path, revision=recipe.target.revision)
+        eos = gen.eos_token_id
+    except Exception:  # noqa: BLE001 - no generation_config.json: fall back to the model config
+        try:
+            from transformers import AutoConfig
+
+            eos = AutoConfig.from_pretrained(recipe.target.name_or_path, revision=recipe.target.revision).eos_token_id
+        except Exception:  # noqa: BLE001 - tokenizer-only dirs (house target before its weights land)
+            eos = None
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def make_encoder(recipe: Recipe, tokenizer: Any) -> ChatEncoder:
+    kwargs = recipe.data.chat_template_kwargs
+    if not isinstance(kwargs, dict):
+        raise SpeculatorsError(f"data.chat_template_kwargs must be a mapping, got {kwargs!r}")
+    return ChatEncoder(tokenizer, kwargs, target_eos_ids(recipe))
+
+
+class RowEncoder:
+    """Encode conversations into token rows with the length policy; collects the tally."""
+
+    def __init__(self, encoder: ChatEncoder, data: DataConfig) -> None:
+        self.encoder = encoder
+        self.data = data
+        self.tally = EncodeTally()
+        self.rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": [], "conversation": []}
+
+    def add(self, conv: Conversation, *, require_answer: bool = True) -> RowError | None:
+        """Encode one conversation and keep it (returns a RowError when it cannot be encoded)."""
+        try:
+            enc = self.encoder.encode(conv)
+        except RowEncodeError as exc:
+            return RowError(conv.id, str(exc))
+        ids, mask = enc.input_ids, enc.loss_mask
+        if require_answer and not any(mask):
+            return RowError(conv.id, "no assistant tokens after applying the chat template")
+        if len(ids) > self.data.max_length:
+            if self.data.length_policy == "drop":
+                self.tally.dropped_too_long += 1
+                return None
+            ids, mask = ids[: self.data.max_length], mask[: self.data.max_length]
+            if require_answer and not any(mask):
+                self.tally.dropped_no_answer += 1
+                return None
+            self.tally.truncated += 1
+        self.tally.rows += 1
+        self.tally.methods[enc.method] = self.tally.methods.get(enc.method, 0) + 1
+        self.tally.lengths.append(len(ids))
+        self.tally.masked.append(int(sum(mask)))
+        self.rows["id"].append(conv.id)
+        self.rows["input_ids"].append(ids)
+        self.rows["loss_mask"].append(mask)
+        self.rows["conversation"].append(conv.to_json())
+        return None
+
+
+def handle_bad_row(err: RowError, where: str, data: DataConfig, tally: EncodeTally) -> None:
+    if data.on_bad_row == "fail":
+        raise SpeculatorsError(f"bad row {err.id!r} in {where}: {err.reason} (fix the row, or set "
+                               "data.on_bad_row=skip to skip and report such rows)")
+    tally.bad.append(err)
+
+
+def _require_answer(recipe: Recipe) -> bool:
+    # prompt-only rows are useful when the target writes the answers itself
+    return not recipe.data.regenerate.enabled
+
+
+def inputs_fingerprint(recipe: Recipe, tokenizer: Any) -> dict:
+    from speculators.target import tokenizer_hash
+
+    if not recipe.data.sources:
+        raise SpeculatorsError("the recipe has no data.sources; add e.g. data.sources: [{path: data.jsonl}]")
+    sources = []
+    for s in recipe.data.sources:
+        if s.max_rows is not None and s.max_rows <= 0:
+            raise SpeculatorsError(f"data source {s.path}: max_rows must be positive, got {s.max_rows}")
+        sources.append({"path": s.path, "split": s.split, "schema": s.schema, "max_rows": s.max_rows,
+                        "fingerprint": source_fingerprint(s.path, s.split)})
+    if recipe.data.max_length < 8:
+        raise SpeculatorsError(f"data.max_length={recipe.data.max_length} is too small (at least 8 tokens)")
+    return {"sources": sources, "max_length": recipe.data.max_length, "length_policy": recipe.data.length_policy,
+            "on_bad_row": recipe.data.on_bad_row, "chat_template_kwargs": recipe.data.chat_template_kwargs,
+            "require_answer": _require_answer(recipe), "tokenizer_hash": tokenizer_hash(tokenizer)}
+
+
+def is_complete(recipe: Recipe) -> bool:
+    manifest = artifacts.try_manifest(recipe.paths.prepared, artifacts.PREPARED_FORMAT)
+    if manifest is None:
+        return False
+    from speculators.target import load_tokenizer
+
+    try:
+        tok = load_tokenizer(recipe.target)
+        return manifest.get("inputs_hash") == artifacts.hash_json(inputs_fingerprint(recipe, tok))
+    except SpeculatorsError:
+        return False
+
+
+def summary_of(manifest: dict, status: str) -> dict:
+    c, t = manifest["counts"], manifest["tokens"]
+    return {"status": status, "output": manifest.get("output"), "rows": c["rows"], "tokens": t["total"],
+            "masked_share": t["masked_share"], "mean_length": t["mean_length"], "bad_rows": c["bad_rows"],
+            "dropped_too_long": c["dropped_too_long"], "truncated": c["truncated"],
+            "bytes_per_token": manifest.get("bytes_per_token"), "tokens_per_s": manifest.get("tokens_per_s")}
+
+
+def run(recipe: Recipe, *, force: bool = False) -> dict:
+    from tqdm import tqdm
+
+    from speculators.target import load_tokenizer
+
+    out_dir = recipe.paths.prepared
+    tokenizer = load_tokenizer(recipe.target)
+    inputs = inputs_fingerprint(recipe, tokenizer)
+    existing = artifacts.try_manifest(out_dir, artifacts.PREPARED_FORMAT)
+    if not force and existing and existing.get("inputs_hash") == artifacts.hash_json(inputs):
+        return summary_of(existing, "complete (skipped)")
+    encoder = make_encoder(recipe, tokenizer)
+    writer = RowEncoder(encoder, recipe.data)
+    require_answer = _require_answer(recipe)
+    seen: set[str] = set()
+    infos: list[SourceInfo] = []
+    t0 = time.time()
+    with tqdm(desc="prepare", unit=" rows", dynamic_ncols=True) as bar:
+        for src, fp in zip(recipe.data.sources, inputs["sources"], strict=True):
+            info = SourceInfo(path=src.path, split=src.split, kind=source_kind(src.path), fingerprint=fp["fingerprint"])
+            infos.append(info)
+            for location, raw in iter_source(src.path, src.split):
+                if src.max_rows is not None and info.rows_read >= src.max_rows:
+                    break
+                info.rows_read += 1
+                bar.update(1)
+                row_id = row_id_of(raw, location)
+                schema = (detect_schema(raw) if isinstance(raw, dict) else None) if src.schema == "auto" else src.schema
+                info.schemas[str(schema)] = info.schemas.get(str(schema), 0) + 1
+                conv = normalize_row(row_id, raw, src.schema, require_answer=require_answer)
+                if isinstance(conv, Conversation) and conv.id in seen:
+                    conv = RowError(conv.id, "duplicate row id")
+                if isinstance(conv, Conversation):
+                    seen.add(conv.id)
+                    conv = writer.add(conv, require_answer=require_answer) or conv
+                if isinstance(conv, RowError):
+                    handle_bad_row(conv, f"{src.path} ({location})", recipe.data, writer.tally)
+    tally = writer.tally
+    if tally.rows == 0:
+        raise SpeculatorsError(f"no usable rows in {', '.join(s.path for s in recipe.data.sources)} "
+                               f"({len(tally.bad)} bad, {tally.dropped_too_long} too long for data.max_length="
+                               f"{recipe.data.max_length}); check the data and the recipe")
+    seconds = max(time.time() - t0, 1e-6)
+    tmp = artifacts.temp_dir_for(out_dir)
+    artifacts.save_token_dataset(writer.rows, tmp)
+    stats = artifacts.token_stats(tally.lengths, tally.masked)
+    manifest = {
+        "format": artifacts.PREPARED_FORMAT, "stage": "prepare", "complete": True, "created": artifacts.now(),
+        "output": str(out_dir), "inputs": inputs, "inputs_hash": artifacts.hash_json(inputs),
+        "sources": [vars(i) for i in infos],
+        "tokenizer": {"name_or_path": recipe.target.name_or_path, "tokenizer_hash": inputs["tokenizer_hash"],
+                      "chat_template_sha256": hashlib.sha256((encoder.template or "").encode()).hexdigest(),
+                      "chat_template_kwargs": recipe.data.chat_template_kwargs,
+                      "end_of_turn_ids": sorted(encoder.terminators)},
+        "mask_methods": tally.methods, "max_length": recipe.data.max_length,
+        "length_policy": recipe.data.length_policy,
+        "counts": {"rows_read": sum(i.rows_read for i in infos), **tally.counts()},
+        "bad_rows": [vars(b) for b in tally.bad[:MAX_LISTED_BAD_ROWS]],
+        "tokens": stats, "tokens_per_s": round(stats["total"] / seconds, 1),
+        "bytes_per_token": round(artifacts.dir_bytes(tmp) / max(stats["total"], 1), 2),
+    }
+    artifacts.write_json_atomic(tmp / artifacts.MANIFEST, manifest)
+    artifacts.replace_dir(tmp, out_dir)
+    return summary_of(manifest, "done")

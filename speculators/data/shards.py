@@ -1,0 +1,364 @@
+"""The feature-shard format (`features/`) and `FeatureStore`, the only way training reads it.
+
+A shard `shard-XXXXX.safetensors` packs consecutive sequences (rows of the prepared data, in order):
+    input_ids      [N] int32            loss_mask [N] int8            offsets [S+1] int64 (row boundaries)
+    taps           [N, n*H] int8|bf16   taps_scale [N, n*H/g] float32 (int8 only; one absmax scale per token and
+                                        group of g channels)                      -- EAGLE-3 (residual stream
+                                        entering the tap layers, in layer-id order)
+    last_hidden    [N, H] int8|bf16     last_hidden_scale [N, H/g] float32        -- Medusa / MTP, teacher=hidden
+    teacher_topk_ids [M, k] int16|int32 teacher_topk_logprobs [M, k] float16      -- teacher=topk
+The teacher (top-k of the target's next-token log-probs) is stored only at the M positions p whose next token is
+an assistant token (loss_mask[p+1] == 1): no loss ever reads the others. Metadata: one key, "speculators" (JSON:
+format, shard index, row ids), so the bytes are deterministic. Bytes/token are reported against the EAGLE /
+SpecForge layout (bf16 taps + bf16 last hidden = 8·H bytes/token).
+
+`manifest.json` (format `speculators.features/v1`, written last) lists every shard with its sha256, rows and
+tokens. `FeatureStore` validates the manifest eagerly and each shard lazily on first use (size, sha256, offsets,
+shapes, NaN/Inf), then reads sequences as memory-mapped slices and returns float32 (dequantised) tensors.
+
+This module does not run the target (capture.py does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators.errors import SpeculatorsError
+
+FEATURES_FORMAT = "speculators.features/v1"
+SHARD_PATTERN = "shard-{:05d}.safetensors"
+GROUP_SIZE = 128  # channels per int8 absmax scale
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# quantisation
+
+
+def group_size_for(width: int, group: int = GROUP_SIZE) -> int:
+    """Largest divisor of `width` that is <= `group` (so every group is full)."""
+    g = min(group, width)
+    while width % g:
+        g -= 1
+    return g
+
+
+def quantize_int8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-group absmax int8.  x [N, W] float -> q [N, W] int8, scale [N, W/group] float32"""
+    n, w = x.shape
+    xg = x.float().reshape(n, w // group, group)
+    absmax = xg.abs().amax(dim=-1)  # [N, W/g]
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    q = torch.round(xg / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, w), scale.float()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [N, W] int8, scale [N, G] -> [N, W] float32"""
+    n, w = q.shape
+    g = scale.shape[1]
+    return (q.float().reshape(n, g, w // g) * scale.float().unsqueeze(-1)).reshape(n, w)
+
+
+def encode_hidden(x: torch.Tensor, storage: str, name: str, hidden_size: int) -> dict[str, torch.Tensor]:
+    """Storage form of a [N, W] float feature (W a multiple of hidden_size; scale groups never straddle two taps)."""
+    if storage == "bf16":
+        return {name: x.to(torch.bfloat16).contiguous()}
+    q, scale = quantize_int8(x, group_size_for(hidden_size))
+    return {name: q.contiguous(), f"{name}_scale": scale.contiguous()}
+
+
+def decode_hidden(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    if name not in tensors:
+        return None
+    x = tensors[name]
+    if x.dtype == torch.int8:
+        return dequantize_int8(x, tensors[f"{name}_scale"])
+    return x.float()
+
+
+def topk_id_dtype(vocab_size: int) -> torch.dtype:
+    return torch.int16 if vocab_size <= 32767 else torch.int32
+
+
+def teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[T] -> [T] bool: positions whose next token is an assistant token (where a loss reads the teacher)."""
+    out = torch.zeros_like(loss_mask, dtype=torch.bool)
+    out[:-1] = loss_mask[1:] > 0
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_finite(name: str, x: torch.Tensor, where: str) -> None:
+    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        raise SpeculatorsError(f"{where}: {name} contains NaN/Inf; the target produced non-finite values "
+                               "(try target.dtype=float32)")
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[str, int]:
+    """Atomically write a shard (temp file, fsync, rename); returns (sha256, bytes)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={"speculators": json.dumps(meta, sort_keys=True)})
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    digest = sha256_file(tmp)
+    size = tmp.stat().st_size
+    os.replace(tmp, path)
+    return digest, size
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading
+
+
+def split_indices(n: int, name: str, val_fraction: float, seed: int) -> list[int]:
+    """Deterministic train/val split of n sequences (the same for capture's vocab and for training)."""
+    if name not in ("train", "val"):
+        raise SpeculatorsError(f"split must be 'train' or 'val', got {name!r}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise SpeculatorsError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    n_val = int(round(n * val_fraction))
+    if val_fraction > 0 and n >= 2:
+        n_val = min(max(n_val, 1), n - 1)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed))).tolist()
+    chosen = perm[:n_val] if name == "val" else perm[n_val:]
+    return sorted(chosen)
+
+
+class _OpenShard:
+    """An open, verified shard: its safetensors handle (reads are memory-mapped slices) and small row index."""
+
+    def __init__(self, handle: Any, offsets: torch.Tensor, loss_mask: torch.Tensor, ids: list[str]) -> None:
+        self.handle = handle
+        self.keys = set(handle.keys())
+        self.offsets = offsets  # [S+1] long
+        self.loss_mask = loss_mask  # [N] int8
+        self.ids = ids
+        self.teacher_starts: list[int] = [0]
+        for r in range(len(offsets) - 1):
+            seg = loss_mask[int(offsets[r]):int(offsets[r + 1])]
+            self.teacher_starts.append(self.teacher_starts[-1] + int(teacher_positions(seg).sum()))
+
+    def rows(self, name: str, a: int, b: int) -> torch.Tensor:
+        return self.handle.get_slice(name)[a:b]
+
+
+class FeatureStore:
+    """Read-only access to a features dir: `len(store)`, `store.sequence(i)`, `store.split(...)`.
+
+    Each shard is verified (size, sha256, offsets, shapes, NaN/Inf) the first time it is used; afterwards a
+    sequence is read as memory-mapped slices of the shard, so random access costs only the bytes of that sequence.
+    """
+
+    def __init__(self, features_dir: str | Path, cache_shards: int = 16) -> None:
+        from speculators.data.artifacts import read_manifest
+
+        self.dir = Path(features_dir)
+        self.manifest: dict = read_manifest(self.dir, FEATURES_FORMAT, "features")
+        shards = self.manifest.get("shards")
+        if not isinstance(shards, list) or not shards:
+            raise SpeculatorsError(f"features manifest {self.dir / 'manifest.json'} lists no shards; re-run capture")
+        self._index: list[tuple[int, int]] = []  # sequence -> (shard, row within shard)
+        for s, rec in enumerate(shards):
+            for r in range(int(rec["rows"])):
+                self._index.append((s, r))
+        if len(self._index) != int(self.manifest["counts"]["sequences"]):
+            raise SpeculatorsError(f"features manifest {self.dir} is inconsistent (shard rows do not add up to "
+                                   f"{self.manifest['counts']['sequences']} sequences); re-run capture --force")
+        self._open: OrderedDict[int, _OpenShard] = OrderedDict()
+        self._cache_size = max(1, cache_shards)
+        self._verified: set[int] = set()
+        self._lengths: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        return self.manifest.get("layer_ids")
+
+    @property
+    def teacher(self) -> str:
+        return self.manifest["teacher"]
+
+    def lengths(self) -> list[int]:
+        """Token count of every sequence, read from the shards' offsets only (no checksum pass)."""
+        if self._lengths is None:
+            out: list[int] = []
+            for s in range(len(self.manifest["shards"])):
+                off = self._handle(s).get_tensor("offsets")
+                if off.shape[0] != int(self.manifest["shards"][s]["rows"]) + 1:
+                    raise SpeculatorsError(f"feature shard {self.shard_path(s)} does not match the manifest; "
+                                           "re-run capture")
+                out.extend((off[1:] - off[:-1]).tolist())
+            self._lengths = out
+        return list(self._lengths)
+
+    def split(self, name: str, val_fraction: float, seed: int) -> list[int]:
+        return split_indices(len(self), name, val_fraction, seed)
+
+    def check_target(self, fingerprint: dict) -> None:
+        """Raise if these features were captured from another target (or tokenizer) than `fingerprint`."""
+        from speculators.errors import PairingError
+
+        mine = self.manifest["target"]
+        if fingerprint.get("tokenizer_hash") != mine.get("tokenizer_hash"):
+            raise PairingError(f"features in {self.dir} were captured with another tokenizer "
+                               f"({mine.get('name_or_path')}, tokenizer {str(mine.get('tokenizer_hash'))[:12]}) than "
+                               f"the target {fingerprint.get('name_or_path')} (tokenizer "
+                               f"{str(fingerprint.get('tokenizer_hash'))[:12]}); re-run capture for this target")
+        if fingerprint.get("content_hash") != mine.get("content_hash"):
+            raise PairingError(f"features in {self.dir} come from target {mine.get('name_or_path')} revision "
+                               f"{mine.get('revision')}, not {fingerprint.get('name_or_path')} revision "
+                               f"{fingerprint.get('revision')}; re-run capture for this target")
+
+    def row_id(self, i: int) -> str:
+        s, r = self._locate(i)
+        return self._shard(s).ids[r]
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sequence {i} out of range (store has {len(self)})")
+        return self._index[i]
+
+    def shard_path(self, s: int) -> Path:
+        return self.dir / self.manifest["shards"][s]["file"]
+
+    def verify_shard(self, s: int) -> None:
+        """Size and sha256 of shard s against the manifest (SpeculatorsError naming the file and the fix)."""
+        rec = self.manifest["shards"][s]
+        path = self.shard_path(s)
+        if not path.is_file():
+            raise SpeculatorsError(f"feature shard {path} is missing; re-run capture (complete shards are kept)")
+        size = path.stat().st_size
+        if size != int(rec["bytes"]):
+            raise SpeculatorsError(f"feature shard {path} is truncated or altered ({size} bytes, manifest says "
+                                   f"{rec['bytes']}); re-run capture to rewrite it")
+        if sha256_file(path) != rec["sha256"]:
+            raise SpeculatorsError(f"feature shard {path} fails its checksum; re-run capture to rewrite it")
+
+    def verify(self) -> None:
+        """Check every shard (checksums and contents)."""
+        for s in range(len(self.manifest["shards"])):
+            self._shard(s)
+
+    def _handle(self, s: int) -> Any:
+        from safetensors import safe_open
+
+        path = self.shard_path(s)
+        if not path.is_file():
+            raise SpeculatorsError(f"feature shard {path} is missing; re-run capture (complete shards are kept)")
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several types on corrupt headers
+            raise SpeculatorsError(f"feature shard {path} is unreadable ({exc}); re-run capture") from None
+
+    def _shard(self, s: int) -> _OpenShard:
+        if s in self._open:
+            self._open.move_to_end(s)
+            return self._open[s]
+        if s not in self._verified:
+            self.verify_shard(s)
+        handle = self._handle(s)
+        try:
+            meta = json.loads((handle.metadata() or {}).get("speculators", "{}"))
+            offsets = handle.get_tensor("offsets").long()
+            loss_mask = handle.get_tensor("loss_mask")
+        except Exception as exc:  # noqa: BLE001
+            raise SpeculatorsError(f"feature shard {self.shard_path(s)} is invalid ({exc}); re-run capture --force") \
+                from None
+        if s not in self._verified:
+            self._validate(s, handle, offsets, loss_mask, meta)
+            self._verified.add(s)
+        shard = _OpenShard(handle, offsets, loss_mask, list(meta["ids"]))
+        self._open[s] = shard
+        if len(self._open) > self._cache_size:
+            self._open.popitem(last=False)
+        return shard
+
+    def _validate(self, s: int, h: Any, off: torch.Tensor, loss_mask: torch.Tensor, meta: dict) -> None:
+        path = self.shard_path(s)
+        rec = self.manifest["shards"][s]
+
+        def bad(what: str) -> SpeculatorsError:
+            return SpeculatorsError(f"feature shard {path} is invalid: {what}; re-run capture --force")
+
+        keys = set(h.keys())
+
+        def shape(name: str) -> tuple[int, ...] | None:
+            return tuple(h.get_slice(name).get_shape()) if name in keys else None
+
+        if "input_ids" not in keys:
+            raise bad("missing tensor 'input_ids'")
+        n = shape("input_ids")[0]
+        if off.shape[0] != int(rec["rows"]) + 1 or int(off[0]) != 0 or int(off[-1]) != n or \
+                bool((off[1:] <= off[:-1]).any()) or len(meta.get("ids", [])) != int(rec["rows"]):
+            raise bad("row offsets do not match the manifest")
+        if loss_mask.shape[0] != n:
+            raise bad("loss_mask length differs from input_ids")
+        h_size = int(self.manifest["hidden_size"])
+        expect = {}
+        if "taps" in self.manifest["stored"]:
+            expect["taps"] = len(self.manifest.get("layer_ids") or []) * h_size
+        if "last_hidden" in self.manifest["stored"]:
+            expect["last_hidden"] = h_size
+        for name, width in expect.items():
+            if shape(name) != (n, width):
+                raise bad(f"{name} has shape {shape(name)}, expected ({n}, {width})")
+            scale = f"{name}_scale"
+            check_finite(name, h.get_tensor(scale if scale in keys else name), str(path))
+        if self.manifest["teacher"] == "topk":
+            m = sum(int(teacher_positions(loss_mask[int(off[r]):int(off[r + 1])]).sum()) for r in range(len(off) - 1))
+            k = int(self.manifest["teacher_topk"])
+            for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
+                if shape(name) != (m, k):
+                    raise bad(f"{name} has shape {shape(name)}, expected ({m}, {k})")
+            check_finite("teacher_topk_logprobs", h.get_tensor("teacher_topk_logprobs"), str(path))
+
+    def sequence(self, i: int) -> dict[str, torch.Tensor]:
+        """One sequence: input_ids/loss_mask [T] long, features [T, *] float32, the teacher (see module doc)."""
+        s, r = self._locate(i)
+        sh = self._shard(s)
+        a, b = int(sh.offsets[r]), int(sh.offsets[r + 1])
+        out: dict[str, torch.Tensor] = {"input_ids": sh.rows("input_ids", a, b).long(),
+                                        "loss_mask": sh.loss_mask[a:b].long()}
+        for name in ("taps", "last_hidden"):
+            if name in sh.keys:
+                part = {name: sh.rows(name, a, b)}
+                if f"{name}_scale" in sh.keys:
+                    part[f"{name}_scale"] = sh.rows(f"{name}_scale", a, b)
+                out[name] = decode_hidden(part, name)
+        if "teacher_topk_ids" in sh.keys:
+            pos = teacher_positions(out["loss_mask"])  # [T] bool
+            start, stop = sh.teacher_starts[r], sh.teacher_starts[r + 1]
+            k = int(self.manifest["teacher_topk"])
+            ids = torch.arange(k).repeat(b - a, 1)  # [T, k] placeholder where no loss reads the teacher
+            logprobs = torch.full((b - a, k), -math.log(k))  # uniform over the placeholder ids: finite
+            ids[pos] = sh.rows("teacher_topk_ids", start, stop).long()
+            logprobs[pos] = sh.rows("teacher_topk_logprobs", start, stop).float()
+            out["teacher_topk_ids"] = ids
+            out["teacher_topk_logprobs"] = logprobs
+            out["teacher_mask"] = pos.long()
+        return out

@@ -1,0 +1,130 @@
+"""regenerate: batched local generation equals unbatched greedy; the OpenAI-compatible backend (a real HTTP server
+serving the tiny target) gives the same rows; failed rows are reported by id and retried on a re-run; the
+regenerated answers are the target's own tokens with exact masks."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+from data_helpers import recipe, write_rows
+from openai_test_server import ModelServer
+
+from speculators.data import prepare, regenerate
+from speculators.errors import SpeculatorsError
+
+
+def _regen_recipe(tmp_path, target, run="run", n=5, **regen):
+    data = tmp_path / "rows.jsonl"
+    if not data.exists():
+        write_rows(data, n)
+        with data.open("a") as fh:  # a prompt-only row: the target writes the missing answer
+            fh.write(json.dumps({"id": "prompt-only", "messages": [{"role": "user", "content": "Name a module."}]})
+                     + "\n")
+            fh.write(json.dumps({"id": "raw-code", "prompt": "import os\n\ndef main():\n", "completion": "    pass\n"})
+                     + "\n")  # a raw prompt/completion row: a new completion, no chat template
+    cfg = {"enabled": True, "max_new_tokens": 12, "batch_size": 4, **regen}
+    return recipe(tmp_path / run, target, data, data={"regenerate": cfg})
+
+
+def _rows(path):
+    ds = datasets.load_from_disk(str(path))
+    return {r["id"]: (r["input_ids"], r["loss_mask"]) for r in ds}
+
+
+def test_local_batched_equals_unbatched_greedy(tmp_path, tiny_llama):
+    batched = _regen_recipe(tmp_path, tiny_llama, "b4", batch_size=4)
+    single = _regen_recipe(tmp_path, tiny_llama, "b1", batch_size=1)
+    prepare.run(batched)
+    prepare.run(single)
+    s = regenerate.run(batched)
+    regenerate.run(single)
+    assert s["rows"] == 7 and s["failed_rows"] == 0 and s["turns_regenerated"] >= 7
+    a, b = _rows(batched.paths.regenerated), _rows(single.paths.regenerated)
+    assert a == b
+    # the regenerated answers are the target's greedy continuation, token for token
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prepared = _rows(batched.paths.prepared)
+    for rid, (ids, mask) in list(a.items())[:3]:
+        start = mask.index(1)
+        end = start + mask[start:].index(0) if 0 in mask[start:] else len(mask)
+        assert ids[:start] == prepared[rid][0][:start]  # same prompt as prepared (single-turn rows)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids[:start]]), max_new_tokens=end - start, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        answer = ids[start:end]
+        greedy = out[0, start:].tolist()
+        # generation stops at a special token; the template closes the turn with <|end|>
+        n = len(answer) - 1 if answer[-1] == 1 else len(answer)
+        assert greedy[:n] == answer[:n]
+    assert "prompt-only" in a  # a row without answer got one
+    raw_ids, raw_mask = a["raw-code"]
+    assert raw_ids[: raw_mask.index(1)] == prepared["raw-code"][0][: prepared["raw-code"][1].index(1)]
+    assert raw_ids != prepared["raw-code"][0]  # the completion was rewritten by the target
+
+
+def test_openai_backend_matches_local_and_reports_failed_rows(tmp_path, tiny_llama):
+    local = _regen_recipe(tmp_path, tiny_llama, "local", batch_size=1)
+    prepare.run(local)
+    regenerate.run(local)
+    want = _rows(local.paths.regenerated)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = []
+    for conv in datasets.load_from_disk(str(local.paths.prepared))["conversation"]:
+        if "messages" not in json.loads(conv):
+            continue
+        msgs = json.loads(conv)["messages"]
+        first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+        prompts.append(len(tok.apply_chat_template(msgs[:first], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]))
+    limit = max(prompts) - 1  # the longest prompt is rejected by the server (HTTP 400, like vLLM)
+    with ModelServer(str(tiny_llama), max_prompt_tokens=limit) as server:
+        r = _regen_recipe(tmp_path, tiny_llama, "remote", backend="openai", endpoint=server.url, concurrency=3,
+                          max_retries=1)
+        prepare.run(r)
+        s = regenerate.run(r)
+    assert s["failed_rows"] >= 1 and len(s["failed_ids"]) == s["failed_rows"]
+    m = json.loads((r.paths.regenerated / "manifest.json").read_text())
+    assert m["counts"]["failed"] == s["failed_rows"]
+    assert all("HTTP 400" in f["reason"] and "limit" in f["reason"] for f in m["failed_rows"])
+    got = _rows(r.paths.regenerated)
+    assert set(got) | set(s["failed_ids"]) == set(want)
+    for rid in got:
+        assert got[rid] == want[rid]
+
+
+def test_openai_backend_retries_failed_rows_when_rerun(tmp_path, tiny_llama):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = _regen_recipe(tmp_path, tiny_llama, "down", backend="openai", endpoint=f"http://127.0.0.1:{port}/v1",
+                      max_retries=0, request_timeout=5)
+    prepare.run(r)
+    with pytest.raises(SpeculatorsError, match="no usable rows.*partial results are kept"):
+        regenerate.run(r)  # the server is not up yet: every row fails, nothing is written
+    partial = r.paths.regenerated.with_name("regenerated.partial")
+    assert partial.is_dir() and not r.paths.regenerated.exists()
+    r.data.regenerate.request_timeout = 300.0  # transport settings are not inputs: the partial results still count
+    r.data.regenerate.max_retries = 2
+    with ModelServer(str(tiny_llama), port=port) as server:
+        s = regenerate.run(r)  # same inputs: resumes from the partial results and retries the failed rows
+        assert s["failed_rows"] == 0 and s["rows"] == 7
+        n_requests = server.requests
+        assert regenerate.is_complete(r)
+        assert regenerate.run(r)["status"] == "complete (skipped)"
+        assert server.requests == n_requests
+    assert not partial.exists()
+
+
+def test_regenerate_disabled_is_a_clear_error(tmp_path, tiny_llama):
+    r = recipe(tmp_path / "run", tiny_llama, write_rows(tmp_path / "rows.jsonl", 2))
+    with pytest.raises(SpeculatorsError, match="regeneration is disabled"):
+        regenerate.run(r)
