@@ -1,0 +1,294 @@
+"""Tree-building policies shared by every speculator family, written over a family-provided draft stepper.
+
+What it does:
+- `propose_tree(stepper, root, tree_cfg, sampling, generator, draft_to_target, vocab_size) -> DraftTree`
+  dispatches on `TreeConfig.kind`:
+  * "dynamic": EAGLE-2 tree. Level 1 = top-k of the root's draft law; each further level runs the draft once over
+    the (at most top-k) frontier, takes top-k children per node, scores them by cumulative log-prob and keeps the
+    global top-k as the next frontier; finally all candidates are reranked by cumulative log-prob (ties: earlier
+    candidate first) and the best `budget` form the tree (ancestor-closed by construction). Frontier nodes that can
+    no longer place a child inside the budget are not expanded.
+  * "static": Medusa-style choices (paths of ranks); a node's children are the given ranks of its own draft law.
+  * "chain": one child per node; greedy (argmax) at T=0, sampled from the draft law at T>0.
+- Verify modes: T=0 -> "greedy"; T>0: chains are sampled i.i.d. -> "iid" with `draft_probs` (row i = the law node
+  i's child was drawn from: `logits_to_probs` on the draft logits mapped to the target vocab, -inf outside the
+  draft vocab, with the request's SamplingParams; leaf rows are zero); top-k trees -> "deterministic".
+- Tree tokens are TARGET ids (draft ids mapped through `draft_to_target`); top-k siblings are distinct.
+- `medusa_choices_from_accuracy` (greedy expected-acceptance maximisation from per-head top-k accuracy under a
+  node budget) and `default_choices` (the same on a typical accuracy profile) for static trees.
+
+A stepper is anything with `max_depth`, `room`, `root_logits() -> [Vd]` (the law of the root's children) and
+`step(nodes, tokens, parents, depth) -> [F, Vd]`: run the F nodes `nodes` (builder-chosen ids; parents are earlier
+ids or -1 for the root; `tokens` their target ids; all at `depth` >= 1) in ONE batched draft forward and return the
+laws of their children. Not here: the models themselves, KV caches, verification.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from speculators.errors import SpeculatorsError
+from speculators.serving.sampling import SamplingParams, logits_to_probs, sample
+from speculators.serving.trees import DraftTree
+
+if TYPE_CHECKING:
+    from speculators.config import TreeConfig
+
+__all__ = ["Stepper", "propose_tree", "build_chain", "build_dynamic_tree", "build_static_tree", "root_only",
+           "tree_verify_mode", "to_target_logits", "medusa_choices_from_accuracy", "default_topk_accuracy",
+           "default_choices"]
+
+
+class Stepper(Protocol):
+    max_depth: int
+
+    @property
+    def room(self) -> int: ...
+
+    def root_logits(self) -> torch.Tensor: ...
+
+    def step(self, nodes: list[int], tokens: torch.Tensor, parents: list[int], depth: int) -> torch.Tensor: ...
+
+
+def tree_verify_mode(kind: str, sampling: SamplingParams) -> str:
+    if sampling.greedy:
+        return "greedy"
+    return "iid" if kind == "chain" else "deterministic"
+
+
+def root_only(root_token: int, sampling: SamplingParams, kind: str = "dynamic") -> DraftTree:
+    return DraftTree.root_only(int(root_token), mode=tree_verify_mode(kind, sampling))
+
+
+def to_target_logits(logits: torch.Tensor, draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft-vocab logits [..., Vd] -> target-vocab logits [..., V] (-inf outside the draft vocab)."""
+    if logits.shape[-1] == vocab_size:
+        return logits
+    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    out[..., draft_to_target.to(logits.device)] = logits
+    return out
+
+
+def propose_tree(stepper: Stepper, root_token: int, cfg: TreeConfig, sampling: SamplingParams,
+                 generator: torch.Generator | None, draft_to_target: torch.Tensor, vocab_size: int) -> DraftTree:
+    """A draft tree rooted at `root_token` shaped by `cfg` (depth <= cfg.depth, at most cfg.budget draft nodes)."""
+    depth = min(int(cfg.depth), int(stepper.max_depth))
+    budget = int(cfg.budget)
+    if depth < 1 or budget < 1:
+        return root_only(root_token, sampling, cfg.kind)
+    d2t = draft_to_target.to(stepper.root_logits().device)
+    if cfg.kind == "chain":
+        return build_chain(stepper, root_token, min(depth, budget), sampling, generator, d2t, vocab_size)
+    mode = tree_verify_mode(cfg.kind, sampling)
+    if cfg.kind == "dynamic":
+        return build_dynamic_tree(stepper, root_token, depth, int(cfg.topk), budget, d2t, mode)
+    if cfg.kind == "static":
+        choices = cfg.choices or getattr(stepper, "choices", None) or default_choices(depth, budget)
+        return build_static_tree(stepper, root_token, choices, depth, budget, d2t, mode)
+    raise SpeculatorsError(f"unknown tree kind {cfg.kind!r}; use dynamic, static or chain")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# chains
+
+
+def build_chain(stepper: Stepper, root_token: int, length: int, sampling: SamplingParams,
+                generator: torch.Generator | None, d2t: torch.Tensor, vocab_size: int) -> DraftTree:
+    """Chain of up to `length` drafts: argmax at T=0 ("greedy"), else sampled from the draft law ("iid")."""
+    logits = stepper.root_logits()  # [Vd]
+    tokens = [int(root_token)]
+    rows: list[torch.Tensor] = []
+    if not sampling.greedy and generator is None:
+        generator = torch.Generator(device=logits.device)
+        generator.manual_seed(sampling.seed if sampling.seed is not None else int(torch.seed() % (1 << 62)))
+    for d in range(1, length + 1):
+        if sampling.greedy:
+            tok = int(d2t[int(torch.argmax(logits))])
+        else:
+            q = logits_to_probs(to_target_logits(logits.float(), d2t, vocab_size), sampling)  # [V]
+            tok = sample(q, generator)
+            rows.append(q)
+        tokens.append(tok)
+        if d == length or stepper.room < 1:
+            break
+        logits = stepper.step([d], torch.tensor([tok], dtype=torch.long), [d - 1 if d > 1 else -1], d)[0]
+    n = len(tokens)
+    if sampling.greedy:
+        return DraftTree.chain(tokens[0], tokens[1:], mode="greedy")
+    probs = torch.zeros(n, vocab_size, dtype=rows[0].dtype, device=rows[0].device)  # [N, V]; leaf row unused
+    probs[: n - 1] = torch.stack(rows)
+    return DraftTree.chain(tokens[0], tokens[1:], mode="iid", draft_probs=probs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EAGLE-2 dynamic trees
+
+
+def build_dynamic_tree(stepper: Stepper, root_token: int, depth: int, topk: int, budget: int, d2t: torch.Tensor,
+                       mode: str) -> DraftTree:
+    """EAGLE-2 dynamic top-k tree (see the module docstring). One draft forward per level."""
+    root = stepper.root_logits()
+    k = max(1, min(topk, budget, root.shape[-1]))
+    tok: list[int] = []
+    parent: list[int] = []
+    score: list[float] = []
+
+    def add(scores: torch.Tensor, ids: torch.Tensor, parents: list[int]) -> list[int]:
+        new = []
+        for s, i, p in zip(scores.tolist(), d2t[ids].tolist(), parents, strict=True):
+            if s > -math.inf:
+                new.append(len(tok))
+                tok.append(i)
+                parent.append(p)
+                score.append(s)
+        return new
+
+    lp = torch.log_softmax(root.float(), dim=-1)  # [Vd]
+    sc, ids = torch.topk(lp, k)
+    frontier = add(sc, ids, [-1] * k)
+    for d in range(1, depth):
+        if len(score) >= budget:  # a node whose score is not above the budget-th best can place no child
+            kth = torch.topk(torch.tensor(score), budget).values[-1].item()
+            frontier = [n for n in frontier if score[n] > kth]
+        if len(frontier) > stepper.room:  # out of speculative slots: expand the best nodes that fit
+            frontier = sorted(sorted(frontier, key=lambda n: (-score[n], n))[: max(stepper.room, 0)])
+        if not frontier:
+            break
+        logits = stepper.step(frontier, torch.tensor([tok[n] for n in frontier], dtype=torch.long),
+                              [parent[n] for n in frontier], d)  # [F, Vd]
+        lp = torch.log_softmax(logits.float(), dim=-1) + torch.tensor([score[n] for n in frontier],
+                                                                      device=logits.device)[:, None]
+        csc, cid = torch.topk(lp, k, dim=-1)  # [F, k]
+        new = add(csc.flatten(), cid.flatten(), [n for n in frontier for _ in range(k)])
+        if not new:
+            break
+        best = torch.topk(torch.tensor([score[n] for n in new]), min(k, len(new))).indices.tolist()
+        frontier = sorted(new[i] for i in best)
+    return _select(root_token, tok, parent, score, budget, mode)
+
+
+def _select(root_token: int, tok: list[int], parent: list[int], score: list[float], budget: int,
+            mode: str) -> DraftTree:
+    """Keep the best `budget` candidates by (score desc, index asc), ancestor-closed, in index order."""
+    order = torch.sort(-torch.tensor(score, dtype=torch.float64), stable=True).indices.tolist()
+    kept: set[int] = set()
+    for c in order:
+        if len(kept) >= budget:
+            break
+        if parent[c] == -1 or parent[c] in kept:
+            kept.add(c)
+    chosen = sorted(kept)
+    index = {c: i + 1 for i, c in enumerate(chosen)}
+    tokens = [int(root_token)] + [tok[c] for c in chosen]
+    parents = [-1] + [0 if parent[c] == -1 else index[parent[c]] for c in chosen]
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+                     mode=mode)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# static (Medusa-style) trees
+
+
+def _normalise_choices(choices: Sequence[Sequence[int]], depth: int, budget: int) -> list[tuple[int, ...]]:
+    paths = sorted({tuple(int(r) for r in c) for c in choices if len(c) > 0}, key=lambda p: (len(p), p))
+    known = set(paths)
+    for p in paths:
+        if any(r < 0 for r in p):
+            raise SpeculatorsError(f"tree choice {list(p)} has a negative rank; ranks count from 0")
+        if len(p) > 1 and p[:-1] not in known:
+            raise SpeculatorsError(f"tree choice {list(p)} has no parent path {list(p[:-1])}; list every prefix")
+    return [p for p in paths if len(p) <= depth][:budget]
+
+
+def build_static_tree(stepper: Stepper, root_token: int, choices: Sequence[Sequence[int]], depth: int, budget: int,
+                      d2t: torch.Tensor, mode: str) -> DraftTree:
+    """Static tree: path (r1, ..., rd) = the rank-rd token of the draft law after the path (r1, ..., r(d-1)).
+    Paths deeper than `depth` are dropped and at most `budget` are kept (shortest first, prefix-closed)."""
+    paths = _normalise_choices(choices, depth, budget)
+    node_of: dict[tuple[int, ...], int] = {(): -1}  # path -> stepper node id (index in `paths`)
+    tok_of: dict[tuple[int, ...], int] = {}
+    vd = d2t.shape[0]
+    by_depth: dict[int, list[tuple[int, ...]]] = {}
+    for p in paths:
+        by_depth.setdefault(len(p), []).append(p)
+    for d in sorted(by_depth):
+        level = [p for p in by_depth[d] if p[:-1] in node_of and p[-1] < vd]
+        parents = sorted({p[:-1] for p in level}, key=lambda p: (len(p), p))
+        if not parents:
+            break
+        if d == 1:
+            laws = {(): stepper.root_logits()}
+        else:
+            if stepper.room < len(parents):
+                break
+            rows = stepper.step([node_of[p] for p in parents], torch.tensor([tok_of[p] for p in parents]),
+                                [node_of[p[:-1]] for p in parents], d - 1)  # [F, Vd]
+            laws = {p: rows[i] for i, p in enumerate(parents)}
+        ranked = {p: torch.topk(laws[p].float(), min(vd, 1 + max(c[-1] for c in level if c[:-1] == p))).indices
+                  for p in parents}
+        for p in level:
+            node_of[p] = paths.index(p)
+            tok_of[p] = int(d2t[ranked[p[:-1]][p[-1]]])
+    kept = [p for p in paths if p in tok_of]
+    index = {p: i + 1 for i, p in enumerate(kept)}
+    index[()] = 0
+    tokens = [int(root_token)] + [tok_of[p] for p in kept]
+    parents_idx = [-1] + [index[p[:-1]] for p in kept]
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long),
+                     parents=torch.tensor(parents_idx, dtype=torch.long), mode=mode)
+
+
+def medusa_choices_from_accuracy(topk_accuracy: Sequence[Sequence[float]], budget: int) -> list[list[int]]:
+    """Static tree maximising the expected number of accepted drafts under a node budget.
+
+    topk_accuracy[h][i] = measured P(the correct token is among the top-(i+1) of head/step h) (cumulative). The
+    probability that rank i of head h is the correct token is acc[h][i] - acc[h][i-1]; a path's acceptance
+    probability is the product over its ranks (heads treated as independent); the expected accepted length is
+    the sum over nodes, so adding nodes best-first (a child never beats its parent) is optimal. -> paths sorted by
+    (length, ranks)."""
+    acc = [[min(1.0, max(0.0, float(a))) for a in row] for row in topk_accuracy]
+    if not acc or budget < 1:
+        return []
+    rank_p = []
+    for row in acc:
+        cum = 0.0
+        ps = []
+        for a in row:
+            a = max(a, cum)
+            ps.append(a - cum)
+            cum = a
+        rank_p.append(ps)
+    heap: list[tuple[float, int, tuple[int, ...]]] = [(-p, 1, (i,)) for i, p in enumerate(rank_p[0]) if p > 0]
+    heapq.heapify(heap)
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < budget:
+        neg, _, path = heapq.heappop(heap)
+        chosen.append(path)
+        if len(path) < len(rank_p):
+            for i, p in enumerate(rank_p[len(path)]):
+                if p > 0:
+                    heapq.heappush(heap, (neg * p, len(path) + 1, path + (i,)))
+    return [list(p) for p in sorted(chosen, key=lambda p: (len(p), p))]
+
+
+def default_topk_accuracy(num_steps: int, topk: int = 8) -> list[list[float]]:
+    """A typical per-step top-k accuracy profile (shaped like published Medusa head accuracies: top-1
+    .56/.32/.20/.15/.12, top-5 .78/.56/.42/.34/.30, decaying further for deeper steps)."""
+    top1 = [0.56, 0.32, 0.20, 0.15, 0.12]
+    top5 = [0.78, 0.56, 0.42, 0.34, 0.30]
+    out = []
+    for h in range(num_steps):
+        a1 = top1[h] if h < 5 else top1[-1] * 0.8 ** (h - 4)
+        a5 = top5[h] if h < 5 else top5[-1] * 0.8 ** (h - 4)
+        out.append([min(0.99, a1 + (a5 - a1) * math.log(i + 1) / math.log(5)) for i in range(topk)])
+    return out
+
+
+def default_choices(depth: int, budget: int) -> list[list[int]]:
+    """Static tree for `depth` steps and `budget` nodes when no measured accuracy is available."""
+    return medusa_choices_from_accuracy(default_topk_accuracy(max(1, depth)), budget)

@@ -1,0 +1,227 @@
+"""EAGLE-3 speculator in the vLLM speculators layout (tensor names and config fields), trained with TTT.
+
+Architecture (reference eagle3-training.md §1, vllm-speculators.md §1.4):
+- taps = the residual stream ENTERING target layers `eagle_aux_hidden_state_layer_ids` (default [2, N//2, N-3]),
+  concatenated in id order; `fc` Linear(n_taps*H -> H, no bias);
+- layer 0 (`layers.0.*`): q/k/v read cat(input_layernorm(embed(token)), hidden_norm(hidden)) [2H]; residual =
+  hidden (norm_before_residual=False); SwiGLU MLP; further layers (num_layers > 1) are plain decoder layers;
+- final `norm`, `lm_head` [Vd, H] over the reduced draft vocab (initialised from the target lm_head rows of the
+  draft vocab), `d2t` [Vd] int64 offsets (target id = draft id + d2t[draft id]), `t2d` [V] bool;
+- `embed_tokens` [V, H]: frozen copy of the target's (not saved in checkpoints when unchanged).
+Training-time test and drafting come from `layers.RecurrentSpeculator`: step 0 at position t reads
+(embed(x_{t+1}), fc(taps_t)); step k feeds back the pre-norm output of step k-1 with token x_{t+1+k} at position
+id t+k.
+
+Not here: the loss (speculators.train), file I/O (io.py), tree policies (drafting.py). Every norm flag of the
+speculators format (norm_before_residual, norm_before_fc, fc_norm, norm_output) is False and written explicitly;
+checkpoints with any of them True are refused rather than loaded with the wrong math.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from speculators.errors import SpeculatorsError
+from speculators.models.base import FeatureRequest, TargetWeights
+from speculators.models.layers import (
+    DecoderLayer,
+    DecoderSpec,
+    RecurrentSpeculator,
+    RMSNorm,
+    Rotary,
+    check_target_weights,
+    dtype_name,
+    init_linear_weights,
+    native_options,
+    verifier_info,
+)
+
+if TYPE_CHECKING:
+    from speculators.config import SpeculatorConfig
+
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+class Eagle3Speculator(RecurrentSpeculator):
+    family: ClassVar[str] = "eagle3"
+    # frozen copies of target tensors: parameter name -> TargetWeights field (see io.py)
+    TARGET_TENSORS: ClassVar[dict[str, str]] = {"embed_tokens.weight": "embed_tokens"}
+
+    def __init__(self, decoder: DecoderSpec, *, num_layers: int, num_steps: int, vocab_size: int,
+                 draft_vocab_size: int, layer_ids: list[int], verifier: dict, options: dict) -> None:
+        super().__init__()
+        if num_layers < 1 or num_steps < 1:
+            raise SpeculatorsError(f"eagle3 needs num_layers >= 1 and num_steps >= 1, got {num_layers}, {num_steps}")
+        h = decoder.hidden_size
+        self.decoder = decoder
+        self.layer_ids = list(layer_ids)
+        self._num_steps = int(num_steps)
+        self._vocab_size = int(vocab_size)
+        self.draft_vocab_size = int(draft_vocab_size)
+        self.verifier = dict(verifier)
+        self.options = dict(options)
+        self.target_tensors: dict[str, dict] = {}
+        self.embed_tokens = nn.Embedding(vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(len(self.layer_ids) * h, h, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(decoder, fused=(i == 0)) for i in range(num_layers)])
+        self.norm = RMSNorm(h, decoder.rms_norm_eps)
+        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool) if draft_vocab_size == vocab_size
+                             else torch.zeros(vocab_size, dtype=torch.bool))
+        self.rotary = Rotary(decoder)
+
+    # ---- construction -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target_config: Any, spec: SpeculatorConfig, weights: TargetWeights,
+                    layer_ids: list[int] | None = None, d2t: torch.Tensor | None = None) -> Eagle3Speculator:
+        from speculators.models.io import tensor_digest
+        from speculators.target import default_tap_layers, text_config, validate_layer_ids
+
+        tc = text_config(target_config)
+        n_layers = int(tc.num_hidden_layers)
+        ids = validate_layer_ids(list(layer_ids) if layer_ids else default_tap_layers(n_layers), n_layers)
+        vocab, hidden = int(tc.vocab_size), int(tc.hidden_size)
+        check_target_weights(weights, vocab, hidden)
+        d2t = _check_d2t(d2t, spec.draft_vocab_size, vocab)
+        decoder = DecoderSpec.from_target(tc, spec.draft_arch, spec.intermediate_size)
+        model = cls(decoder, num_layers=spec.num_layers, num_steps=spec.num_steps, vocab_size=vocab,
+                    draft_vocab_size=int(d2t.shape[0]), layer_ids=ids, verifier=verifier_info(target_config),
+                    options=native_options(spec))
+        init_linear_weights(model, decoder.initializer_range)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(weights.embed_tokens)
+            model.set_vocab(d2t)
+            if spec.init_lm_head_from_target:
+                model.lm_head.weight.copy_(weights.lm_head[model.draft_to_target.to(weights.lm_head.device)])
+        model.target_tensors = {"embed_tokens.weight": {"source": "embed_tokens",
+                                                        **tensor_digest(weights.embed_tokens)}}
+        return model
+
+    def set_vocab(self, d2t: torch.Tensor) -> None:
+        """Install the draft vocabulary: d2t [Vd] int64 offsets; t2d is derived from it."""
+        d2t = d2t.to(device=self.d2t.device, dtype=torch.long)
+        self.d2t.copy_(d2t)
+        targets = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+        self.t2d.zero_()
+        self.t2d[targets] = True
+
+    def config_dict(self) -> dict:
+        k = self.num_steps
+        return {
+            "architectures": ["Eagle3DraftModel"],
+            "speculators_model_type": "eagle3",
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                      "accept_tolerance": 0.0}],
+                "default_proposal_method": "greedy",
+                "verifier": dict(self.verifier),
+            },
+            "transformer_layer_config": self.decoder.layer_config(self._vocab_size, len(self.layers)),
+            "draft_vocab_size": self.draft_vocab_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.layer_ids),
+            **{flag: False for flag in NORM_FLAGS},
+            "embed_requires_grad": False,
+            "target_hidden_size": None,
+            "tie_word_embeddings": False,
+            "dtype": dtype_name(self._param.dtype),
+            "speculators_native": {"family": self.family, **self.options, "num_steps": k,
+                                   "num_layers": len(self.layers), "draft_arch": self.decoder.arch,
+                                   "draft_vocab_size": self.draft_vocab_size,
+                                   "target_tensors": dict(self.target_tensors)},
+        }
+
+    @classmethod
+    def from_config_dict(cls, config: dict) -> Eagle3Speculator:
+        layer_cfg = config.get("transformer_layer_config")
+        if not isinstance(layer_cfg, dict):
+            raise SpeculatorsError("eagle3 config has no transformer_layer_config; not a speculators-format config")
+        bad = [f for f in NORM_FLAGS if config.get(f, False)]
+        if bad:
+            raise SpeculatorsError(f"eagle3 checkpoint sets {bad} = true; this toolkit implements the "
+                                   "norm_before_residual/norm_before_fc/fc_norm/norm_output = false variant only")
+        decoder = DecoderSpec.from_layer_config(layer_cfg)
+        ths = config.get("target_hidden_size")
+        if ths not in (None, decoder.hidden_size):
+            raise SpeculatorsError(f"eagle3 checkpoint has target_hidden_size {ths} != draft hidden "
+                                   f"{decoder.hidden_size}; drafts narrower than the target are not supported")
+        native = config.get("speculators_native") or {}
+        sc = config.get("speculators_config") or {}
+        methods = sc.get("proposal_methods") or [{}]
+        num_steps = int(native.get("num_steps") or methods[0].get("speculative_tokens") or 1)
+        vocab = int(layer_cfg["vocab_size"])
+        options = {k: native.get(k) for k in ("num_steps", "num_layers", "draft_arch", "draft_vocab_size",
+                                              "intermediate_size", "step_loss_decay", "init_lm_head_from_target")}
+        options.update(num_steps=num_steps, num_layers=int(layer_cfg["num_hidden_layers"]), draft_arch=decoder.arch)
+        if options["step_loss_decay"] is None:
+            options["step_loss_decay"] = 0.8
+        if options["init_lm_head_from_target"] is None:
+            options["init_lm_head_from_target"] = True
+        model = cls(decoder, num_layers=int(layer_cfg["num_hidden_layers"]), num_steps=num_steps, vocab_size=vocab,
+                    draft_vocab_size=int(config.get("draft_vocab_size") or vocab),
+                    layer_ids=[int(i) for i in config["eagle_aux_hidden_state_layer_ids"]],
+                    verifier=sc.get("verifier") or {}, options=options)
+        model.target_tensors = dict(native.get("target_tensors") or {})
+        return model
+
+    # ---- identity -----------------------------------------------------------------------------------------------
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def required_features(self) -> FeatureRequest:
+        return FeatureRequest(tap_layer_ids=tuple(self.layer_ids), last_hidden=False)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:  # [Vd]
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    # ---- the family's hooks into RecurrentSpeculator ------------------------------------------------------------
+    def feature_hidden(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        taps = features.get("taps")
+        if taps is None:
+            raise SpeculatorsError("eagle3 needs the target's tap features ('taps'); capture them with layer_ids "
+                                   f"{self.layer_ids}")
+        if taps.shape[-1] != self.fc.in_features:
+            raise SpeculatorsError(f"eagle3 taps have width {taps.shape[-1]}, expected {self.fc.in_features} "
+                                   f"({len(self.layer_ids)} layers x hidden {self.decoder.hidden_size})")
+        return self.fc(taps)  # [..., H]
+
+    def step_input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.embed_tokens(tokens), hidden
+
+    def head(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))  # [..., Vd]
+
+
+def _check_d2t(d2t: torch.Tensor | None, draft_vocab_size: int | None, vocab: int) -> torch.Tensor:
+    """Validated d2t [Vd] int64 (zeros = identity for the full vocab)."""
+    if d2t is None:
+        if draft_vocab_size not in (None, vocab):
+            raise SpeculatorsError(f"speculator.draft_vocab_size={draft_vocab_size} needs the d2t mapping of the "
+                                   "features dir (speculators.data.vocab.load_vocab); none was given")
+        return torch.zeros(vocab, dtype=torch.long)
+    d2t = torch.as_tensor(d2t).to(torch.long).reshape(-1).cpu()
+    vd = int(d2t.shape[0])
+    if draft_vocab_size not in (None, vd):
+        raise SpeculatorsError(f"d2t has {vd} entries but speculator.draft_vocab_size is {draft_vocab_size}; "
+                               "rebuild the vocab file or fix the recipe")
+    targets = torch.arange(vd) + d2t
+    if vd == 0 or vd > vocab or int(targets.min()) < 0 or int(targets.max()) >= vocab:
+        raise SpeculatorsError(f"d2t maps draft ids outside the target vocab [0, {vocab}); wrong vocab file?")
+    if vd > 1 and not bool((targets[1:] > targets[:-1]).all()):
+        raise SpeculatorsError("d2t does not map draft ids to strictly increasing target ids; the vocab file is "
+                               "corrupt")
+    return d2t
+
+
+SPECULATOR_CLASS = Eagle3Speculator

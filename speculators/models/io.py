@@ -1,0 +1,264 @@
+"""Speculator checkpoints on disk: `config.json` (the family's vLLM-layout config + `speculators_native`) and
+`model.safetensors`, written atomically and loaded strictly.
+
+- `save_speculator(spec, directory, metadata)`: writes into a temp dir next to `directory` and renames it into
+  place (when `directory` already exists, e.g. with a `training_state/` inside, the two files are replaced one by
+  one, weights first and config last). Frozen copies of target tensors (`TARGET_TENSORS` of the family:
+  embed_tokens, MTP's lm_head) are NOT saved when they still equal the target's; the config records, per such
+  tensor, its source and a digest (sha256 + norm + probe values) under `speculators_native.target_tensors`.
+- `load_speculator(directory, target_weights)`: strict. Missing files, unknown families, missing / unexpected /
+  mis-shaped tensors, and a target whose frozen tensors differ from the recorded digest (a different target)
+  raise `SpeculatorsError`; nothing is ever left at its random initialisation.
+- `read_speculator_config(directory)`, `family_of(config)`, `target_weights(model)` (the frozen tensors of a
+  loaded HF model or PeftModel), `tensor_digest`, `digests_match`.
+
+Not here: training state (optimizer, RNG: speculators.train.checkpoint), pairing.json (speculators.export.pairing),
+the vLLM export (speculators.export.vllm).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators.errors import SpeculatorsError
+from speculators.models.base import Speculator, TargetWeights
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_PROBES = 16
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# digests of frozen target tensors
+
+
+def tensor_digest(t: torch.Tensor) -> dict:
+    """Identity of a (frozen target) tensor: sha256 of its float32 bytes, shape, L2 norm and 16 probe values."""
+    f = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    flat = f.reshape(-1)
+    idx = torch.linspace(0, max(flat.numel() - 1, 0), min(_PROBES, flat.numel())).long()
+    return {"shape": list(f.shape), "sha256": hashlib.sha256(f.numpy().tobytes()).hexdigest(),
+            "norm": float(flat.double().norm()), "probe": [float(x) for x in flat[idx]]}
+
+
+def digests_match(a: dict, b: dict) -> bool:
+    """Same tensor, or the same tensor up to a dtype round trip (bf16/fp16 rounding)."""
+    if a.get("sha256") == b.get("sha256"):
+        return True
+    if list(a.get("shape", [])) != list(b.get("shape", [])) or "norm" not in a or "norm" not in b:
+        return False
+    numel = max(1, math.prod(a["shape"]))
+    na, nb = float(a["norm"]), float(b["norm"])
+    if abs(na - nb) > 1e-2 * max(na, nb, 1e-12):
+        return False
+    atol = 1e-2 * max(na, nb) / math.sqrt(numel) + 1e-12
+    pairs = zip(a.get("probe", []), b.get("probe", []), strict=False)
+    return all(abs(x - y) <= atol + 1e-2 * abs(y) for x, y in pairs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# target weights
+
+
+def target_weights(model: Any) -> TargetWeights:
+    """The frozen tensors a speculator copies from its target (HF model or PeftModel), detached."""
+    from speculators.target import final_norm, input_embeddings, output_head
+
+    emb, head, norm = input_embeddings(model), output_head(model), final_norm(model)
+    if emb is None or head is None or getattr(norm, "weight", None) is None:
+        raise SpeculatorsError(f"cannot find the embedding, lm_head and final norm of {type(model).__name__}")
+    return TargetWeights(embed_tokens=emb.weight.detach(), lm_head=head.weight.detach(),
+                         final_norm=norm.weight.detach())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# config
+
+
+def read_speculator_config(directory: str | os.PathLike) -> dict:
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise SpeculatorsError(f"speculator checkpoint {directory} has no {CONFIG_NAME}; is it a speculator dir?")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpeculatorsError(f"{path} is not valid JSON ({exc}); the checkpoint is corrupt") from None
+    if not isinstance(config, dict):
+        raise SpeculatorsError(f"{path} does not hold a JSON object")
+    return config
+
+
+def family_of(config: dict) -> str:
+    """Family name of a speculator config (native block, else the vLLM layout's own markers)."""
+    from speculators.models import SPECULATORS
+
+    native = config.get("speculators_native") or {}
+    family = native.get("family")
+    if family is None:
+        if config.get("speculators_model_type") == "eagle3":
+            family = "eagle3"
+        elif config.get("model_type") == "medusa":
+            family = "medusa"
+        elif config.get("mtp_layout"):
+            family = "mtp"
+        else:
+            raise SpeculatorsError("speculator config names no family (speculators_native.family, "
+                                   "speculators_model_type or model_type); not a speculator checkpoint")
+    if family not in SPECULATORS:
+        raise SpeculatorsError(f"unknown speculator family {family!r} in the checkpoint config; known: "
+                               f"{', '.join(SPECULATORS.names())}")
+    return str(family)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# save
+
+
+def _tensors_to_save(spec: Speculator) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    state = spec.state_dict()
+    records: dict[str, dict] = {k: dict(v) for k, v in (getattr(spec, "target_tensors", None) or {}).items()}
+    tensors: dict[str, torch.Tensor] = {}
+    target_names = getattr(spec, "TARGET_TENSORS", {})
+    for name, t in state.items():
+        if name in target_names:
+            rec = records.get(name)
+            digest = tensor_digest(t)
+            if rec is not None and digests_match(digest, rec):
+                records[name] = {**rec, "saved": False}
+                continue
+            records[name] = {"source": target_names[name], **digest, "saved": True}
+        tensors[name] = t.detach().to("cpu").contiguous().clone()
+    return tensors, records
+
+
+def save_speculator(spec: Speculator, directory: str | os.PathLike, metadata: dict | None = None) -> None:
+    """Write `spec` to `directory` (config.json + model.safetensors), atomically; `metadata` (recipe, versions,
+    step, target fingerprint, ...) goes into `speculators_native` (the family's own keys win)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    tensors, records = _tensors_to_save(spec)
+    config = spec.config_dict()
+    native = config.get("speculators_native") or {}
+    native = {**(metadata or {}), **native, "target_tensors": records, "weights": WEIGHTS_NAME}
+    config["speculators_native"] = native
+    text = json.dumps(config, indent=2, default=_json_default) + "\n"
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    st_meta = {"format": "pt", "family": str(native.get("family", ""))}
+    if not directory.exists():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+        try:
+            save_file(tensors, str(tmp / WEIGHTS_NAME), metadata=st_meta)
+            (tmp / CONFIG_NAME).write_text(text)
+            os.replace(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return
+    if not directory.is_dir():
+        raise SpeculatorsError(f"cannot save a speculator to {directory}: it exists and is not a directory")
+    tmp_w = directory / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
+    tmp_c = directory / f".{CONFIG_NAME}.tmp-{os.getpid()}"
+    try:
+        save_file(tensors, str(tmp_w), metadata=st_meta)
+        tmp_c.write_text(text)
+        os.replace(tmp_w, directory / WEIGHTS_NAME)
+        os.replace(tmp_c, directory / CONFIG_NAME)
+    finally:
+        for t in (tmp_w, tmp_c):
+            t.unlink(missing_ok=True)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    to_dict = getattr(obj, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    raise TypeError(f"metadata value of type {type(obj).__name__} is not JSON serialisable")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# load
+
+
+def load_speculator(directory: str | os.PathLike, target_weights: TargetWeights | None = None) -> Speculator:
+    """Rebuild the speculator saved in `directory` (CPU, the saved float dtype); frozen target copies that were
+    not saved come from `target_weights` and must match the recorded digest."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from speculators.models import SPECULATORS
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise SpeculatorsError(f"speculator checkpoint not found: {directory} is not a directory")
+    config = read_speculator_config(directory)
+    family = family_of(config)
+    wpath = directory / WEIGHTS_NAME
+    if not wpath.is_file():
+        raise SpeculatorsError(f"speculator checkpoint {directory} has no {WEIGHTS_NAME}; the save was incomplete")
+    try:
+        model = SPECULATORS[family].from_config_dict(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SpeculatorsError(f"{directory / CONFIG_NAME} is not a valid {family} config ({exc!r})") from None
+    try:
+        saved = load_file(str(wpath))
+    except (SafetensorError, OSError) as exc:
+        raise SpeculatorsError(f"cannot read {wpath} ({exc}); the file is corrupt or truncated") from None
+    _load_strict(model, saved, target_weights, directory)
+    model.eval()
+    return model
+
+
+def _load_strict(model: Speculator, saved: dict[str, torch.Tensor], weights: TargetWeights | None,
+                 directory: Path) -> None:
+    state = model.state_dict()
+    target_names: dict[str, str] = getattr(model, "TARGET_TENSORS", {})
+    records: dict[str, dict] = getattr(model, "target_tensors", {}) or {}
+    unexpected = sorted(set(saved) - set(state))
+    missing = sorted(set(state) - set(saved) - set(target_names))
+    if unexpected or missing:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
+        raise SpeculatorsError(f"{directory / WEIGHTS_NAME} does not match its config ({'; '.join(parts)}); the "
+                               "checkpoint is from another architecture or was edited")
+    out: dict[str, torch.Tensor] = {}
+    for name, ref in state.items():
+        if name in saved:
+            t = saved[name]
+        else:  # a frozen target copy that was not saved
+            source = target_names[name]
+            if weights is None:
+                raise SpeculatorsError(f"checkpoint {directory} does not store {name} (a frozen copy of the target's "
+                                       f"{source}); load it with the target's weights (target_weights=...)")
+            t = getattr(weights, source)
+            rec = records.get(name)
+            if rec is not None and not digests_match(tensor_digest(t), rec):
+                raise SpeculatorsError(f"the target's {source} differs from the one {directory} was trained with "
+                                       "(digest mismatch); pair the speculator with its own target")
+        if tuple(t.shape) != tuple(ref.shape):
+            raise SpeculatorsError(f"{name} has shape {list(t.shape)} in {directory}, the config implies "
+                                   f"{list(ref.shape)}; the checkpoint is inconsistent")
+        if ref.is_floating_point() != t.is_floating_point() or (not ref.is_floating_point() and t.dtype != ref.dtype):
+            raise SpeculatorsError(f"{name} has dtype {t.dtype} in {directory}, expected {ref.dtype}")
+        out[name] = t
+    float_dtypes = {t.dtype for n, t in saved.items() if t.is_floating_point()}
+    if len(float_dtypes) == 1:
+        model.to(float_dtypes.pop())
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    model.load_state_dict({k: v.to(dtypes[k]) for k, v in out.items()}, strict=True)
