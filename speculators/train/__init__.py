@@ -1,0 +1,1 @@
+"""Training: one accelerate loop for every speculator family, checkpoints and tracking."""

@@ -1,0 +1,245 @@
+"""Training checkpoints: atomic writes, keep-last-N, `latest` / `best` pointer files, and exact resume.
+
+A checkpoint is `checkpoints/step-XXXXXXX/` holding
+- `config.json` + `model.safetensors` (`speculators.models.io.save_speculator`: the family's vLLM-layout config with a
+  `speculators_native` block recording the recipe, package versions, step and the target fingerprint),
+- `pairing.json` (`speculators.export.pairing`: the target's name, revision and content/tokenizer hashes the
+  runtime checks),
+- `training_state/`: `accelerator.save_state` (trainable weights, optimizer, RNG of every rank; DeepSpeed/FSDP
+  shards in their own layout) + `trainer_state.json` (optimizer step, micro-step = data position, tokens seen,
+  world size, best-so-far, validation history). The LR schedule is a pure function of the optimizer step.
+Everything is written into `checkpoints/.tmp-step-XXXXXXX/` and renamed into place with `os.replace`, so a crash
+mid-write never leaves a step dir that looks complete; pointers are tiny text files replaced atomically.
+`best` names the checkpoint with the highest held-out simulated tau (never the lowest loss).
+
+What it does not do: decide when to save or evaluate (loop.py), or export for serving (speculators.export).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+
+STEP_RE = re.compile(r"^step-(\d{7,})$")
+STATE_DIR = "training_state"
+TRAINER_STATE = "trainer_state.json"
+SUMMARY_FILE = "train-summary.json"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def is_complete_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file() and \
+        (path / "pairing.json").is_file() and (path / STATE_DIR / TRAINER_STATE).is_file()
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete step dirs under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir() and is_complete_checkpoint(p):
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_pointer(root: Path, name: str, target: Path) -> None:
+    """`checkpoints/latest` or `checkpoints/best`: one line naming a step dir of `root`."""
+    write_text_atomic(Path(root) / name, Path(target).name + "\n")
+
+
+def read_pointer(root: Path, name: str) -> Path | None:
+    """The complete checkpoint a pointer names, or None."""
+    p = Path(root) / name
+    if not p.is_file():
+        return None
+    target = Path(root) / p.read_text().strip()
+    return target if STEP_RE.match(target.name) and is_complete_checkpoint(target) else None
+
+
+def remove_dir(path: Path) -> None:
+    """Rename out of the way first, then delete: a half-deleted dir never keeps a valid-looking name."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_partial(root: Path) -> None:
+    """Remove temp / trash dirs left by a crash."""
+    root = Path(root)
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((".tmp-step-", ".trash-")):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Keep the newest `keep_last` checkpoints plus whatever `latest` / `best` name; return the removed dirs."""
+    ckpts = list_checkpoints(root)
+    protect = {p.name for p in (read_pointer(root, "latest"), read_pointer(root, "best")) if p is not None}
+    keep = {p.name for _, p in ckpts[-max(1, keep_last):]} | protect
+    removed = []
+    for _, p in ckpts:
+        if p.name not in keep:
+            remove_dir(p)
+            removed.append(p)
+    return removed
+
+
+def read_trainer_state(ckpt: Path) -> dict:
+    path = Path(ckpt) / STATE_DIR / TRAINER_STATE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpeculatorsError(f"checkpoint {ckpt} has no readable {STATE_DIR}/{TRAINER_STATE} ({exc}); "
+                               "it cannot be resumed (train.resume=never starts over)") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# resume
+
+
+def find_resume(resume: str, root: Path) -> Path | None:
+    """The checkpoint to resume from: "never" -> None; "auto" -> `latest` (or the newest complete step dir) under
+    `root`, None when there is none; anything else is a checkpoint path that must exist."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        latest = read_pointer(root, "latest")
+        if latest is not None:
+            return latest
+        ckpts = list_checkpoints(root)
+        return ckpts[-1][1] if ckpts else None
+    path = Path(resume)
+    if path.is_dir() and STEP_RE.match(path.name) is None and (path / "latest").is_file():
+        pointed = read_pointer(path, "latest")  # a checkpoints/ dir: take its latest
+        if pointed is not None:
+            path = pointed
+    if not path.is_dir():
+        raise SpeculatorsError(f"train.resume: checkpoint {resume} not found (give a checkpoints/step-XXXXXXX dir, "
+                               "'auto' or 'never')")
+    if not is_complete_checkpoint(path):
+        raise SpeculatorsError(f"train.resume: {resume} is not a complete training checkpoint (needs config.json, "
+                               f"model.safetensors, pairing.json and {STATE_DIR}/{TRAINER_STATE})")
+    return path
+
+
+def check_resume(ckpt: Path, family: str, target_fp: dict, trainable_shapes: dict[str, tuple[int, ...]]) -> dict:
+    """Refuse a checkpoint of another family, another target or another architecture. Returns trainer state."""
+    from safetensors import safe_open
+
+    from speculators.export.pairing import read_pairing
+    from speculators.models.io import family_of, read_speculator_config
+
+    theirs = family_of(read_speculator_config(ckpt))
+    if theirs != family:
+        raise SpeculatorsError(f"cannot resume from {ckpt}: it is a {theirs} checkpoint but the recipe trains "
+                               f"{family} (point train.resume at a {family} checkpoint, or use train.resume=never)")
+    want = read_pairing(ckpt)["target"]
+    if want["content_hash"] != target_fp["content_hash"] or want["tokenizer_hash"] != target_fp["tokenizer_hash"]:
+        raise SpeculatorsError(f"cannot resume from {ckpt}: it was trained for {want['name_or_path']}@"
+                               f"{want['revision']} but the recipe's target is {target_fp['name_or_path']}@"
+                               f"{target_fp['revision']}")
+    with safe_open(str(Path(ckpt) / "model.safetensors"), framework="pt") as fh:
+        saved = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}  # noqa: SIM118
+    for name, shape in trainable_shapes.items():
+        if name in saved and saved[name] != shape:
+            raise SpeculatorsError(f"cannot resume from {ckpt}: {name} has shape {list(saved[name])} there but "
+                                   f"{list(shape)} in this recipe's speculator (the speculator section changed; "
+                                   "use train.resume=never)")
+    return read_trainer_state(ckpt)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# save
+
+
+class CheckpointWriter:
+    """Writes checkpoints for one run; every rank calls `save` (collectives inside), rank 0 writes the files."""
+
+    def __init__(self, root: Path, accelerator: Any, keep_last: int) -> None:
+        self.root = Path(root)
+        self.acc = accelerator
+        self.keep_last = keep_last
+        self._frozen_hook = None
+
+    def _state_kwargs(self) -> dict:
+        from accelerate.utils import DistributedType
+
+        if self.acc.distributed_type == DistributedType.DEEPSPEED:
+            return {"exclude_frozen_parameters": True}
+        return {}
+
+    def install_hooks(self, model: Any) -> None:
+        """Keep frozen target copies (embeddings ...) out of training_state/: they come from the target."""
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+
+        def drop_frozen(models: list, weights: list, output_dir: str) -> None:
+            for w in weights:
+                for name in [k for k in w if k in frozen]:
+                    del w[name]
+
+        self._frozen_hook = self.acc.register_save_state_pre_hook(drop_frozen)
+
+    def load_state(self, ckpt: Path) -> None:
+        from accelerate.utils import DistributedType
+
+        kwargs = {"load_module_strict": False} if self.acc.distributed_type == DistributedType.DEEPSPEED else \
+            {"strict": False}
+        self.acc.load_state(str(Path(ckpt) / STATE_DIR), **kwargs)
+
+    def save(self, step: int, spec_for_save: Any, *, metadata: dict, target_fp: dict, layer_ids: list[int] | None,
+             recipe: dict, trainer_state: dict, evaluation: dict | None, is_best: bool) -> Path:
+        """Write step-XXXXXXX atomically, move `latest` (and `best` when `is_best`), prune old ones."""
+        from speculators.export.pairing import pairing_record, write_pairing
+        from speculators.models.io import save_speculator
+
+        acc = self.acc
+        name = step_name(step)
+        tmp = self.root / f".tmp-{name}"
+        final = self.root / name
+        if acc.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp / STATE_DIR), **self._state_kwargs())
+        spec = spec_for_save()  # collective under ZeRO-3 (gathers the weights); a plain module otherwise
+        if acc.is_main_process:
+            save_speculator(spec, tmp, metadata)
+            record = pairing_record(target=target_fp, family=metadata["family"], layer_ids=layer_ids, draft_dir=tmp,
+                                    recipe=recipe, evaluation=evaluation, extra={"training": {"step": step}})
+            write_pairing(tmp, record)
+            write_text_atomic(tmp / STATE_DIR / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
+            if final.exists():
+                remove_dir(final)
+            os.replace(tmp, final)
+            write_pointer(self.root, "latest", final)
+            if is_best:
+                write_pointer(self.root, "best", final)
+            prune(self.root, self.keep_last)
+        acc.wait_for_everyone()
+        return final

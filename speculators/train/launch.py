@@ -1,0 +1,187 @@
+"""Multi-process training: re-launch `speculators train` under `accelerate launch`, and the worker entry point.
+
+- `needs_launch(recipe)`: true when the recipe asks for `train.num_processes > 1` or names an accelerate config
+  (`train.accelerate_config`, e.g. recipes/accelerate/deepspeed-zero2.yaml) and this process is not already a
+  launched worker.
+- `launch(recipe, force)`: validates the accelerate config (it exists, parses, names a DeepSpeed JSON that exists,
+  DeepSpeed is installed; FSDP needs CUDA) and runs `loop.preflight` (data, features' target, draft vocab, resume
+  checkpoint) in THIS process, so bad input fails with one line before any worker starts; then runs
+  `python -m accelerate.commands.launch [--config_file X] [--num_processes N] ... -m speculators.train.launch
+  RECIPE.yaml` with the resolved recipe in a temp file. Workers report a `SpeculatorsError` through an error file
+  (one line for the user, not one per rank); rank 0's summary comes back through a result file.
+  Without a config file, N > 1 processes use accelerate's multi-GPU launcher (torchrun), which on a machine
+  without CUDA gives CPU DDP over gloo (`Accelerator(cpu=True)` in the worker).
+- `python -m speculators.train.launch RECIPE [section.key=value ...]` is the worker: what `accelerate launch`
+  (or torchrun, or a multi-node scheduler) runs on every rank.
+
+What it does not do: parse command-line options (cli.py does; the worker only forwards its arguments to
+`load_recipe`), or train (loop.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from speculators.config import Recipe, dump_recipe
+from speculators.errors import SpeculatorsError
+
+WORKER_ENV = "SPECULATORS_TRAIN_WORKER"
+RESULT_ENV = "SPECULATORS_TRAIN_RESULT"
+ERROR_ENV = "SPECULATORS_TRAIN_ERROR"
+FORCE_ENV = "SPECULATORS_TRAIN_FORCE"
+
+
+def in_worker() -> bool:
+    return os.environ.get(WORKER_ENV) == "1" or os.environ.get("LOCAL_RANK") is not None or \
+        int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def needs_launch(recipe: Recipe) -> bool:
+    if in_worker():
+        return False
+    return recipe.train.num_processes > 1 or bool(recipe.train.accelerate_config)
+
+
+def _resolve_near(path: str, config_file: Path) -> Path | None:
+    """A path from an accelerate config: as given (cwd), next to the config, or from the repo root above it."""
+    p = Path(path)
+    candidates = [p] if p.is_absolute() else [p, config_file.parent / p, *(a / p for a in config_file.parents)]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    return None
+
+
+def check_accelerate_config(path: str) -> dict:
+    """Parse and validate an accelerate config file; returns it with `deepspeed_config_file` made absolute."""
+    import yaml
+
+    cfg_path = Path(path)
+    if not cfg_path.is_file():
+        raise SpeculatorsError(f"accelerate config not found: {path} (train.accelerate_config; see "
+                               "recipes/accelerate/*.yaml)")
+    try:
+        cfg = yaml.safe_load(cfg_path.read_text())
+    except yaml.YAMLError as exc:
+        raise SpeculatorsError(f"accelerate config {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(cfg, dict) or "distributed_type" not in cfg:
+        raise SpeculatorsError(f"accelerate config {path} has no distributed_type; is it an accelerate config?")
+    kind = str(cfg["distributed_type"]).upper()
+    if kind == "DEEPSPEED":
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise SpeculatorsError(f"{path} uses DeepSpeed, which is not installed (pip install "
+                                   "'speculators[deepspeed]')") from None
+        ds = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+        if ds:
+            found = _resolve_near(str(ds), cfg_path)
+            if found is None:
+                raise SpeculatorsError(f"DeepSpeed config {ds} named by {path} not found")
+            try:
+                json.loads(found.read_text())
+            except json.JSONDecodeError as exc:
+                raise SpeculatorsError(f"DeepSpeed config {found} is not valid JSON ({exc})") from None
+            cfg["deepspeed_config"]["deepspeed_config_file"] = str(found)
+    if kind == "FSDP":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SpeculatorsError(f"{path} is an FSDP config, which needs CUDA GPUs; on CPU use "
+                                   "recipes/accelerate/cpu-ddp-2.yaml or deepspeed-zero2.yaml")
+    return cfg
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_command(recipe: Recipe, recipe_file: Path) -> list[str]:
+    t = recipe.train
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    cfg = check_accelerate_config(t.accelerate_config) if t.accelerate_config else None
+    if cfg is not None:
+        cmd += ["--config_file", str(t.accelerate_config)]
+        ds = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
+        if ds:
+            cmd += ["--deepspeed_config_file", ds]
+    if t.num_processes > 1:
+        cmd += ["--num_processes", str(t.num_processes)]
+        if cfg is None:
+            cmd += ["--multi_gpu"]
+    if cfg is None:
+        cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if cfg is None or int(cfg.get("num_machines", 1) or 1) == 1:
+        cmd += ["--main_process_port", str(_free_port())]
+    cmd += ["-m", "speculators.train.launch", str(recipe_file)]
+    return cmd
+
+
+def launch(recipe: Recipe, *, force: bool = False) -> dict:
+    """Run training under `accelerate launch` and return rank 0's summary."""
+    from speculators.train.loop import preflight
+
+    if recipe.train.accelerate_config:
+        check_accelerate_config(recipe.train.accelerate_config)
+    preflight(recipe, force=force)
+    tmp = Path(tempfile.mkdtemp(prefix="speculators-train-"))
+    try:
+        recipe_file = tmp / "recipe.yaml"
+        recipe_file.write_text(dump_recipe(recipe))
+        cmd = launch_command(recipe, recipe_file)
+        env = dict(os.environ)
+        env.update({WORKER_ENV: "1", RESULT_ENV: str(tmp / "result.json"), ERROR_ENV: str(tmp / "error"),
+                    FORCE_ENV: "1" if force else "0", "PYTHONUNBUFFERED": "1"})
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, recipe.train.num_processes))))
+        proc = subprocess.run(cmd, env=env, check=False)
+        errors = sorted(tmp.glob("error.*"))
+        if errors:
+            raise SpeculatorsError(errors[0].read_text().strip())
+        if proc.returncode != 0:
+            raise SpeculatorsError(f"distributed training failed (exit status {proc.returncode}); see the worker "
+                                   f"output above (command: {' '.join(cmd[2:])})")
+        result = tmp / "result.json"
+        if not result.is_file():
+            raise SpeculatorsError("distributed training ended without a summary from rank 0; see the output above")
+        return json.loads(result.read_text())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def worker_main(argv: list[str]) -> int:
+    """Entry point of every launched rank: `python -m speculators.train.launch RECIPE [overrides ...]`."""
+    from speculators.config import load_recipe
+    from speculators.train.loop import train
+
+    os.environ[WORKER_ENV] = "1"
+    if not argv:
+        print("usage: python -m speculators.train.launch RECIPE.yaml [section.key=value ...]", file=sys.stderr)
+        return 2
+    rank = os.environ.get("RANK", "0")
+    try:
+        recipe = load_recipe(argv[0], argv[1:])
+        summary = train(recipe, force=os.environ.get(FORCE_ENV) == "1")
+    except SpeculatorsError as exc:
+        err = os.environ.get(ERROR_ENV)
+        if err:
+            Path(f"{err}.{rank}").write_text(str(exc) + "\n")
+        else:
+            print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    out = os.environ.get(RESULT_ENV)
+    if out and rank == "0":
+        Path(out).write_text(json.dumps(summary, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))

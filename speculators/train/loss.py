@@ -1,0 +1,179 @@
+"""The one training loss of every speculator family, and its per-step accuracy.
+
+What it does:
+- `VocabMap`: draft id -> target id (`draft_to_target`, [Vd]) and target id -> draft id (`target_to_draft`, [V],
+  -1 outside the draft vocab).
+- `Teacher`: the target's next-token law at every position, restricted and renormalised to the draft vocab, in one
+  of two forms: dense log-probs [B, T, Vd] (from full logits, or recomputed from the target's post-norm last hidden
+  state with its `lm_head`), or sparse top-k probabilities [B, T, k] (stored by `capture` with teacher=topk). It
+  also keeps the target's greedy token over the FULL vocab, so accuracy counts a miss where the target's choice is
+  outside the draft vocab.
+- `speculator_loss`: sum_k decay^k * KL_k, where KL_k is the forward KL(teacher || draft) of step k averaged over
+  the positions that count for step k (`models.base.step_valid_mask`: token t+2+k exists, is real and is an
+  assistant token) and where the teacher has mass in the draft vocab. Step k at position t is compared with the
+  teacher at t+1+k (the alignment convention of `models/base.py`). Also per-step top-1 accuracy counts
+  (draft argmax mapped to a target id == the target's greedy token) and, on request, the per-position, per-step
+  greedy acceptance used for the simulated chain tau.
+
+What it does not do: run models, move data between processes, or average across gradient-accumulation steps
+(each micro-batch is normalised by its own valid-token count; accelerate averages micro-batches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from speculators.models.base import step_valid_mask
+
+TOPK = 8  # ranks measured for per-step top-k accuracy (Medusa static trees are built from it)
+
+
+@dataclass
+class VocabMap:
+    """The draft vocabulary inside the target vocabulary."""
+
+    draft_to_target: torch.Tensor  # [Vd] long
+    target_to_draft: torch.Tensor  # [V] long, -1 outside the draft vocab
+    full: bool  # the draft vocab is the target vocab in the same order
+
+    @classmethod
+    def build(cls, draft_to_target: torch.Tensor, target_vocab_size: int) -> VocabMap:
+        d2t = draft_to_target.long()
+        vd = d2t.numel()
+        full = vd == target_vocab_size and bool((d2t == torch.arange(vd, device=d2t.device)).all())
+        t2d = torch.full((target_vocab_size,), -1, dtype=torch.long, device=d2t.device)
+        t2d[d2t] = torch.arange(vd, device=d2t.device)
+        return cls(draft_to_target=d2t, target_to_draft=t2d, full=full)
+
+    def to(self, device: torch.device | str) -> VocabMap:
+        return VocabMap(self.draft_to_target.to(device), self.target_to_draft.to(device), self.full)
+
+
+@dataclass
+class Teacher:
+    """The target's next-token law at each position t (the law of token t+1), on the draft vocab."""
+
+    argmax: torch.Tensor  # [B, T] long: the target's greedy token over the full vocab
+    logp: torch.Tensor | None = None  # [B, T, Vd] float32: dense log-probs renormalised over the draft vocab
+    sparse_ids: torch.Tensor | None = None  # [B, T, k] long: draft ids of the top-k (-1: outside the draft vocab)
+    sparse_p: torch.Tensor | None = None  # [B, T, k] float32: their probabilities renormalised over the draft vocab
+
+    @property
+    def has_mass(self) -> torch.Tensor:
+        """[B, T] bool: the teacher puts some probability on the draft vocab at this position."""
+        if self.logp is not None:
+            return torch.ones_like(self.argmax, dtype=torch.bool)
+        return self.sparse_p.sum(-1) > 0
+
+
+def dense_teacher(logits: torch.Tensor, vocab: VocabMap) -> Teacher:
+    """From full target logits [B, T, V]."""
+    with torch.no_grad():
+        restricted = logits if vocab.full else logits.index_select(-1, vocab.draft_to_target)  # [B, T, Vd]
+        return Teacher(argmax=logits.argmax(-1), logp=F.log_softmax(restricted.float(), dim=-1))
+
+
+def hidden_teacher(last_hidden: torch.Tensor, lm_head: torch.Tensor, vocab: VocabMap, chunk: int = 2048) -> Teacher:
+    """Recompute the teacher from the target's post-norm last hidden state [B, T, H] and lm_head [V, H].
+
+    Only the draft-vocab rows are multiplied for the log-probs; the full-vocab argmax is computed in chunks of
+    positions so no [B, T, V] float32 tensor is ever materialised for a reduced draft vocab."""
+    with torch.no_grad():
+        h = last_hidden.to(lm_head.dtype)
+        if vocab.full:
+            logits = h @ lm_head.T  # [B, T, V]
+            return Teacher(argmax=logits.argmax(-1), logp=F.log_softmax(logits.float(), dim=-1))
+        restricted = h @ lm_head.index_select(0, vocab.draft_to_target).T  # [B, T, Vd]
+        flat = h.reshape(-1, h.shape[-1])  # [B*T, H]
+        argmax = torch.cat([(flat[i:i + chunk] @ lm_head.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
+        return Teacher(argmax=argmax.view(h.shape[:-1]), logp=F.log_softmax(restricted.float(), dim=-1))
+
+
+def sparse_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab: VocabMap) -> Teacher:
+    """From stored top-k target ids [B, T, k] and their full-vocab log-probs [B, T, k]."""
+    with torch.no_grad():
+        best = topk_logprobs.argmax(-1, keepdim=True)  # [B, T, 1]
+        argmax = topk_ids.gather(-1, best).squeeze(-1)  # [B, T]
+        draft_ids = vocab.target_to_draft[topk_ids.clamp_min(0)]  # [B, T, k]
+        inside = (draft_ids >= 0) & (topk_ids >= 0)
+        p = topk_logprobs.float().exp() * inside  # [B, T, k]
+        z = p.sum(-1, keepdim=True)
+        p = torch.where(z > 0, p / z.clamp_min(1e-30), torch.zeros_like(p))
+        return Teacher(argmax=argmax, sparse_ids=torch.where(inside, draft_ids, -1), sparse_p=p)
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, differentiable: sum_k w_k * KL_k
+    step_kl: list[float]  # KL_k per step (detached)
+    correct: torch.Tensor  # [K] long: positions where the draft's top-1 equals the target's greedy token
+    counted: torch.Tensor  # [K] long: positions that count for step k
+    alpha: torch.Tensor | None = None  # [B, T, K] greedy acceptance per position and step (0/1)
+    valid: torch.Tensor | None = None  # [B, T, K] bool: step k exists for position t
+    topk_correct: torch.Tensor | None = None  # [K, TOPK] long: the target's token is in the draft's top-(i+1)
+
+    @property
+    def accuracy(self) -> list[float]:
+        pairs = zip(self.correct.tolist(), self.counted.tolist(), strict=True)
+        return [c / n if n else 0.0 for c, n in pairs]
+
+
+def _step_kl(draft_logits: torch.Tensor, teacher: Teacher, k: int, length: int) -> torch.Tensor:
+    """Forward KL(teacher || draft) of step k at positions 0..length-1.  -> [B, length]"""
+    logq = F.log_softmax(draft_logits[:, :length].float(), dim=-1)  # [B, L, Vd]
+    lo, hi = 1 + k, 1 + k + length
+    if teacher.logp is not None:
+        logp = teacher.logp[:, lo:hi]  # [B, L, Vd]
+        p = logp.exp()
+        return (torch.xlogy(p, p) - p * logq).sum(-1)
+    ids = teacher.sparse_ids[:, lo:hi]  # [B, L, k]
+    p = teacher.sparse_p[:, lo:hi]  # [B, L, k]
+    logq_k = logq.gather(-1, ids.clamp_min(0))  # [B, L, k]
+    return (torch.xlogy(p, p) - p * logq_k).sum(-1)
+
+
+def speculator_loss(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor,
+                    attention_mask: torch.Tensor, weights: list[float], vocab: VocabMap,
+                    with_alpha: bool = False) -> LossOutput:
+    """The loss of K per-step draft logits [B, T, Vd] against the teacher (see the module docstring)."""
+    b, t = loss_mask.shape
+    n_steps = len(step_logits)
+    total = step_logits[0].new_zeros((), dtype=torch.float32)
+    kls: list[float] = []
+    correct = torch.zeros(n_steps, dtype=torch.long)
+    counted = torch.zeros(n_steps, dtype=torch.long)
+    alpha = torch.zeros(b, t, n_steps) if with_alpha else None
+    valid_all = torch.zeros(b, t, n_steps, dtype=torch.bool) if with_alpha else None
+    topk_correct = torch.zeros(n_steps, TOPK, dtype=torch.long) if with_alpha else None
+    has_mass = teacher.has_mass
+    for k, logits in enumerate(step_logits):
+        length = t - 1 - k  # positions whose teacher (t+1+k) exists
+        if length <= 0:
+            kls.append(0.0)
+            continue
+        valid = step_valid_mask(loss_mask, attention_mask, k)[:, :length]  # [B, L] bool
+        counts = valid & has_mass[:, 1 + k:1 + k + length]
+        kl = _step_kl(logits, teacher, k, length)  # [B, L]
+        n = counts.sum()
+        step_loss = (kl * counts).sum() / n.clamp_min(1)
+        total = total + weights[k] * step_loss
+        kls.append(float(step_loss.detach()))
+        with torch.no_grad():
+            pred = vocab.draft_to_target[logits[:, :length].argmax(-1)]  # [B, L] target ids
+            hit = (pred == teacher.argmax[:, 1 + k:1 + k + length]) & valid
+            correct[k] = int(hit.sum())
+            counted[k] = int(valid.sum())
+            if with_alpha:
+                alpha[:, :length, k] = hit.float().cpu()
+                valid_all[:, :length, k] = valid.cpu()
+                r = min(TOPK, logits.shape[-1])
+                top = vocab.draft_to_target[logits[:, :length].topk(r, dim=-1).indices]  # [B, L, r]
+                found = (top == teacher.argmax[:, 1 + k:1 + k + length, None]).cumsum(-1) > 0  # [B, L, r]
+                found = found & valid[..., None]
+                topk_correct[k, :r] = found.sum((0, 1)).cpu()
+                topk_correct[k, r:] = topk_correct[k, r - 1]
+    return LossOutput(loss=total, step_kl=kls, correct=correct, counted=counted, alpha=alpha, valid=valid_all,
+                      topk_correct=topk_correct)

@@ -1,0 +1,161 @@
+"""The training loss against hand computation: dense and sparse teachers, reduced draft vocab, step masks,
+per-step decay, normalisation by valid tokens, and per-step accuracy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from speculators.train.loss import VocabMap, dense_teacher, hidden_teacher, sparse_teacher, speculator_loss
+
+
+def _kl(p: list[float], logq: list[float]) -> float:
+    return sum(pi * (math.log(pi) - lq) for pi, lq in zip(p, logq, strict=False) if pi > 0)
+
+
+def _log_softmax(x: list[float]) -> list[float]:
+    m = max(x)
+    z = math.log(sum(math.exp(v - m) for v in x)) + m
+    return [v - z for v in x]
+
+
+def _hand_loss(draft: torch.Tensor, teacher_logits: torch.Tensor, loss_mask: list[int], attn: list[int],
+               d2t_ids: list[int], weights: list[float]) -> tuple[float, list[float], list[tuple[int, int]]]:
+    """Batch of one sequence; draft [K, T, Vd]; teacher_logits [T, V]."""
+    k_steps, t_len, _ = draft.shape
+    total, per_step, acc = 0.0, [], []
+    for k in range(k_steps):
+        kls, hits, n = [], 0, 0
+        for t in range(t_len):
+            tok = t + 2 + k
+            if tok >= t_len or not loss_mask[tok] or not attn[tok]:
+                continue
+            full = teacher_logits[t + 1 + k].tolist()
+            restricted = _log_softmax([full[i] for i in d2t_ids])
+            p = [math.exp(v) for v in restricted]
+            logq = _log_softmax(draft[k, t].tolist())
+            kls.append(_kl(p, logq))
+            n += 1
+            hits += int(d2t_ids[int(draft[k, t].argmax())] == int(teacher_logits[t + 1 + k].argmax()))
+        step = sum(kls) / max(1, len(kls))
+        per_step.append(step)
+        total += weights[k] * step
+        acc.append((hits, n))
+    return total, per_step, acc
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_dense_teacher_matches_hand_computation(reduced: bool) -> None:
+    torch.manual_seed(0)
+    t_len, v, k_steps = 9, 6, 3
+    d2t_ids = [0, 2, 3, 5] if reduced else list(range(v))
+    vocab = VocabMap.build(torch.tensor(d2t_ids), v)
+    assert vocab.full is (not reduced)
+    teacher_logits = torch.randn(t_len, v) * 2
+    draft = torch.randn(k_steps, t_len, len(d2t_ids))
+    loss_mask = [0, 0, 0, 1, 1, 1, 0, 1, 1]
+    attn = [1] * 8 + [0]  # the last position is padding
+    weights = [1.0, 0.8, 0.64]
+    out = speculator_loss([draft[k][None] for k in range(k_steps)], dense_teacher(teacher_logits[None], vocab),
+                          torch.tensor([loss_mask]), torch.tensor([attn]), weights, vocab)
+    want, want_steps, want_acc = _hand_loss(draft, teacher_logits, loss_mask, attn, d2t_ids, weights)
+    assert out.loss.item() == pytest.approx(want, rel=1e-5)
+    assert out.step_kl == pytest.approx(want_steps, rel=1e-5)
+    assert out.correct.tolist() == [h for h, _ in want_acc]
+    assert out.counted.tolist() == [n for _, n in want_acc]
+
+
+def test_hidden_teacher_equals_dense_teacher_of_the_same_logits() -> None:
+    torch.manual_seed(1)
+    h, lm = torch.randn(2, 7, 5), torch.randn(11, 5)
+    vocab = VocabMap.build(torch.tensor([1, 4, 6, 7, 10]), 11)
+    a, b = hidden_teacher(h, lm, vocab, chunk=3), dense_teacher(h @ lm.T, vocab)
+    assert torch.equal(a.argmax, b.argmax)
+    assert torch.allclose(a.logp, b.logp, atol=1e-5)
+
+
+def test_sparse_teacher_restricts_renormalises_and_masks_positions_without_mass() -> None:
+    v, vd = 8, 4
+    d2t_ids = [1, 2, 5, 7]
+    vocab = VocabMap.build(torch.tensor(d2t_ids), v)
+    t_len = 5
+    # top-3 of the teacher at each position (target ids, full-vocab log-probs)
+    ids = torch.tensor([[1, 3, 5], [0, 3, 4], [7, 2, 0], [5, 1, 6], [2, 7, 1]])
+    logprobs = torch.log(torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.2, 0.1], [0.4, 0.4, 0.1], [0.7, 0.2, 0.05],
+                                       [0.5, 0.25, 0.2]]))
+    teacher = sparse_teacher(ids[None], logprobs[None], vocab)
+    assert teacher.argmax[0].tolist() == [1, 0, 7, 5, 2]
+    assert teacher.has_mass[0].tolist() == [True, False, True, True, True]  # position 1: no top-k id in the vocab
+    torch.manual_seed(2)
+    draft = torch.randn(1, t_len, vd)
+    loss_mask = torch.ones(1, t_len, dtype=torch.long)
+    out = speculator_loss([draft], teacher, loss_mask, torch.ones_like(loss_mask), [1.0], vocab)
+    # step 0 at t targets the teacher at t+1, counted for t+2 < 5 -> t in {0, 1, 2}; t=0 reads position 1 (no mass)
+    expected = []
+    for t in (1, 2):
+        pos = t + 1
+        p_raw = {int(i): math.exp(float(lp)) for i, lp in zip(ids[pos], logprobs[pos], strict=True)
+                 if int(i) in d2t_ids}
+        z = sum(p_raw.values())
+        logq = _log_softmax(draft[0, t].tolist())
+        expected.append(sum(pv / z * (math.log(pv / z) - logq[d2t_ids.index(i)]) for i, pv in p_raw.items()))
+    assert out.loss.item() == pytest.approx(sum(expected) / 2, rel=1e-5)
+    assert out.counted.tolist() == [3]  # accuracy counts every valid position, a miss where argmax is outside
+
+
+def test_step_valid_mask_alignment_and_normalisation_by_valid_tokens() -> None:
+    """Only positions whose predicted token is an assistant token count, and each step is a mean over them:
+    doubling the number of prompt tokens must not change the loss."""
+    torch.manual_seed(3)
+    v = 5
+    vocab = VocabMap.build(torch.arange(v), v)
+    logits = torch.randn(1, 6, v)
+    draft = torch.randn(1, 6, v)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    out = speculator_loss([draft], dense_teacher(logits, vocab), mask, torch.ones_like(mask), [1.0], vocab)
+    assert out.counted.tolist() == [3]  # t = 1, 2, 3 predict tokens 3, 4, 5
+    pad_logits = torch.cat([torch.randn(1, 4, v), logits], 1)
+    pad_draft = torch.cat([torch.randn(1, 4, v), draft], 1)
+    pad_mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), mask], 1)
+    out2 = speculator_loss([pad_draft], dense_teacher(pad_logits, vocab), pad_mask, torch.ones_like(pad_mask), [1.0],
+                           vocab)
+    assert out2.loss.item() == pytest.approx(out.loss.item(), rel=1e-6)
+    # a prompt-only batch contributes nothing (and no NaN)
+    none = speculator_loss([draft], dense_teacher(logits, vocab), torch.zeros_like(mask), torch.ones_like(mask),
+                           [1.0], vocab)
+    assert none.loss.item() == 0.0 and none.counted.tolist() == [0]
+
+
+def test_per_step_decay_weights_and_perfect_draft_has_zero_loss() -> None:
+    torch.manual_seed(4)
+    v, t_len = 6, 8
+    vocab = VocabMap.build(torch.arange(v), v)
+    logits = torch.randn(1, t_len, v)
+    teacher = dense_teacher(logits, vocab)
+    perfect = [torch.cat([logits[:, 1 + k:], torch.zeros(1, 1 + k, v)], 1) for k in range(3)]
+    mask = torch.ones(1, t_len, dtype=torch.long)
+    out = speculator_loss(perfect, teacher, mask, mask, [1.0, 0.8, 0.64], vocab, with_alpha=True)
+    assert out.loss.item() == pytest.approx(0.0, abs=1e-6)
+    assert out.accuracy == [1.0, 1.0, 1.0]
+    assert out.alpha[out.valid].min().item() == 1.0
+    assert out.topk_correct[:, 0].tolist() == out.counted.tolist()
+    noisy = [p + torch.randn_like(p) for p in perfect]
+    a = speculator_loss(noisy, teacher, mask, mask, [1.0, 0.0, 0.0], vocab)
+    b = speculator_loss(noisy, teacher, mask, mask, [1.0, 0.5, 0.25], vocab)
+    assert b.loss.item() == pytest.approx(a.step_kl[0] + 0.5 * a.step_kl[1] + 0.25 * a.step_kl[2], rel=1e-5)
+
+
+def test_loss_gradient_is_soft_cross_entropy_gradient() -> None:
+    torch.manual_seed(5)
+    v = 4
+    vocab = VocabMap.build(torch.arange(v), v)
+    logits = torch.randn(1, 3, v)
+    draft = torch.randn(1, 3, v, requires_grad=True)
+    mask = torch.tensor([[0, 0, 1]])
+    out = speculator_loss([draft], dense_teacher(logits, vocab), mask, torch.ones_like(mask), [1.0], vocab)
+    out.loss.backward()
+    expected = torch.softmax(draft[0, 0].detach(), -1) - torch.softmax(logits[0, 1], -1)
+    assert torch.allclose(draft.grad[0, 0], expected, atol=1e-6)
+    assert draft.grad[0, 1:].abs().max().item() == 0.0
