@@ -1,0 +1,1 @@
+"""Evaluation: per-position acceptance (teacher-forced and live) on held-out workloads, and reports."""

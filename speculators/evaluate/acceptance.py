@@ -1,0 +1,293 @@
+"""The `evaluate` stage: per-position acceptance of every kept checkpoint on HELD-OUT workloads, and the choice
+of `checkpoints/best` by acceptance (never by loss).
+
+For every row of `recipe.evaluate.workloads` and every temperature in `recipe.evaluate.temperatures`:
+  1. the target writes its own continuation (`teacher.continuations`, cached in eval/continuations.json);
+  2. one tapped target forward over prompt + continuation (`teacher.teacher_pass`) gives the features every
+     speculator asks for (`required_features()`) and the teacher logits;
+  3. every checkpoint's `forward_train` gives per-step draft logits, scored per position and depth by
+     `alpha.speculator_alpha`; the n-gram baseline (`serving.ngram.ngram_propose`) by `alpha.ngram_alpha`;
+  4. per cohort: chain reach -> a_k -> simulated tau (`speculators.metrics`, via `alpha.summarize`).
+Then `select.choose_best` picks the highest mean simulated tau at `evaluate.select_temperature`, the bundled
+runtime measures live acceptance of that checkpoint and of the n-gram drafter (`evaluate.live`), and the stage
+writes eval/<step>/{report.json, report.md, per_position.png, tau.png}, eval/selection.json, eval/report.md,
+eval/selection.png and `checkpoints/best` (atomic).
+
+Report record (eval/<step>/report.json, format "speculators.eval/v1"): checkpoint, step, family, draft_revision,
+eval_key (what the numbers depend on: target revision, rows, temperatures, depth, seed), target, workloads,
+rows, cohorts, depth (evaluate.depth), speculator_depth (min(depth, K)), temperatures {"<T>": {"speculator":
+summary, "ngram": summary at the speculator's depth (the fair comparison), "ngram_full_depth": summary at
+evaluate.depth}} where summary = {"cohorts": {cohort: {rows, positions, per_position_acceptance, chain_reach,
+simulated_tau, tau_by_depth}}, "overall": pooled, "mean_tau": mean over cohorts}, live (or null), loss.
+
+Checkpoints whose report already matches (same draft revision and eval_key) are not re-evaluated unless forced.
+The same code evaluates every family: it never branches on a family name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators.config import Recipe, to_dict
+from speculators.data.workloads import WorkloadRow, load_workloads
+from speculators.errors import SpeculatorsError
+from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_alpha, truncate
+from speculators.evaluate.select import (
+    SELECTION_FORMAT,
+    checkpoint_family,
+    checkpoint_loss,
+    choose_best,
+    list_checkpoints,
+    read_pointer,
+    selection_record,
+    step_number,
+    write_pointer,
+)
+from speculators.evaluate.teacher import EvalSequence, continuations, teacher_pass
+from speculators.export.atomic import atomic_dir, write_json_atomic
+from speculators.export.pairing import check_pairing, draft_revision, read_pairing
+from speculators.serving.sampling import SamplingParams
+
+EVAL_FORMAT = "speculators.eval/v1"
+
+
+def _tkey(t: float) -> str:
+    return str(float(t))
+
+
+def eval_key(fingerprint: dict, rows: list[WorkloadRow], recipe: Recipe) -> str:
+    """Hash of everything the analytic numbers depend on besides the checkpoint itself."""
+    ev = recipe.evaluate
+    h = hashlib.sha256(json.dumps({"format": EVAL_FORMAT, "target": [fingerprint["revision"],
+                                   fingerprint["content_hash"]], "temperatures": [float(t) for t in ev.temperatures],
+                                   "depth": ev.depth, "seed": recipe.seed}, sort_keys=True).encode())
+    for r in rows:
+        h.update(json.dumps([r.id, r.cohort, r.prompt, r.messages, r.max_new_tokens], sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+def _check_settings(recipe: Recipe) -> None:
+    ev = recipe.evaluate
+    if not ev.temperatures:
+        raise SpeculatorsError("evaluate.temperatures is empty; give at least one, e.g. [0.0, 1.0]")
+    if any(t < 0 for t in ev.temperatures):
+        raise SpeculatorsError(f"evaluate.temperatures {ev.temperatures} must be >= 0 (0 = greedy)")
+    if ev.depth < 1:
+        raise SpeculatorsError(f"evaluate.depth must be >= 1, got {ev.depth}")
+    if float(ev.select_temperature) not in [float(t) for t in ev.temperatures]:
+        raise SpeculatorsError(f"evaluate.select_temperature {ev.select_temperature} is not one of "
+                               f"evaluate.temperatures {ev.temperatures}")
+
+
+def _checkpoints(recipe: Recipe) -> list[Path]:
+    ckdir = recipe.paths.checkpoints
+    found = list_checkpoints(ckdir)
+    if not found:
+        raise SpeculatorsError(f"no checkpoints to evaluate in {ckdir} (expected step-* directories written by "
+                               f"`speculators train`); run the train stage first")
+    for c in found:
+        fam = checkpoint_family(c)
+        if fam != recipe.speculator.family:
+            raise SpeculatorsError(f"checkpoint {c} is a {fam} speculator but the recipe says speculator.family="
+                                   f"{recipe.speculator.family}; point run_dir at the right run or fix the recipe")
+    return found
+
+
+def _existing_report(eval_dir: Path, ckpt: Path, key: str) -> dict | None:
+    path = eval_dir / ckpt.name / "report.json"
+    try:
+        rep = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if rep.get("format") != EVAL_FORMAT or rep.get("eval_key") != key:
+        return None
+    if rep.get("draft_revision") != draft_revision(ckpt):
+        return None
+    return rep
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# teacher-forced evaluation of many checkpoints at once (one target pass per sequence)
+
+
+def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSequence]], depth: int,
+                       model: Any, progress: bool = True) -> tuple[dict[str, dict], dict[str, dict], dict[str, int]]:
+    """Teacher-forced acceptance of every speculator and of the n-gram baseline on the given sequences.
+
+    Returns (per-speculator {"<T>": summary}, n-gram {"<T>": summary}, per-speculator depth).
+    """
+    from tqdm.auto import tqdm
+
+    from speculators.serving.ngram import ngram_propose
+
+    requests = {name: spec.required_features() for name, spec in specs.items()}
+    union = sorted({i for r in requests.values() for i in (r.tap_layer_ids or ())})
+    depths = {name: min(depth, int(spec.num_steps)) for name, spec in specs.items()}
+    spec_acc = {name: {_tkey(t): AlphaAccumulator(depths[name]) for t in sequences} for name in specs}
+    ngram_acc = {_tkey(t): AlphaAccumulator(depth) for t in sequences}
+    total = sum(len(v) for v in sequences.values())
+    bar = tqdm(total=total, desc="teacher-forced acceptance", unit="seq", disable=not progress)
+    for t, seqs in sequences.items():
+        params = SamplingParams(temperature=float(t))
+        for seq in seqs:
+            tp = teacher_pass(model, seq.token_ids, union)
+            ids = torch.tensor([seq.token_ids], dtype=torch.long)  # [1, T]
+            for name, spec in specs.items():
+                param = next(spec.parameters())
+                req = requests[name]
+                feats = {k: v.to(device=param.device, dtype=param.dtype)
+                         for k, v in tp.features(req.tap_layer_ids, req.last_hidden).items()}
+                batch = {"input_ids": ids.to(param.device), "attention_mask": torch.ones_like(ids, device=param.device),
+                         **feats}
+                with torch.no_grad():
+                    steps = spec.forward_train(batch)  # K x [1, T, Vd]
+                alpha, valid = speculator_alpha([s[0].float().cpu() for s in steps], tp.logits.cpu(),
+                                                spec.draft_to_target.cpu(), seq.prompt_len, params, depths[name])
+                spec_acc[name][_tkey(t)].add(seq.row.cohort, alpha, valid)
+            alpha, valid = ngram_alpha(seq.token_ids, tp.logits.cpu(), seq.prompt_len, params, depth, ngram_propose)
+            ngram_acc[_tkey(t)].add(seq.row.cohort, alpha, valid)
+            bar.update(1)
+    bar.close()
+    return ({name: {t: a.summary() for t, a in accs.items()} for name, accs in spec_acc.items()},
+            {t: a.summary() for t, a in ngram_acc.items()}, depths)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the stage
+
+
+def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
+    from speculators.models.io import load_speculator, target_weights
+    from speculators.target import fingerprint_target, load_target
+
+    _check_settings(recipe)
+    ev = recipe.evaluate
+    ckpts = _checkpoints(recipe)
+    rows = load_workloads(ev.workloads, ev.max_rows_per_cohort)
+    eval_dir = recipe.paths.eval
+    target = load_target(recipe.target)
+    fp = fingerprint_target(recipe.target, tokenizer=target.tokenizer, model_config=target.model.config).to_dict()
+    for c in ckpts:
+        check_pairing(read_pairing(c), fp, allow_revision_mismatch=recipe.serve.allow_revision_mismatch)
+    key = eval_key(fp, rows, recipe)
+
+    reports: dict[str, dict] = {}
+    todo = []
+    for c in ckpts:
+        rep = None if force else _existing_report(eval_dir, c, key)
+        if rep is None:
+            todo.append(c)
+        else:
+            reports[c.name] = rep
+    if todo:
+        weights = target_weights(target.model)
+        specs = {}
+        for c in todo:
+            spec = load_speculator(c, weights)
+            spec.to(target.device).float().eval()
+            specs[c.name] = spec
+        seqs = continuations(target.model, target.tokenizer, rows, ev.temperatures, recipe.seed,
+                             fp["revision"] + fp["content_hash"], eval_dir / "continuations.json", progress)
+        spec_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress)
+        for c in todo:
+            reports[c.name] = {
+                "format": EVAL_FORMAT, "checkpoint": c.name, "step": step_number(c),
+                "family": checkpoint_family(c), "draft_revision": draft_revision(c), "eval_key": key,
+                "target": {"name_or_path": fp["name_or_path"], "revision": fp["revision"]},
+                "workloads": list(ev.workloads), "rows": len(rows),
+                "cohorts": sorted({r.cohort for r in rows}), "depth": ev.depth,
+                "speculator_depth": depths[c.name],
+                "temperatures": {t: {"speculator": spec_sums[c.name][t],
+                                     "ngram": truncate(ngram_sums[t], depths[c.name]),
+                                     "ngram_full_depth": ngram_sums[t]}
+                                 for t in spec_sums[c.name]},
+                "live": None, "live_rows_per_cohort": None, "loss": checkpoint_loss(c),
+            }
+        del specs
+    best = choose_best(reports, ev.select_temperature)
+    if ev.live and (force or reports[best].get("live") is None or best in {c.name for c in todo}):
+        from speculators.evaluate.live import live_acceptance
+
+        reports[best]["live"] = live_acceptance(target, str(recipe.paths.checkpoints / best), rows,
+                                                ev.temperatures, ev.live_rows_per_cohort, recipe.seed,
+                                                recipe.serve.allow_revision_mismatch, progress)
+        reports[best]["live_rows_per_cohort"] = ev.live_rows_per_cohort
+        todo_names = {c.name for c in todo} | {best}
+    else:
+        todo_names = {c.name for c in todo}
+    _write_outputs(recipe, reports, best, todo_names)
+    return _summary(recipe, reports, best, len(todo))
+
+
+def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed: set[str]) -> None:
+    from speculators.evaluate.report import write_checkpoint_report, write_overview
+
+    eval_dir = recipe.paths.eval
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    for name in sorted(changed):
+        with atomic_dir(eval_dir / name) as tmp:
+            write_checkpoint_report(tmp, reports[name])
+    selection = selection_record(reports, best, recipe.evaluate.select_temperature, recipe.paths.checkpoints)
+    selection["eval_key"] = reports[best]["eval_key"]
+    selection["recipe"] = to_dict(recipe.evaluate)
+    write_overview(eval_dir, selection, reports)
+    if recipe.evaluate.select_best:
+        write_pointer(recipe.paths.checkpoints, recipe.paths.checkpoints / best, "best")
+    write_json_atomic(eval_dir / "selection.json", selection)  # the manifest: written last
+
+
+def _summary(recipe: Recipe, reports: dict[str, dict], best: str, evaluated: int) -> dict:
+    t = _tkey(recipe.evaluate.select_temperature)
+    entry = reports[best]["temperatures"][t]
+    out: dict[str, Any] = {
+        "checkpoints": len(reports), "evaluated": evaluated, "best": best,
+        f"tau@T={t} (best)": {c: s["simulated_tau"] for c, s in entry["speculator"]["cohorts"].items()},
+        f"tau@T={t} (n-gram)": {c: s["simulated_tau"] for c, s in entry["ngram"]["cohorts"].items()},
+        "mean tau (best / n-gram)": f"{entry['speculator']['mean_tau']:.3f} / {entry['ngram']['mean_tau']:.3f}",
+    }
+    live = (reports[best].get("live") or {}).get(t)
+    if live:
+        out[f"live tau@T={t} (best / n-gram)"] = (f"{live['speculator']['overall']['tau']:.3f} / "
+                                                   f"{live['ngram']['overall']['tau']:.3f}")
+    out["report"] = str(recipe.paths.eval / "report.md")
+    return out
+
+
+def is_complete(recipe: Recipe) -> bool:
+    """selection.json matches the current checkpoints, eval settings and target; best pointer and reports exist."""
+    eval_dir = recipe.paths.eval
+    try:
+        selection = json.loads((eval_dir / "selection.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if selection.get("format") != SELECTION_FORMAT or not selection.get("complete"):
+        return False
+    ckpts = list_checkpoints(recipe.paths.checkpoints)
+    recorded = {row["checkpoint"]: row.get("draft_revision") for row in selection.get("checkpoints", [])}
+    if sorted(recorded) != sorted(c.name for c in ckpts):
+        return False
+    for c in ckpts:
+        if recorded[c.name] != draft_revision(c) or not (eval_dir / c.name / "report.json").is_file():
+            return False
+    if recipe.evaluate.select_best:
+        try:
+            best = read_pointer(recipe.paths.checkpoints, "best")
+        except SpeculatorsError:
+            return False
+        if best is None or best.name != selection.get("best"):
+            return False
+    if recipe.evaluate.live and selection.get("live") is None:
+        return False
+    try:
+        from speculators.target import fingerprint_target
+
+        rows = load_workloads(recipe.evaluate.workloads, recipe.evaluate.max_rows_per_cohort)
+        fp = fingerprint_target(recipe.target).to_dict()
+    except SpeculatorsError:
+        return False
+    return selection.get("eval_key") == eval_key(fp, rows, recipe)

@@ -1,0 +1,204 @@
+"""Evaluation reports: JSON (the record), Markdown (for people) and PNG plots (matplotlib, Agg backend).
+
+Per checkpoint, `write_checkpoint_report(dir, report)` writes into `eval/<step>/`:
+  report.json         the full record (format "speculators.eval/v1"; see `acceptance.py` for the fields)
+  report.md           per temperature: a table per cohort with a_1..a_D, simulated tau, the n-gram baseline's tau
+                      and, when measured, the live runtime's tau and a_k
+  per_position.png    per-position acceptance a_k per cohort (speculator solid, n-gram dashed), one panel per T
+  tau.png             simulated tau per cohort, speculator vs n-gram (and live when measured), one panel per T
+`write_overview(eval_dir, selection, reports)` writes `eval/report.md` (checkpoint table + the chosen one) and
+`eval/selection.png` (mean tau per checkpoint, with the recorded loss for reference).
+
+This module formats numbers; it computes none (they come from `speculators.metrics` via `alpha.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from speculators.export.atomic import write_json_atomic, write_text_atomic
+
+
+def _fmt(x: object, nd: int = 3) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _temps(report: dict) -> list[str]:
+    return sorted(report.get("temperatures", {}), key=float)
+
+
+def render_markdown(report: dict) -> str:
+    lines = [f"# Acceptance report — {report['checkpoint']} ({report.get('family', '?')})", ""]
+    tgt = report.get("target") or {}
+    lines += [f"- target: `{tgt.get('name_or_path')}` @ `{tgt.get('revision')}`",
+              f"- draft revision: `{report.get('draft_revision')}`",
+              f"- workloads: {', '.join(report.get('workloads', []))} — {report.get('rows')} rows, "
+              f"cohorts: {', '.join(report.get('cohorts', []))}",
+              f"- teacher-forced chain depth {report.get('speculator_depth')} for both drafters (n-gram to depth "
+              f"{report.get('depth')}: see report.json `ngram_full_depth`)",
+              "- a_k = P(depth-k draft accepted | depths < k accepted); simulated tau = 1 + sum_k prod_{j<=k} a_j "
+              "(committed tokens per target call, bonus included)", ""]
+    live = report.get("live") or {}
+    for t in _temps(report):
+        entry = report["temperatures"][t]
+        spec, ngram = entry["speculator"], entry["ngram"]
+        depth = len(next(iter(spec["cohorts"].values()))["per_position_acceptance"]) if spec["cohorts"] else 0
+        lv = live.get(t) or {}
+        head = ["cohort", "rows", "positions", *[f"a_{k}" for k in range(1, depth + 1)], "tau", "n-gram tau"]
+        if lv:
+            head += ["live tau", "live a_k", "live n-gram tau"]
+        lines += [f"## T = {t}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        cohorts = [*spec["cohorts"], "overall"]
+        for c in cohorts:
+            s = spec["cohorts"].get(c) if c != "overall" else spec["overall"]
+            g = ngram["cohorts"].get(c) if c != "overall" else ngram["overall"]
+            if s is None:
+                continue
+            row = [c if c != "overall" else "**overall (pooled)**", str(s["rows"]), str(s["positions"]),
+                   *[_fmt(a) for a in s["per_position_acceptance"]], f"**{_fmt(s['simulated_tau'])}**",
+                   _fmt(g["simulated_tau"] if g else None)]
+            if lv:
+                ls = (lv.get("speculator") or {}).get(c) or {}
+                ln = (lv.get("ngram") or {}).get(c) or {}
+                row += [_fmt(ls.get("tau")), ", ".join(_fmt(a, 2) for a in ls.get("per_position_acceptance", []))
+                        or "–", _fmt(ln.get("tau"))]
+            lines.append("| " + " | ".join(row) + " |")
+        lines += ["", f"Mean over cohorts: speculator tau **{_fmt(spec['mean_tau'])}**, n-gram tau "
+                      f"{_fmt(ngram['mean_tau'])}.", ""]
+    if live:
+        lines += [f"Live: the bundled runtime on {report.get('live_rows_per_cohort')} rows per cohort "
+                  f"(`speculators.serving.Engine`, its default drafting tree); tau = committed tokens / target "
+                  "calls.", ""]
+    if report.get("loss") is not None:
+        lines += [f"Recorded training loss (for reference, not used for selection): {_fmt(report['loss'], 4)}", ""]
+    return "\n".join(lines)
+
+
+def plot_per_position(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = _temps(report)
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps, strict=True):
+        entry = report["temperatures"][t]
+        for i, (c, s) in enumerate(entry["speculator"]["cohorts"].items()):
+            color = f"C{i % 10}"
+            a = s["per_position_acceptance"]
+            ax.plot(range(1, len(a) + 1), a, marker="o", color=color, label=c)
+            g = entry["ngram"]["cohorts"].get(c)
+            if g:
+                ga = g["per_position_acceptance"]
+                ax.plot(range(1, len(ga) + 1), ga, linestyle="--", color=color, alpha=0.6)
+        depth = max((len(s["per_position_acceptance"]) for s in entry["speculator"]["cohorts"].values()), default=1)
+        ax.set_xticks(range(1, depth + 1))
+        ax.set_title(f"{report['checkpoint']} — T={t} (dashed: n-gram)")
+        ax.set_xlabel("draft depth k")
+        ax.set_ylabel("a_k (conditional acceptance)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_tau(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = _temps(report)
+    live = report.get("live") or {}
+    fig, axes = plt.subplots(1, len(temps), figsize=(7 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps, strict=True):
+        entry = report["temperatures"][t]
+        cohorts = list(entry["speculator"]["cohorts"])
+        series = [("speculator (simulated)", [entry["speculator"]["cohorts"][c]["simulated_tau"] for c in cohorts]),
+                  ("n-gram (simulated)", [(entry["ngram"]["cohorts"].get(c) or {}).get("simulated_tau", 0.0)
+                                          for c in cohorts])]
+        lv = live.get(t) or {}
+        if lv:
+            series.append(("speculator (live)", [((lv.get("speculator") or {}).get(c) or {}).get("tau", 0.0)
+                                                 for c in cohorts]))
+            series.append(("n-gram (live)", [((lv.get("ngram") or {}).get(c) or {}).get("tau", 0.0)
+                                             for c in cohorts]))
+        width = 0.8 / len(series)
+        for j, (label, vals) in enumerate(series):
+            ax.bar([i + j * width for i in range(len(cohorts))], vals, width=width, label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cohorts))])
+        ax.set_xticklabels(cohorts, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("tau (tokens per target call)")
+        ax.set_title(f"{report['checkpoint']} — T={t}")
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_checkpoint_report(out_dir: Path, report: dict) -> None:
+    """report.json + report.md + per_position.png + tau.png into `out_dir` (an already-created directory)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_per_position(report, out_dir / "per_position.png")
+    plot_tau(report, out_dir / "tau.png")
+    write_text_atomic(out_dir / "report.md", render_markdown(report) + "\n")
+    write_json_atomic(out_dir / "report.json", report)
+
+
+def render_overview(selection: dict, reports: dict[str, dict]) -> str:
+    t = selection["temperature"]
+    lines = ["# Evaluation overview", "",
+             f"Selection metric: {selection['metric']}. Best checkpoint: **{selection['best']}** "
+             "(written to `checkpoints/best`).", "",
+             "| checkpoint | mean tau | recorded loss (not used) |", "|---|---|---|"]
+    for row in selection["checkpoints"]:
+        mark = " ← best" if row["checkpoint"] == selection["best"] else ""
+        lines.append(f"| {row['checkpoint']}{mark} | {_fmt(row['mean_tau'])} | {_fmt(row['loss'], 4)} |")
+    lines += ["", f"Per-cohort tables of the best checkpoint: `eval/{selection['best']}/report.md`.", ""]
+    summary = selection["summary"].get(str(float(t)))
+    if summary:
+        lines += [f"## Best checkpoint at T = {t}", "", "| cohort | speculator tau | n-gram tau |", "|---|---|---|"]
+        for c, v in summary["tau"].items():
+            lines.append(f"| {c} | {_fmt(v)} | {_fmt(summary['ngram_tau'].get(c))} |")
+        lines.append(f"| **mean** | **{_fmt(summary['mean_tau'])}** | {_fmt(summary['ngram_mean_tau'])} |")
+    return "\n".join(lines)
+
+
+def plot_selection(selection: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = selection["checkpoints"]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [r["mean_tau"] for r in rows], marker="o", color="C0", label="mean simulated tau")
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"mean tau (T={selection['temperature']})", color="C0")
+    best = next(r for r in rows if r["checkpoint"] == selection["best"])
+    ax.scatter([best["step"]], [best["mean_tau"]], s=120, facecolors="none", edgecolors="red", label="best")
+    losses = [(r["step"], r["loss"]) for r in rows if r["loss"] is not None]
+    if losses:
+        ax2 = ax.twinx()
+        ax2.plot([s for s, _ in losses], [v for _, v in losses], marker="x", color="C1", linestyle=":")
+        ax2.set_ylabel("recorded loss (reference)", color="C1")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_overview(eval_dir: Path, selection: dict, reports: dict[str, dict]) -> None:
+    plot_selection(selection, eval_dir / "selection.png")
+    write_text_atomic(eval_dir / "report.md", render_overview(selection, reports) + "\n")

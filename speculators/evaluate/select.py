@@ -1,0 +1,138 @@
+"""Checkpoint choice by held-out acceptance: the best checkpoint is the one with the highest simulated tau.
+
+- `list_checkpoints(dir)`: the kept `step-*` checkpoint directories, oldest first.
+- `read_pointer` / `write_pointer`: the small text files `checkpoints/best` and `checkpoints/latest` (one line, a
+  step dir name; written atomically).
+- `choose_best(reports, temperature)`: the checkpoint whose teacher-forced simulated tau at `temperature`, averaged
+  over cohorts, is highest (ties -> the later step). Training loss is recorded next to it for reference only:
+  loss keeps falling after acceptance peaks, so it never decides.
+- `selection_record` builds `eval/selection.json`.
+
+This module does not evaluate anything; it reads reports produced by `acceptance.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from speculators.errors import SpeculatorsError
+from speculators.export.atomic import write_text_atomic
+
+SELECTION_FORMAT = "speculators.selection/v1"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def step_number(path: str | Path) -> int:
+    m = _STEP.match(Path(path).name)
+    return int(m.group(1)) if m else -1
+
+
+def list_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
+    """`step-*` directories that hold a config.json, ordered by step."""
+    d = Path(checkpoints_dir)
+    if not d.is_dir():
+        return []
+    found = [p for p in d.iterdir() if p.is_dir() and _STEP.match(p.name) and (p / "config.json").is_file()]
+    return sorted(found, key=step_number)
+
+
+def read_pointer(checkpoints_dir: str | Path, name: str = "best") -> Path | None:
+    """The checkpoint dir a pointer file names, or None when the file is absent."""
+    d = Path(checkpoints_dir)
+    f = d / name
+    if not f.is_file():
+        return None
+    text = f.read_text().strip()
+    if not text:
+        raise SpeculatorsError(f"{f} is empty; re-run `speculators evaluate` to rewrite it")
+    p = Path(text)
+    target = p if p.is_absolute() else d / p
+    if not target.is_dir():
+        raise SpeculatorsError(f"{f} names {text}, which does not exist; re-run `speculators evaluate`")
+    return target
+
+
+def write_pointer(checkpoints_dir: str | Path, step_dir: str | Path, name: str = "best") -> Path:
+    return write_text_atomic(Path(checkpoints_dir) / name, Path(step_dir).name + "\n")
+
+
+def checkpoint_loss(step_dir: str | Path) -> float | None:
+    """The validation (else training) loss the trainer recorded in `speculators_native`, if any (reference only)."""
+    try:
+        native = json.loads((Path(step_dir) / "config.json").read_text()).get("speculators_native") or {}
+    except (OSError, json.JSONDecodeError):
+        return None
+    training = native.get("training") if isinstance(native.get("training"), dict) else {}
+    for holder in (training.get("validation"), native, native.get("metrics"), training):
+        if not isinstance(holder, dict):
+            continue
+        for key in ("val_loss", "eval_loss", "loss", "train_loss"):
+            v = holder.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return float(v)
+    return None
+
+
+def checkpoint_family(step_dir: str | Path) -> str:
+    """The speculator family a checkpoint (or export) directory holds, from its config.json."""
+    path = Path(step_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpeculatorsError(f"cannot read {path} ({exc}); the checkpoint is incomplete or corrupt") from None
+    native = cfg.get("speculators_native") or {}
+    family = native.get("family") or cfg.get("speculators_model_type") or cfg.get("model_type")
+    if not family:
+        raise SpeculatorsError(f"{path} names no speculator family (no speculators_native.family); "
+                               f"it was not written by speculators")
+    return str(family)
+
+
+def tau_of(report: dict, temperature: float) -> float:
+    """The selection metric of one checkpoint report: mean over cohorts of the simulated tau at `temperature`."""
+    entry = report.get("temperatures", {}).get(_tkey(temperature))
+    if entry is None:
+        raise SpeculatorsError(f"evaluation report of {report.get('checkpoint')} has no temperature {temperature}; "
+                               f"add it to evaluate.temperatures or change evaluate.select_temperature")
+    return float(entry["speculator"]["mean_tau"])
+
+
+def _tkey(temperature: float) -> str:
+    return str(float(temperature))
+
+
+def choose_best(reports: dict[str, dict], temperature: float) -> str:
+    """Name of the checkpoint with the highest held-out simulated tau (ties: the later step)."""
+    if not reports:
+        raise SpeculatorsError("no evaluated checkpoints to choose from")
+    return max(reports, key=lambda name: (tau_of(reports[name], temperature), step_number(name)))
+
+
+def selection_record(reports: dict[str, dict], best: str, temperature: float, checkpoints_dir: Path) -> dict:
+    rows = []
+    for name in sorted(reports, key=step_number):
+        rep = reports[name]
+        rows.append({"checkpoint": name, "step": step_number(name), "draft_revision": rep.get("draft_revision"),
+                     "mean_tau": tau_of(rep, temperature),
+                     "loss": checkpoint_loss(checkpoints_dir / name)})
+    best_rep = reports[best]
+    summary = {t: {"tau": {c: s["simulated_tau"] for c, s in e["speculator"]["cohorts"].items()},
+                   "mean_tau": e["speculator"]["mean_tau"],
+                   "ngram_tau": {c: s["simulated_tau"] for c, s in e["ngram"]["cohorts"].items()},
+                   "ngram_mean_tau": e["ngram"]["mean_tau"]}
+               for t, e in best_rep["temperatures"].items()}
+    return {
+        "format": SELECTION_FORMAT,
+        "metric": f"mean over cohorts of the teacher-forced simulated tau at temperature {float(temperature)}",
+        "temperature": float(temperature),
+        "best": best,
+        "best_step": step_number(best),
+        "best_draft_revision": best_rep.get("draft_revision"),
+        "checkpoints": rows,
+        "target": best_rep.get("target"),
+        "summary": summary,
+        "live": best_rep.get("live"),
+        "complete": True,
+    }

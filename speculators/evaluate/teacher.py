@@ -1,0 +1,175 @@
+"""The target's side of a teacher-forced evaluation: prompts, the target's own continuations, one tapped forward.
+
+- `encode_row`: a workload row -> prompt token ids (raw `prompt` with the tokenizer's special tokens, or
+  `messages` through the target's chat template with the generation prompt).
+- `continuations`: the target's own continuation of every row (HF `generate`; greedy for T=0, sampled with a
+  per-row fixed seed for T>0, no top-k/top-p), cached in `eval/continuations.json` under a key made of the target
+  revision, the rows and the seed, so re-evaluating new checkpoints never regenerates.
+- `teacher_pass`: one forward over prompt + continuation with `speculators.target.forward_with_taps` -> the
+  features speculators ask for (taps of a union of layer ids, sliced per speculator) and the teacher logits.
+
+This module does not score drafts (see `alpha.py`) and does not touch checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators.data.workloads import WorkloadRow
+from speculators.errors import SpeculatorsError
+from speculators.target import forward_with_taps
+
+CONTINUATIONS_FORMAT = "speculators.continuations/v1"
+
+
+def encode_row(tokenizer: Any, row: WorkloadRow) -> list[int]:
+    """Prompt token ids of a workload row (what the target sees before it starts answering)."""
+    if row.prompt is not None:
+        return list(tokenizer(row.prompt).input_ids)
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpeculatorsError(f"workload row {row.id} has 'messages' but the target tokenizer has no chat template; "
+                               f"set target.chat_template in the recipe")
+    out = tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return [int(i) for i in ids]
+
+
+def row_seed(seed: int, row_id: str) -> int:
+    """A per-row sampling seed independent of row order and batch composition."""
+    return (seed * 1_000_003 + int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16)) % (2**31 - 1)
+
+
+@dataclass
+class EvalSequence:
+    """One evaluated sequence: prompt + the target's continuation at one temperature."""
+
+    row: WorkloadRow
+    temperature: float
+    token_ids: list[int]  # prompt + continuation
+    prompt_len: int
+
+    @property
+    def continuation(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+
+def _cache_key(target_revision: str, rows: Sequence[WorkloadRow], seed: int) -> str:
+    h = hashlib.sha256(f"{CONTINUATIONS_FORMAT}|{target_revision}|{seed}".encode())
+    for r in rows:
+        h.update(json.dumps([r.id, r.prompt, r.messages, r.max_new_tokens], sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _load_cache(path: Path, key: str) -> dict[str, list[int]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if data.get("format") != CONTINUATIONS_FORMAT or data.get("key") != key:
+        return {}
+    return {k: [int(t) for t in v] for k, v in data.get("sequences", {}).items()}
+
+
+def _save_cache(path: Path, key: str, sequences: dict[str, list[int]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"format": CONTINUATIONS_FORMAT, "key": key, "sequences": sequences}))
+    tmp.replace(path)
+
+
+def generate_continuation(model: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+                          seed: int, eos_token_id: Any, pad_token_id: int | None) -> list[int]:
+    """The target's own continuation (generated ids only; ends with EOS if the target stopped)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, P]
+    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids),
+                                  eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if temperature == 0:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    else:
+        torch.manual_seed(seed)
+        kwargs.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
+    with torch.no_grad():
+        out = model.generate(ids, **kwargs)  # [1, P + C]
+    return [int(t) for t in out[0, len(prompt_ids):].tolist()]
+
+
+def continuations(model: Any, tokenizer: Any, rows: Sequence[WorkloadRow], temperatures: Sequence[float],
+                  seed: int, target_revision: str, cache_path: Path | None,
+                  progress: bool = True) -> dict[float, list[EvalSequence]]:
+    """prompt + target continuation of every row at every temperature (cached; see module docstring)."""
+    from tqdm.auto import tqdm
+
+    key = _cache_key(target_revision, rows, seed)
+    cache = _load_cache(cache_path, key) if cache_path is not None else {}
+    gen_cfg = getattr(model, "generation_config", None)
+    eos = getattr(gen_cfg, "eos_token_id", None) or tokenizer.eos_token_id
+    pad = getattr(gen_cfg, "pad_token_id", None)
+    if pad is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = {r.id: encode_row(tokenizer, r) for r in rows}
+    out: dict[float, list[EvalSequence]] = {}
+    dirty = 0
+    todo = sum(1 for t in temperatures for r in rows if f"{float(t)}:{r.id}" not in cache)
+    bar = tqdm(total=todo, desc="target continuations", unit="row", disable=not progress or todo == 0)
+    for temp in temperatures:
+        seqs = []
+        for r in rows:
+            name = f"{float(temp)}:{r.id}"
+            if name not in cache:
+                cache[name] = generate_continuation(model, prompts[r.id], r.max_new_tokens, float(temp),
+                                                    row_seed(seed, r.id), eos, pad)
+                dirty += 1
+                bar.update(1)
+                if cache_path is not None and dirty % 16 == 0:
+                    _save_cache(cache_path, key, cache)
+            seqs.append(EvalSequence(row=r, temperature=float(temp), token_ids=prompts[r.id] + cache[name],
+                                  prompt_len=len(prompts[r.id])))
+        out[float(temp)] = seqs
+    bar.close()
+    if cache_path is not None and dirty:
+        _save_cache(cache_path, key, cache)
+    return out
+
+
+@dataclass
+class TeacherPass:
+    """The target's forward over one sequence (batch row 0 removed)."""
+
+    logits: torch.Tensor  # [T, V] float32
+    taps: torch.Tensor | None  # [T, n_union * H] residual stream entering `tap_layer_ids`
+    last_hidden: torch.Tensor  # [T, H] post-norm final hidden state
+    tap_layer_ids: list[int]
+    hidden_size: int
+
+    def features(self, tap_layer_ids: Sequence[int] | None, last_hidden: bool) -> dict[str, torch.Tensor]:
+        """The batch features one speculator asks for (taps in ITS layer order), with a batch dim of 1."""
+        feats: dict[str, torch.Tensor] = {}
+        if tap_layer_ids:
+            if self.taps is None:
+                raise ValueError("this teacher pass recorded no taps")
+            h = self.hidden_size
+            cols = [self.taps[:, self.tap_layer_ids.index(i) * h:(self.tap_layer_ids.index(i) + 1) * h]
+                    for i in tap_layer_ids]
+            feats["taps"] = torch.cat(cols, dim=-1)[None]  # [1, T, n * H]
+        if last_hidden:
+            feats["last_hidden"] = self.last_hidden[None]  # [1, T, H]
+        return feats
+
+
+def teacher_pass(model: Any, token_ids: Sequence[int], tap_layer_ids: Sequence[int]) -> TeacherPass:
+    """One target forward over the whole sequence with the union of the requested taps."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # [1, T]
+    out = forward_with_taps(model, ids, torch.ones_like(ids), list(tap_layer_ids) or None)
+    return TeacherPass(logits=out.logits[0].float(), taps=None if out.taps is None else out.taps[0].float(),
+                       last_hidden=out.last_hidden[0].float(), tap_layer_ids=list(tap_layer_ids),
+                       hidden_size=int(out.last_hidden.shape[-1]))

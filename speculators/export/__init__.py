@@ -1,0 +1,1 @@
+"""Export: vLLM-loadable checkpoints (speculators format, Medusa format), MTP, and pairing records."""

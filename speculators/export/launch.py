@@ -1,0 +1,217 @@
+"""The vLLM launch command of an exported pair: k and a batch-size schedule from measured acceptance and cost.
+
+- `measure_verify_cost(model, max_k, concurrencies)`: on this machine, with the target, the wall time of one target
+  forward over c sequences x n new tokens on top of a `context_len`-token KV cache, n = 1 .. max_k+1;
+  cost_c(k) = time(c, k+1) / time(c, 1) (minimum of at least `repeats` runs after two warm-ups).
+- `choose_k(tau_by_depth, cost)`: argmax over k of tau(k) / cost(k), with tau(0) = cost(0) = 1 (no speculation):
+  expected committed tokens per unit of target time. tau(k) is the teacher-forced simulated tau of a depth-k chain
+  (mean over cohorts). The drafter's own time is not in the cost (EAGLE-3/MTP: one small layer per step; Medusa:
+  heads in parallel) — stated in the generated files.
+- `schedule(...)`: k per max-concurrency bucket, as vLLM's `num_speculative_tokens_per_batch_size` ranges
+  ([start_bs, end_bs, k]; vLLM >= 0.25 "dynamic speculative decoding"); consecutive buckets with the same k merge.
+- `launch_script` / `readme_section`: `launch.sh` and the README text that explains all of the above.
+
+This module does not write the checkpoint (see vllm.py) and never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import platform
+import shlex
+import time
+from typing import Any
+
+import torch
+
+DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def measure_verify_cost(model: Any, max_k: int, concurrencies: tuple[int, ...] | None = None,
+                        context_len: int = 128, repeats: int = 3, min_seconds: float = 0.02,
+                        max_repeats: int = 10) -> dict:
+    """cost[c][k] = time(target forward of c x (k+1) new tokens) / time(c x 1), on a context_len KV cache.
+    Each time is the minimum over the timed runs (the least disturbed by other work on the machine)."""
+    concurrencies = tuple(concurrencies or DEFAULT_CONCURRENCIES)
+    from transformers import DynamicCache
+
+    param = next(model.parameters())
+    device = param.device
+    vocab = int(model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config")
+                else model.config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # CUDA: wall time after a synchronize. CPU: the process's CPU time, which other processes sharing the cores
+    # do not inflate (wall time on a loaded CPU measures the scheduler, not the forward).
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    clock_name = "wall time" if device.type == "cuda" else "process CPU time"
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x renamed it
+    table: dict[str, dict[str, float]] = {}
+    seconds: dict[str, dict[str, float]] = {}
+    for c in concurrencies:
+        prefix = torch.randint(0, vocab, (c, context_len), generator=gen).to(device)  # [c, L]
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=prefix, use_cache=True, **{cache_kw: cache})
+        ns = list(range(1, max_k + 2))
+        news = {n: torch.randint(0, vocab, (c, n), generator=gen).to(device) for n in ns}  # [c, n]
+        runs: dict[int, list[float]] = {n: [] for n in ns}
+        for r in range(2 + max_repeats):  # round-robin over n: load changes hit every n alike
+            for n in ns:
+                pos = torch.arange(context_len, context_len + n, device=device)[None].expand(c, n)  # [c, n]
+                sync()
+                t0 = clock()
+                with torch.no_grad():
+                    model(input_ids=news[n], position_ids=pos, use_cache=True, **{cache_kw: cache})
+                sync()
+                if r >= 2:  # two warm-up rounds
+                    runs[n].append(clock() - t0)
+                cache.crop(-n)  # negative = drop the n new tokens (every transformers version)
+            if r + 1 - 2 >= repeats and sum(runs[1]) >= min_seconds:
+                break
+        times = {n: min(v) for n, v in runs.items()}
+        table[str(c)] = {str(k): round(times[k + 1] / times[1], 4) for k in range(0, max_k + 1)}
+        seconds[str(c)] = {str(n): round(t, 6) for n, t in times.items()}
+    return {"method": f"{clock_name}, minimum of {repeats}-{max_repeats} timed target forwards (at least "
+                      f"{min_seconds} s in all, after 2 warm-ups, n values interleaved) of c sequences x n new tokens "
+                      f"on a {context_len}-token KV cache of random tokens; cost(k) = time(n=k+1) / time(n=1)",
+            "device": _device_name(device), "dtype": str(param.dtype).replace("torch.", ""),
+            "context_len": context_len, "cost": table, "seconds": seconds}
+
+
+def choose_k(tau_by_depth: list[float], cost: dict[str, float], ks: list[int] | None = None) -> tuple[int, float]:
+    """(k, tau(k)/cost(k)) maximising expected committed tokens per unit target time; k = 0 is plain decoding.
+    `ks` restricts the candidates (e.g. Medusa in vLLM: exactly num_heads)."""
+    best_k, best = 0, 1.0
+    for k in range(1, len(tau_by_depth) + 1):
+        if str(k) not in cost or (ks is not None and k not in ks):
+            continue
+        value = tau_by_depth[k - 1] / cost[str(k)]
+        if value > best + 1e-9:
+            best_k, best = k, value
+    return best_k, best
+
+
+def schedule(tau_by_depth: list[float], measured: dict, ks: list[int] | None = None,
+             max_batch: int = 512) -> list[dict]:
+    """k per max-concurrency bucket: bucket c covers concurrencies (previous c, c]; the last extends to max_batch."""
+    cs = sorted(int(c) for c in measured["cost"])
+    rows = []
+    lo = 1
+    for i, c in enumerate(cs):
+        hi = max_batch if i == len(cs) - 1 else c
+        k, value = choose_k(tau_by_depth, measured["cost"][str(c)], ks)
+        rows.append({"start_bs": lo, "end_bs": hi, "measured_at": c, "k": k,
+                     "tokens_per_unit_cost": round(value, 4)})
+        lo = hi + 1
+    merged: list[dict] = []
+    for r in rows:
+        if merged and merged[-1]["k"] == r["k"]:
+            merged[-1]["end_bs"] = r["end_bs"]
+        else:
+            merged.append(dict(r))
+    return merged
+
+
+def vllm_schedule(rows: list[dict]) -> list[list[int]]:
+    return [[r["start_bs"], r["end_bs"], r["k"]] for r in rows]
+
+
+def speculative_config(export_dir: str, method: str, k: int, rows: list[dict] | None) -> dict:
+    cfg: dict[str, Any] = {"model": export_dir, "method": method, "num_speculative_tokens": k}
+    if rows and any(r["k"] != k for r in rows):
+        cfg["num_speculative_tokens_per_batch_size"] = vllm_schedule(rows)
+    return cfg
+
+
+def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_describing: bool,
+                  fixed_k: bool, measured: dict, tau_by_depth: list[float]) -> str:
+    """launch.sh: the long form with the measured k (and schedule); the short form in a comment."""
+    trivial = all(r["k"] == k for r in rows)
+    sched = json.dumps(vllm_schedule(rows))
+    cost1 = ", ".join(str(v) for kk, v in measured["cost"]["1"].items() if kk != "0")
+    lines = [
+        "#!/usr/bin/env bash",
+        "# Serve this speculator with vLLM (written by `speculators export`).",
+        f"# target: {target}",
+        f"# k = {k}: argmax_k tau(k) / cost(k) at concurrency 1, where tau(k) is the held-out teacher-forced",
+        "#   simulated tau of a depth-k chain (mean over cohorts) and cost(k) the measured verify-cost ratio",
+        f"#   (target forward over k+1 tokens / over 1 token) on {measured['device']} ({measured['dtype']}).",
+        f"#   tau(k=1..) = {', '.join(f'{t:.3f}' for t in tau_by_depth)}",
+        f"#   cost(k=1..) at concurrency 1 = {cost1}",
+        f"# batch-size schedule [start_bs, end_bs, k] (vLLM >= 0.25 dynamic speculative decoding): {sched}",
+        "# The costs come from the machine that ran the export: re-measure on your serving GPU.",
+        "# Overrides: TARGET=..., K=... (then the schedule is dropped), USE_SCHEDULE=0 (vLLM < 0.25).",
+    ]
+    if self_describing:
+        lines += ["# Short form (k from config.json's speculative_tokens, target from verifier.name_or_path):",
+                  '#   vllm serve "$EXPORT_DIR"']
+    if fixed_k:
+        lines += [f"# vLLM's {method} proposer drafts one token per head: num_speculative_tokens is fixed."]
+    lines += [
+        "set -euo pipefail",
+        'EXPORT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+        f"TARGET=\"${{TARGET:-{target}}}\"",
+        f"USE_SCHEDULE=\"${{USE_SCHEDULE:-{0 if trivial else 1}}}\"",
+        'if [ -n "${K:-}" ]; then USE_SCHEDULE=0; fi',
+        f"K=\"${{K:-{k}}}\"",
+        'if [ "$K" = "0" ]; then',
+        '  echo "speculation does not pay off at concurrency 1 on the exporting machine: serving the target alone '
+        '(set K=... to override)" >&2',
+        '  exec vllm serve "$TARGET" "$@"',
+        "fi",
+        'SPEC="{\\"model\\": \\"$EXPORT_DIR\\", \\"method\\": \\"' + method
+        + '\\", \\"num_speculative_tokens\\": $K"',
+        'if [ "$USE_SCHEDULE" = "1" ]; then',
+        f"  SPEC=\"$SPEC, \\\"num_speculative_tokens_per_batch_size\\\": {sched}\"",
+        "fi",
+        'exec vllm serve "$TARGET" --speculative-config "$SPEC}" "$@"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def readme_section(*, export_dir_name: str, target: str, method: str, k: int, rows: list[dict],
+                   self_describing: bool, measured: dict, tau_by_depth: list[float], config_k: int,
+                   fixed_k: bool) -> str:
+    spec = speculative_config("<export_dir>", method, k if k > 0 else config_k, rows if k > 0 else None)
+    lines = ["## Serving with vLLM", ""]
+    if k == 0:
+        lines += ["**Measured on the exporting machine, no k pays off** (tau(k) / cost(k) <= 1 for every k, table "
+                  "below): `launch.sh` serves the target alone unless you set `K=`. Verify cost on a GPU is usually "
+                  f"far lower; the commands below use the config's k = {config_k}.", ""]
+    if self_describing:
+        lines += ["Short form — vLLM reads `speculators_config` from `config.json`, serves "
+                  f"`verifier.name_or_path` (`{target}`) as the target and drafts "
+                  f"`speculative_tokens` = {config_k} tokens per step:", "", "```bash",
+                  f"vllm serve {shlex.quote(export_dir_name)}", "```", ""]
+    lines += ["Long form (pick the target yourself, e.g. a quantized copy, and the measured k / schedule):", "",
+              "```bash", f"vllm serve {shlex.quote(target)} --speculative-config '{json.dumps(spec)}'", "```", "",
+              "`launch.sh` in this directory runs the long form (override `TARGET=`, `K=`, `USE_SCHEDULE=0`; extra "
+              "arguments go to `vllm serve`). `num_speculative_tokens_per_batch_size` needs vLLM >= 0.25; drop it "
+              "(`USE_SCHEDULE=0`) on older versions.", "",
+              "### How k and the schedule were chosen", "",
+              "- tau(k): held-out teacher-forced simulated acceptance length of a depth-k chain, mean over workload "
+              f"cohorts (`report.json`): {', '.join(f'k={i + 1}: {t:.3f}' for i, t in enumerate(tau_by_depth))}.",
+              f"- cost(k): {measured['method']}, measured on {measured['device']} ({measured['dtype']}).",
+              "- k(c) = argmax_k tau(k) / cost_c(k) (k = 0: speculation off); the drafter's own time is not "
+              "included.", ""]
+    if fixed_k:
+        lines += [f"vLLM's {method} proposer drafts exactly one token per head, so k is fixed to {k}; the schedule "
+                  "only says where speculation stops paying off (k = 0).", ""]
+    lines += ["| max concurrency | k | expected tokens per unit target time | cost(k) measured at |",
+              "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['start_bs']}–{r['end_bs']} | {r['k']} | {r['tokens_per_unit_cost']:.3f} | "
+                     f"c = {r['measured_at']} |")
+    lines += ["", "Re-measure on the serving GPU before relying on the schedule: verify cost depends on the "
+              "hardware, the dtype and the context length.", ""]
+    return "\n".join(lines)

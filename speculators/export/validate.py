@@ -1,0 +1,398 @@
+"""Format validator for exported directories: every rule vLLM's loader applies, checked before anybody serves.
+
+`validate_vllm_export(dir) -> list[str]` returns one line per problem ([] = loadable). It detects the format from
+config.json:
+- speculators format (EAGLE-3): vLLM routes a config to its speculators path only when the top-level `model_type`
+  is absent (or "speculators") and `speculators_config` is present; it then requires `speculators_model_type`,
+  `speculators_config.proposal_methods[0].speculative_tokens`, `speculators_config.verifier.name_or_path` and a
+  `transformer_layer_config` dict whose `model_type` maps to an architecture (llama -> Eagle3LlamaForCausalLM,
+  qwen3 -> Eagle3Qwen3ForCausalLM). The loader builds `fc` with 3 * target_hidden inputs (3 aux layers unless the
+  config nests `eagle_config`), an lm_head of `draft_vocab_size` rows, a `draft_id_to_target_id` [Vd] int64 buffer
+  from `d2t` (silently zero when absent -> garbage drafts), prefixes every weight but `lm_head` with `model.` (so a
+  `model.`-prefixed checkpoint does not load) and fails on unknown parameter names.
+- Medusa (`model_type: "medusa"`): `num_heads` x `num_hidden_layers` ResBlocks `blocks.{h}.layers.{l}.weight`
+  [H, H] (+bias iff `medusa_fc_bias`) and `lm_heads.{h}.weight` [V, H].
+- MTP stitched into a target (`num_nextn_predict_layers` >= 1): DeepSeek-style `model.layers.{N+i}.{enorm, hnorm,
+  eh_proj, shared_head.norm, shared_head.head}` present in the weight index.
+Also: float tensors finite and in the dtype config.json declares; when `pairing.json` is present, the shapes and
+layer ids agree with the target it records.
+
+This module reads files only; it never loads a model or writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+EAGLE3_ARCHS = {"llama": "Eagle3LlamaForCausalLM", "qwen3": "Eagle3Qwen3ForCausalLM"}
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings")
+_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_FLOAT = ("BF16", "F16", "F32", "F64")
+MTP_DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_mtp", "glm4_moe", "glm4_moe_mtp", "ernie4_5_moe",
+                      "mimo")
+MTP_QWEN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+class _Tensors:
+    """Header view of every *.safetensors file in a directory: name -> (dtype, shape, file)."""
+
+    def __init__(self, directory: Path, problems: list[str]) -> None:
+        from safetensors import safe_open
+
+        self.info: dict[str, tuple[str, list[int], Path]] = {}
+        self.files = sorted(directory.glob("*.safetensors"))
+        for f in self.files:
+            try:
+                with safe_open(str(f), framework="pt") as fh:
+                    for k in fh.keys():
+                        sl = fh.get_slice(k)
+                        if k in self.info:
+                            problems.append(f"tensor {k} appears in two weight files ({self.info[k][2].name}, {f.name})")
+                        self.info[k] = (str(sl.get_dtype()), list(sl.get_shape()), f)
+            except Exception as exc:  # noqa: BLE001 - safetensors raises several types for corrupt files
+                problems.append(f"{f.name} is not a readable safetensors file ({str(exc).splitlines()[0]})")
+
+    def load(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        with safe_open(str(self.info[name][2]), framework="pt") as fh:
+            return fh.get_tensor(name)
+
+    def shape(self, name: str) -> list[int] | None:
+        return self.info[name][1] if name in self.info else None
+
+    def dtype(self, name: str) -> str | None:
+        return self.info[name][0] if name in self.info else None
+
+
+def _read_json(path: Path, problems: list[str]) -> dict | None:
+    if not path.is_file():
+        problems.append(f"{path.name} is missing from {path.parent}")
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        problems.append(f"{path.name} is not valid JSON ({exc})")
+        return None
+    if not isinstance(data, dict):
+        problems.append(f"{path.name} must be a JSON object")
+        return None
+    return data
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _expect_shape(t: _Tensors, name: str, shape: list[int], problems: list[str]) -> None:
+    got = t.shape(name)
+    if got is None:
+        problems.append(f"missing tensor {name} (expected shape {shape})")
+    elif got != shape:
+        problems.append(f"tensor {name} has shape {got}, expected {shape}")
+
+
+def _check_floats(t: _Tensors, config: dict, problems: list[str], deep: bool) -> None:
+    want = _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or ""))
+    floats = [k for k, (dt, _, _) in t.info.items() if dt in _FLOAT]
+    kinds = sorted({t.dtype(k) for k in floats})
+    if len(kinds) > 1:
+        problems.append(f"float tensors mix dtypes {kinds}; export them in one dtype")
+    if want and kinds and kinds != [want]:
+        problems.append(f"config.json declares dtype {config.get('dtype') or config.get('torch_dtype')} but the "
+                        f"float tensors are {kinds}")
+    if deep:
+        import torch
+
+        for k in floats:
+            if not bool(torch.isfinite(t.load(k)).all()):
+                problems.append(f"tensor {k} contains NaN or Inf")
+
+
+def _pairing_target(directory: Path) -> dict | None:
+    try:
+        return json.loads((directory / "pairing.json").read_text()).get("target")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EAGLE-3 in the vLLM speculators format
+
+
+def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: list[str]) -> None:
+    sc = config.get("speculators_config")
+    smt = config.get("speculators_model_type")
+    if smt is None:
+        problems.append("config.json lacks speculators_model_type (vLLM requires it)")
+    elif smt != "eagle3":
+        problems.append(f"speculators_model_type is {smt!r}; this exporter writes and checks 'eagle3'")
+    if not isinstance(sc, dict):
+        problems.append("speculators_config must be a mapping")
+        sc = {}
+    if sc.get("algorithm") != "eagle3":
+        problems.append(f"speculators_config.algorithm is {sc.get('algorithm')!r}, expected 'eagle3'")
+    methods = sc.get("proposal_methods")
+    if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
+        problems.append("speculators_config.proposal_methods must be a non-empty list (vLLM reads "
+                        "proposal_methods[0].speculative_tokens)")
+    else:
+        k = methods[0].get("speculative_tokens")
+        if not _is_int(k) or k < 1:
+            problems.append(f"speculators_config.proposal_methods[0].speculative_tokens must be an int >= 1, got {k!r}")
+        if sc.get("default_proposal_method") != methods[0].get("proposal_type"):
+            problems.append("speculators_config.default_proposal_method must name proposal_methods[0] "
+                            f"({methods[0].get('proposal_type')!r}), got {sc.get('default_proposal_method')!r}")
+    verifier = sc.get("verifier")
+    if not isinstance(verifier, dict) or not isinstance(verifier.get("name_or_path"), str) \
+            or not verifier.get("name_or_path"):
+        problems.append("speculators_config.verifier.name_or_path is missing (vLLM serves it as the target)")
+    elif not isinstance(verifier.get("architectures"), list) or not verifier["architectures"]:
+        problems.append("speculators_config.verifier.architectures must list the target's architectures")
+
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        problems.append("transformer_layer_config must be a mapping (it becomes the draft's HF config in vLLM)")
+        return
+    missing = [k for k in LAYER_KEYS if k not in layer]
+    if missing:
+        problems.append(f"transformer_layer_config lacks {', '.join(missing)}")
+        return
+    if layer["model_type"] not in EAGLE3_ARCHS:
+        problems.append(f"transformer_layer_config.model_type {layer['model_type']!r} has no vLLM EAGLE-3 "
+                        f"architecture (allowed: {', '.join(EAGLE3_ARCHS)})")
+    if "rope_theta" not in layer and "rope_parameters" not in layer:
+        problems.append("transformer_layer_config has no rope settings (rope_theta / rope_parameters)")
+    for flag in NORM_FLAGS:
+        if not isinstance(config.get(flag), bool):
+            problems.append(f"{flag} must be written explicitly as true/false (vLLM and speculators default "
+                            f"differently)")
+    if config.get("norm_before_fc") and config.get("fc_norm"):
+        problems.append("norm_before_fc and fc_norm are mutually exclusive")
+    if "eagle_config" in config:
+        problems.append("top-level eagle_config is not part of the speculators format; remove it")
+
+    h = int(layer["hidden_size"])
+    vocab = int(layer["vocab_size"])
+    vd = config.get("draft_vocab_size")
+    if not _is_int(vd) or vd < 1:
+        problems.append(f"draft_vocab_size must be a positive int, got {vd!r}")
+        return
+    if vd > vocab:
+        problems.append(f"draft_vocab_size {vd} exceeds the vocab size {vocab}")
+    target_h = config.get("target_hidden_size") or h
+    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or not all(_is_int(i) and i >= 0 for i in aux):
+        problems.append("eagle_aux_hidden_state_layer_ids must be a list of layer ids (else vLLM silently "
+                        "falls back to (2, N//2, N-3))")
+        aux = [0, 0, 0]
+    elif len(aux) != 3:
+        problems.append(f"eagle_aux_hidden_state_layer_ids has {len(aux)} ids; vLLM builds fc for exactly 3 aux "
+                        f"layers (load crash otherwise)")
+    elif len(set(aux)) != 3:
+        problems.append(f"eagle_aux_hidden_state_layer_ids {aux} contains duplicates")
+
+    bad_prefix = sorted(k for k in t.info if k.startswith("model."))
+    if bad_prefix:
+        problems.append(f"weights carry a 'model.' prefix ({bad_prefix[0]} ...); vLLM adds it itself, so they "
+                        f"would not load")
+    n_layers = int(layer["num_hidden_layers"])
+    heads, kv = int(layer["num_attention_heads"]), int(layer["num_key_value_heads"])
+    hd = int(layer.get("head_dim") or h // heads)
+    inter = int(layer["intermediate_size"])
+    expected: dict[str, list[int]] = {"fc.weight": [h, 3 * target_h], "norm.weight": [h], "lm_head.weight": [vd, h]}
+    for i in range(n_layers):
+        width = 2 * h if i == 0 else h
+        p = f"layers.{i}."
+        expected.update({
+            p + "self_attn.q_proj.weight": [heads * hd, width], p + "self_attn.k_proj.weight": [kv * hd, width],
+            p + "self_attn.v_proj.weight": [kv * hd, width], p + "self_attn.o_proj.weight": [h, heads * hd],
+            p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
+            p + "mlp.down_proj.weight": [h, inter], p + "input_layernorm.weight": [h],
+            p + "post_attention_layernorm.weight": [h]})
+        if i == 0:
+            expected[p + "hidden_norm.weight"] = [h]
+        if layer["model_type"] == "qwen3":
+            expected[p + "self_attn.q_norm.weight"] = [hd]
+            expected[p + "self_attn.k_norm.weight"] = [hd]
+        if layer.get("attention_bias"):
+            for proj, rows in (("q_proj", heads * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)):
+                expected[p + f"self_attn.{proj}.bias"] = [rows]
+    if config.get("norm_before_fc"):
+        expected["input_norm.weight"] = [3 * target_h]
+    if config.get("fc_norm"):
+        for i in range(3):
+            expected[f"fc_norm.{i}.weight"] = [target_h]
+    for name, shape in expected.items():
+        _expect_shape(t, name, shape, problems)
+    optional = {"d2t", "t2d", "embed_tokens.weight"} | {f"layers.{i}.hidden_norm.weight" for i in range(n_layers)}
+    unknown = sorted(k for k in t.info if k not in expected and k not in optional and not k.startswith("model."))
+    if unknown:
+        problems.append(f"unexpected tensors {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; vLLM's loader "
+                        f"fails on parameter names it does not know")
+    if "embed_tokens.weight" in t.info:
+        _expect_shape(t, "embed_tokens.weight", [vocab, h], problems)
+
+    if "d2t" not in t.info:
+        if vd < vocab:
+            problems.append(f"d2t is missing but draft_vocab_size {vd} < vocab {vocab}: vLLM would map draft id i "
+                            f"to target id i (garbage drafts, no error)")
+    else:
+        if t.dtype("d2t") != "I64":
+            problems.append(f"d2t must be int64 offsets, got {t.dtype('d2t')}")
+        if t.shape("d2t") != [vd]:
+            problems.append(f"d2t has shape {t.shape('d2t')}, expected [{vd}] (draft_vocab_size)")
+        else:
+            import torch
+
+            ids = torch.arange(vd) + t.load("d2t").long()  # [Vd] target ids
+            if bool((ids < 0).any() or (ids >= vocab).any()):
+                problems.append(f"d2t offsets map draft ids outside the target vocab [0, {vocab})")
+            elif int(torch.unique(ids).numel()) != vd:
+                problems.append("d2t maps two draft ids to the same target id")
+            elif "t2d" in t.info:
+                t2d = t.load("t2d")
+                if t.dtype("t2d") != "BOOL" or list(t2d.shape) != [vocab]:
+                    problems.append(f"t2d must be bool [{vocab}], got {t.dtype('t2d')} {list(t2d.shape)}")
+                elif int(t2d.sum()) != vd or not bool(t2d[ids].all()):
+                    problems.append("t2d does not mark exactly the target ids that d2t maps to")
+    if target:
+        if int(target.get("vocab_size", vocab)) != vocab:
+            problems.append(f"transformer_layer_config.vocab_size {vocab} differs from the target's "
+                            f"{target.get('vocab_size')} (pairing.json)")
+        if int(target.get("hidden_size", target_h)) != target_h:
+            problems.append(f"fc expects target hidden {target_h} but the target has {target.get('hidden_size')}")
+        n = target.get("num_layers")
+        if n is not None and any(i >= int(n) for i in aux):
+            problems.append(f"eagle_aux_hidden_state_layer_ids {aux} out of range for a {n}-layer target")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Medusa (vLLM's own HF format)
+
+
+def _validate_medusa(config: dict, t: _Tensors, target: dict | None, problems: list[str]) -> None:
+    for key in ("hidden_size", "vocab_size", "num_heads", "num_hidden_layers"):
+        if not _is_int(config.get(key)) or config[key] < (0 if key == "num_hidden_layers" else 1):
+            problems.append(f"medusa config.json needs an integer {key}, got {config.get(key)!r}")
+    if problems:
+        return
+    if not isinstance(config.get("medusa_fc_bias", False), bool):
+        problems.append("medusa_fc_bias must be true/false")
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    rows = config.get("truncated_vocab_size") or vocab
+    bias = bool(config.get("medusa_fc_bias", False))
+    expected: dict[str, list[int]] = {}
+    for head in range(config["num_heads"]):
+        for layer in range(config["num_hidden_layers"]):
+            expected[f"blocks.{head}.layers.{layer}.weight"] = [h, h]
+            if bias:
+                expected[f"blocks.{head}.layers.{layer}.bias"] = [h]
+        expected[f"lm_heads.{head}.weight"] = [rows, h]
+    if rows != vocab:
+        expected["token_map"] = [rows]
+    for name, shape in expected.items():
+        _expect_shape(t, name, shape, problems)
+    unknown = sorted(k for k in t.info if k not in expected)
+    if unknown:
+        problems.append(f"unexpected tensors {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; vLLM's Medusa "
+                        f"loader fails on parameter names it does not know")
+    if target:
+        if int(target.get("vocab_size", vocab)) != vocab:
+            problems.append(f"medusa vocab_size {vocab} differs from the target's {target.get('vocab_size')}")
+        if int(target.get("hidden_size", h)) != h:
+            problems.append(f"medusa hidden_size {h} differs from the target's {target.get('hidden_size')}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MTP stitched into a target checkpoint
+
+
+def _validate_mtp(config: dict, directory: Path, problems: list[str]) -> None:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    model_type = text.get("model_type") or config.get("model_type")
+    n_mtp = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers")
+    if not _is_int(n_mtp) or n_mtp < 1:
+        problems.append("num_nextn_predict_layers must be an int >= 1 in a stitched MTP export")
+        return
+    names: set[str] = set()
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except json.JSONDecodeError as exc:
+            problems.append(f"model.safetensors.index.json is not valid JSON ({exc})")
+            return
+        names = set(weight_map)
+        for shard in sorted(set(weight_map.values())):
+            if not (directory / shard).is_file():
+                problems.append(f"the weight index names {shard}, which is missing")
+    else:
+        names = set(_Tensors(directory, problems).info)
+    if model_type in MTP_QWEN_TYPES:
+        need = ["mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                "mtp.norm.weight"]
+    else:
+        n = int(text["num_hidden_layers"])
+        need = [f"model.layers.{n + i}.{part}" for i in range(n_mtp)
+                for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")]
+    missing = [k for k in need if k not in names]
+    if missing:
+        problems.append(f"MTP tensors missing from the stitched checkpoint: {', '.join(missing[:4])}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def export_kind(config: dict) -> str:
+    """'eagle3' (speculators format), 'medusa', 'mtp' (stitched target), 'mtp-native' or 'unknown'."""
+    if config.get("speculators_config") is not None or config.get("speculators_model_type") is not None:
+        return "eagle3"
+    if config.get("model_type") == "medusa":
+        return "medusa"
+    if config.get("mtp_layout") is not None:
+        return "mtp-native"
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers"):
+        return "mtp"
+    return "unknown"
+
+
+def validate_vllm_export(directory: str | Path, *, deep: bool = True) -> list[str]:
+    """Every problem that would stop vLLM from loading (or silently degrade) the exported directory."""
+    d = Path(directory)
+    problems: list[str] = []
+    if not d.is_dir():
+        return [f"{d} is not a directory"]
+    config = _read_json(d / "config.json", problems)
+    if config is None:
+        return problems
+    kind = export_kind(config)
+    if kind == "mtp-native":
+        return ["a native MTP directory (mtp_layout): vLLM serves MTP only from a target checkpoint with a native "
+                "MTP slot; only the bundled runtime serves this directory"]
+    if kind == "unknown":
+        return ["config.json is neither the speculators format, vLLM's Medusa format nor a stitched MTP checkpoint"]
+    if kind == "mtp":
+        _validate_mtp(config, d, problems)
+        return problems
+    if config.get("model_type") not in (None, "speculators", "medusa"):
+        problems.append(f"top-level model_type {config['model_type']!r} must be absent: vLLM would route this "
+                        f"directory to the plain {config['model_type']} model")
+    if kind == "eagle3" and config.get("model_type") == "medusa":
+        problems.append("config.json mixes the speculators format with model_type 'medusa'")
+    tensors = _Tensors(d, problems)
+    if not tensors.files:
+        problems.append(f"no *.safetensors weight file in {d}")
+        return problems
+    target = _pairing_target(d)
+    if kind == "eagle3":
+        _validate_eagle3(config, tensors, target, problems)
+    else:
+        _validate_medusa(config, tensors, target, problems)
+    _check_floats(tensors, config, problems, deep)
+    return problems

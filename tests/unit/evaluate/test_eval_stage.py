@@ -1,0 +1,107 @@
+"""The evaluate stage on tiny random targets: outputs, resumability, every family through one code path, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from evalexport_helpers import build_speculator, make_recipe, make_run, save_checkpoint
+
+from speculators.errors import PairingError, SpeculatorsError
+from speculators.evaluate import acceptance
+from speculators.evaluate.select import read_pointer
+from speculators.target import fingerprint_target, load_target
+
+torch.set_num_threads(1)
+
+
+def _png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evaluate_writes_reports_plots_selection_and_best(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = make_run(tmp_path, tiny_llama, "eagle3", steps=(10, 20), draft_vocab_size=512,
+                      temperatures=(0.0, 1.0))
+    summary = acceptance.run(recipe, progress=False)
+    ev = recipe.paths.eval
+    sel = json.loads((ev / "selection.json").read_text())
+    assert sel["format"] == "speculators.selection/v1" and sel["complete"] is True
+    assert summary["best"] == sel["best"] and sel["best"] in ("step-0000010", "step-0000020")
+    assert read_pointer(recipe.paths.checkpoints, "best").name == sel["best"]
+    for step in ("step-0000010", "step-0000020"):
+        rep = json.loads((ev / step / "report.json").read_text())
+        assert rep["format"] == "speculators.eval/v1" and rep["family"] == "eagle3"
+        assert set(rep["temperatures"]) == {"0.0", "1.0"}
+        assert rep["cohorts"] == ["code-completion", "copy-heavy", "short-output"]
+        for entry in rep["temperatures"].values():
+            for side in ("speculator", "ngram"):
+                s = entry[side]
+                assert set(s["cohorts"]) == set(rep["cohorts"])
+                for c in s["cohorts"].values():
+                    assert len(c["per_position_acceptance"]) == 3 and c["simulated_tau"] >= 1.0
+                    assert c["simulated_tau"] == c["tau_by_depth"][-1]
+        md = (ev / step / "report.md").read_text()
+        assert "n-gram tau" in md and "## T = 0.0" in md and "copy-heavy" in md
+        assert _png(ev / step / "per_position.png") and _png(ev / step / "tau.png")
+    assert _png(ev / "selection.png") and "Best checkpoint" in (ev / "report.md").read_text()
+    assert "tau@T=0.0 (n-gram)" in summary and set(summary["tau@T=0.0 (best)"]) == set(rep["cohorts"])
+    assert acceptance.is_complete(recipe)
+
+
+def test_evaluate_is_resumable_and_notices_new_checkpoints(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = make_run(tmp_path, tiny_llama, "medusa", steps=(10,), num_steps=2)
+    assert not acceptance.is_complete(recipe)
+    assert acceptance.run(recipe, progress=False)["evaluated"] == 1
+    cache = json.loads((recipe.paths.eval / "continuations.json").read_text())
+    assert len(cache["sequences"]) == 3  # 3 rows x 1 temperature, generated once
+    assert acceptance.is_complete(recipe)
+    assert acceptance.run(recipe, progress=False)["evaluated"] == 0  # nothing new: reports reused
+    loaded = load_target(recipe.target)
+    fp = fingerprint_target(recipe.target, tokenizer=loaded.tokenizer, model_config=loaded.model.config).to_dict()
+    save_checkpoint(recipe, build_speculator(recipe, loaded, seed=5), 30, fp)
+    assert not acceptance.is_complete(recipe)
+    out = acceptance.run(recipe, progress=False)
+    assert out["evaluated"] == 1 and out["checkpoints"] == 2
+    assert acceptance.run(recipe, force=True, progress=False)["evaluated"] == 2
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
+def test_every_family_goes_through_the_same_evaluator(tmp_path: Path, tiny_llama: Path, family: str) -> None:
+    recipe = make_run(tmp_path, tiny_llama, family, steps=(10,), num_steps=2)
+    acceptance.run(recipe, progress=False)
+    rep = json.loads((recipe.paths.eval / "step-0000010" / "report.json").read_text())
+    assert rep["family"] == family and rep["speculator_depth"] == 2 and rep["depth"] == 3
+    spec = rep["temperatures"]["0.0"]["speculator"]
+    assert all(len(c["per_position_acceptance"]) == 2 for c in spec["cohorts"].values())
+    ngram, full = rep["temperatures"]["0.0"]["ngram"], rep["temperatures"]["0.0"]["ngram_full_depth"]
+    assert all(len(c["per_position_acceptance"]) == 2 for c in ngram["cohorts"].values())  # compared at equal depth
+    assert all(len(c["per_position_acceptance"]) == 3 for c in full["cohorts"].values())
+    for name, c in ngram["cohorts"].items():
+        assert c["simulated_tau"] == full["cohorts"][name]["tau_by_depth"][1]
+
+
+def test_bad_inputs_fail_in_one_line(tmp_path: Path, tiny_llama: Path, tiny_qwen3: Path) -> None:
+    recipe = make_recipe(tmp_path, tiny_llama, "eagle3")
+    with pytest.raises(SpeculatorsError, match="no checkpoints to evaluate"):
+        acceptance.run(recipe, progress=False)
+    recipe = make_run(tmp_path, tiny_llama, "medusa", steps=(10,), num_steps=2)
+    wrong_family = make_recipe(tmp_path, tiny_llama, "eagle3")
+    with pytest.raises(SpeculatorsError, match="is a medusa speculator but the recipe says"):
+        acceptance.run(wrong_family, progress=False)
+    bad_temp = make_recipe(tmp_path, tiny_llama, "medusa", extra=("evaluate.select_temperature=0.7",))
+    with pytest.raises(SpeculatorsError, match="select_temperature"):
+        acceptance.run(bad_temp, progress=False)
+    other_target = make_recipe(tmp_path, tiny_qwen3, "medusa")  # same tokenizer and shapes, another revision
+    with pytest.raises(PairingError, match="target revision mismatch"):
+        acceptance.run(other_target, progress=False)
+    assert not (recipe.paths.eval / "selection.json").exists()  # nothing was written by the failed runs
+
+
+def test_a_corrupt_checkpoint_is_refused(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = make_run(tmp_path, tiny_llama, "medusa", steps=(10,), num_steps=2)
+    ck = recipe.paths.checkpoints / "step-0000010"
+    (ck / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(SpeculatorsError, match="corrupt or truncated"):
+        acceptance.run(recipe, progress=False)

@@ -1,0 +1,114 @@
+"""k and the batch-size schedule from measured acceptance and verify cost; launch.sh runs the right vllm command."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculators.export import launch
+
+torch.set_num_threads(1)
+
+TAU = [1.8, 2.4, 2.7, 2.85]
+
+
+def test_choose_k_maximises_tokens_per_unit_cost() -> None:
+    cost = {"0": 1.0, "1": 1.1, "2": 1.2, "3": 1.5, "4": 2.0}
+    # tau/cost: 1.636, 2.0, 1.8, 1.425 -> k = 2
+    k, value = launch.choose_k(TAU, cost)
+    assert k == 2 and value == pytest.approx(2.4 / 1.2)
+    assert launch.choose_k(TAU, cost, ks=[4]) == (4, pytest.approx(2.85 / 2.0))  # Medusa: k fixed to num_heads
+    assert launch.choose_k(TAU, {"1": 3.0, "2": 4.0, "3": 5.0, "4": 6.0}) == (0, 1.0)  # never pays off
+
+
+def test_schedule_buckets_and_vllm_ranges() -> None:
+    measured = {"cost": {"1": {"1": 1.05, "2": 1.1, "3": 1.15, "4": 1.2},
+                         "4": {"1": 1.1, "2": 1.2, "3": 1.5, "4": 2.0},
+                         "8": {"1": 1.2, "2": 2.0, "3": 2.7, "4": 3.0},
+                         "64": {"1": 2.0, "2": 3.0, "3": 4.0, "4": 5.0}}}
+    rows = launch.schedule(TAU, measured)
+    assert [r["k"] for r in rows] == [4, 2, 1, 0]
+    assert launch.vllm_schedule(rows) == [[1, 1, 4], [2, 4, 2], [5, 8, 1], [9, 512, 0]]
+    merged = launch.schedule(TAU, {"cost": {"1": measured["cost"]["4"], "4": measured["cost"]["4"],
+                                            "8": measured["cost"]["8"]}})
+    assert launch.vllm_schedule(merged) == [[1, 4, 2], [5, 512, 1]]
+
+
+def test_measure_verify_cost_on_a_tiny_target(tiny_llama: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    m = launch.measure_verify_cost(model, max_k=2, concurrencies=(1, 2), context_len=16, repeats=2,
+                                   min_seconds=0.0, max_repeats=2)
+    assert set(m["cost"]) == {"1", "2"} and set(m["cost"]["1"]) == {"0", "1", "2"}
+    assert m["cost"]["1"]["0"] == 1.0 and all(v > 0 for row in m["cost"].values() for v in row.values())
+    assert "KV cache" in m["method"] and m["dtype"] == "float32" and m["device"]
+
+
+def _run_launch(tmp_path: Path, script: str, env: dict[str, str] | None = None) -> list[str]:
+    export = tmp_path / "export"
+    export.mkdir(exist_ok=True)
+    (export / "launch.sh").write_text(script)
+    (export / "launch.sh").chmod(0o755)
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    vllm = fake / "vllm"  # records the arguments it was called with
+    vllm.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    vllm.chmod(vllm.stat().st_mode | stat.S_IEXEC)
+    full_env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", **(env or {})}
+    for k in ("K", "TARGET", "USE_SCHEDULE"):
+        if not env or k not in env:
+            full_env.pop(k, None)
+    res = subprocess.run(["bash", str(export / "launch.sh"), "--port", "9000"], capture_output=True, text=True,
+                         env=full_env, check=True)
+    return json.loads(res.stdout)
+
+
+def _script(rows: list[dict], k: int, method: str = "eagle3", fixed: bool = False) -> str:
+    measured = {"device": "test CPU", "dtype": "float32", "cost": {"1": {"0": 1.0, "1": 1.1, "2": 1.2}}}
+    return launch.launch_script(target="org/target model", method=method, k=k, rows=rows, self_describing=True,
+                                fixed_k=fixed, measured=measured, tau_by_depth=[1.8, 2.4])
+
+
+def test_launch_script_runs_vllm_with_k_and_schedule(tmp_path: Path) -> None:
+    rows = [{"start_bs": 1, "end_bs": 4, "k": 2}, {"start_bs": 5, "end_bs": 512, "k": 1}]
+    args = _run_launch(tmp_path, _script(rows, 2))
+    assert args[:2] == ["serve", "org/target model"] and args[-2:] == ["--port", "9000"]
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"model": str(tmp_path / "export"), "method": "eagle3", "num_speculative_tokens": 2,
+                    "num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 512, 1]]}
+    args = _run_launch(tmp_path, _script(rows, 2), {"K": "5", "TARGET": "other/target"})
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert args[1] == "other/target" and spec["num_speculative_tokens"] == 5
+    assert "num_speculative_tokens_per_batch_size" not in spec  # a manual K drops the schedule
+
+
+def test_launch_script_without_schedule_and_with_k0(tmp_path: Path) -> None:
+    args = _run_launch(tmp_path, _script([{"start_bs": 1, "end_bs": 512, "k": 3}], 3, method="medusa", fixed=True))
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"model": str(tmp_path / "export"), "method": "medusa", "num_speculative_tokens": 3}
+    args = _run_launch(tmp_path, _script([{"start_bs": 1, "end_bs": 512, "k": 0}], 0))
+    assert args == ["serve", "org/target model", "--port", "9000"]  # speculation off: the target alone
+
+
+def test_launch_script_of_an_unevaluated_export(tmp_path: Path, tiny_llama: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
+    from evalexport_helpers import make_run
+
+    from speculators.export import vllm
+
+    recipe = make_run(tmp_path, tiny_llama, "medusa", steps=(10,), num_steps=2, extra=("export.checkpoint=latest",))
+    vllm.run(recipe)
+    script = (recipe.paths.export / "launch.sh").read_text()
+    assert "was not evaluated" in script
+    args = _run_launch(tmp_path, script)
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert args[1] == str(tiny_llama.resolve())
+    assert spec == {"model": str(tmp_path / "export"), "method": "medusa", "num_speculative_tokens": 2}
