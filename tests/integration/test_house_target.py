@@ -34,7 +34,7 @@ def test_chat_template_and_assistant_mask(house_target: Path) -> None:
             {"role": "assistant", "content": "x = 1"}]
     enc = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ids, mask = enc["input_ids"], enc["assistant_masks"]
-    masked = tok.decode([i for i, m in zip(ids, mask) if m])
+    masked = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
     assert masked == "x = 1<|end|>"
     prompt = tok.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|assistant|>\n")

@@ -1,0 +1,204 @@
+"""`speculators bench`: speculative vs plain decoding vs Hugging Face, on the same prompts, in one run.
+
+Cohorts come from the held-out workloads (`rows_per_cohort` rows each, each row with its own max_new_tokens).
+For every temperature, every method generates every row once after one unmeasured warm-up row:
+  plain        this runtime without a drafter (root-only cycles)
+  ngram        this runtime with prompt lookup
+  <dir name>   this runtime with each speculator given (its pairing is checked)
+  hf           Hugging Face `generate` (greedy, or do_sample with top_k=0 / top_p=1 at T > 0, seeded per row)
+  hf-assisted  Hugging Face assisted decoding with prompt lookup (`prompt_lookup_num_tokens`)
+Runtime requests are unseeded (as served by default: adaptive depth). It reports generated tokens/s per cohort
+and overall (wall clock including prefill, generated tokens only),
+the ratios to `plain` and to `hf`, and for runtime methods tau and per-position acceptance
+(`metrics.AcceptanceStats`). At T = 0 it also counts rows whose tokens differ from `plain` (lossless check).
+Prints a table; with `out` writes `bench.json` and `bench.md` there (atomically).
+
+Not here: generation itself (engine.py), evaluation of checkpoints (speculators.evaluate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators.errors import SpeculatorsError
+from speculators.metrics import AcceptanceStats
+
+HF_PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass
+class _Cell:
+    tokens: int = 0
+    seconds: float = 0.0
+    rows: int = 0
+    acceptance: AcceptanceStats | None = None
+    mismatched_rows: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Method:
+    name: str
+    kind: str  # "runtime" | "hf" | "hf-assisted"
+    engine: Any = None
+    cells: dict[str, _Cell] = field(default_factory=dict)
+
+
+def _hf_generate(model: Any, ids: list[int], max_new: int, temperature: float, seed: int, assisted: bool) -> list[int]:
+    inp = torch.tensor([ids], device=model.device)
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new, "attention_mask": torch.ones_like(inp),
+                              "pad_token_id": model.generation_config.pad_token_id}
+    if temperature > 0:
+        torch.manual_seed(seed)
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(do_sample=False)
+    if assisted:
+        kwargs["prompt_lookup_num_tokens"] = HF_PROMPT_LOOKUP_TOKENS
+    with torch.no_grad():
+        out = model.generate(inp, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def _run_method(method: _Method, rows: list[tuple[str, list[int], int]], temperature: float, seed: int,
+                model: Any) -> tuple[dict[str, _Cell], list[list[int]]]:
+    from speculators.serving.sampling import SamplingParams
+
+    cells: dict[str, _Cell] = {}
+    outputs: list[list[int]] = []
+
+    def one(ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], AcceptanceStats | None]:
+        if method.kind == "runtime":
+            # unseeded: a seeded sampled request drafts at a fixed depth (reproducibility), and the bench
+            # measures what serving does by default (adaptive depth)
+            params = SamplingParams(max_new_tokens=max_new, temperature=temperature)
+            out = method.engine.generate(ids, params)
+            return out.token_ids, out.stats.acceptance
+        return _hf_generate(model, ids, max_new, temperature, row_seed, method.kind == "hf-assisted"), None
+
+    one(rows[0][1], min(rows[0][2], 16), seed)  # warm-up, not measured
+    for i, (cohort, ids, max_new) in enumerate(rows):
+        t0 = time.perf_counter()
+        tokens, acc = one(ids, max_new, seed + i)
+        seconds = time.perf_counter() - t0
+        outputs.append(tokens)
+        for key in (cohort, "all"):
+            cell = cells.setdefault(key, _Cell(acceptance=AcceptanceStats() if method.kind == "runtime" else None))
+            cell.tokens += len(tokens)
+            cell.seconds += seconds
+            cell.rows += 1
+            if acc is not None and cell.acceptance is not None:
+                cell.acceptance.merge(acc)
+    return cells, outputs
+
+
+def bench_command(*, target: str, speculators: list[str], workloads: str, rows_per_cohort: int,
+                  temperatures: list[float], device: str, dtype: str, out: Path | None, seed: int) -> dict:
+    """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report."""
+    from speculators.config import TargetConfig
+    from speculators.data.workloads import load_workloads
+    from speculators.serving.engine import Engine
+    from speculators.target import load_target
+
+    if rows_per_cohort < 1:
+        raise SpeculatorsError(f"--rows-per-cohort must be >= 1, got {rows_per_cohort}")
+    if not temperatures or any(t < 0 for t in temperatures):
+        raise SpeculatorsError(f"--temperatures must be non-negative numbers, got {temperatures}")
+    threads = torch.get_num_threads()
+    loaded = load_target(TargetConfig(name_or_path=target, device=device, dtype=dtype))
+    if loaded.device == "cpu":  # one intra-op thread per core this process may use (OMP_NUM_THREADS wins)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, cores)
+        torch.set_num_threads(threads)
+    rows_raw = load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)
+    methods = [_Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
+               _Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
+    for path in speculators:
+        engine = Engine.from_pretrained(loaded, path)
+        methods.append(_Method(f"{engine.info.family}:{Path(path).name}", "runtime", engine))
+    methods += [_Method("hf", "hf"), _Method("hf-assisted", "hf-assisted")]
+    encoder = methods[0].engine
+    rows = [(r.cohort, encoder.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
+            for r in rows_raw]
+    report: dict[str, Any] = {
+        "target": target, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
+        "threads": threads, "machine": platform.processor() or platform.machine(),
+        "rows_per_cohort": rows_per_cohort, "rows": len(rows), "workloads": workloads, "seed": seed,
+        "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "results": {},
+    }
+    for temperature in temperatures:
+        plain_out: list[list[int]] = []
+        for method in methods:
+            cells, outputs = _run_method(method, rows, temperature, seed, loaded.model)
+            if method.name == "plain":
+                plain_out = outputs
+            elif temperature == 0:
+                for (cohort, _, _), got, want in zip(rows, outputs, plain_out, strict=True):
+                    if got != want:
+                        cells[cohort].mismatched_rows += 1
+                        cells["all"].mismatched_rows += 1
+            method.cells = cells
+        report["results"][str(temperature)] = _summarise(methods)
+    text = format_report(report)
+    print(text)
+    if out is not None:
+        _write(out, report, text)
+    return report
+
+
+def _summarise(methods: list[_Method]) -> dict:
+    base = {m.name: m for m in methods}
+    out: dict[str, dict] = {}
+    for m in methods:
+        for cohort, cell in m.cells.items():
+            plain = base["plain"].cells[cohort].tokens_per_second
+            hf = base["hf"].cells[cohort].tokens_per_second
+            tps = cell.tokens_per_second
+            entry = {"tokens": cell.tokens, "seconds": round(cell.seconds, 4), "tokens_per_second": round(tps, 2),
+                     "vs_plain": round(tps / plain, 3) if plain else None,
+                     "vs_hf": round(tps / hf, 3) if hf else None, "mismatched_rows": cell.mismatched_rows}
+            if cell.acceptance is not None:
+                entry["tau"] = round(cell.acceptance.tau, 3)
+                entry["per_position_acceptance"] = [round(a, 3) for a in cell.acceptance.per_position_acceptance]
+            out.setdefault(cohort, {})[m.name] = entry
+    return out
+
+
+def format_report(report: dict) -> str:
+    """The Markdown table (also what the terminal shows)."""
+    lines = [f"# speculators bench — {report['target']} on {report['device']} ({report['dtype']}, "
+             f"{report['threads']} threads), {report['rows']} rows ({report['rows_per_cohort']} per cohort)", ""]
+    for temperature, cohorts in report["results"].items():
+        lines += [f"## T = {temperature}", "",
+                  "| cohort | method | tok/s | × plain | × HF generate | tau | per-position acceptance | "
+                  "rows ≠ plain |", "|---|---|---:|---:|---:|---:|---|---:|"]
+        order = sorted(cohorts, key=lambda c: (c == "all", c))
+        for cohort in order:
+            for name, e in cohorts[cohort].items():
+                acc = " ".join(f"{a:.2f}" for a in e.get("per_position_acceptance", [])) or "-"
+                tau = f"{e['tau']:.2f}" if "tau" in e else "-"
+                mism = str(e["mismatched_rows"]) if float(temperature) == 0 else "-"
+                lines.append(f"| {cohort} | {name} | {e['tokens_per_second']:.1f} | {e['vs_plain']:.2f} | "
+                             f"{e['vs_hf']:.2f} | {tau} | {acc} | {mism} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _write(out: Path, report: dict, text: str) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, content in (("bench.json", json.dumps(report, indent=2) + "\n"), ("bench.md", text + "\n")):
+        tmp = out / f".{name}.tmp{os.getpid()}"
+        tmp.write_text(content)
+        os.replace(tmp, out / name)

@@ -1,0 +1,143 @@
+"""`speculators generate` and `speculators serve`: the runtime's command bodies (cli.py parses, these run).
+
+- `generate_command(...)`: one raw prompt (`--prompt`), one chat message (`--chat`) or every row of a workload
+  file (`--workload`, each row with its own max_new_tokens); prints the text and the stats (or one JSON object
+  per generation with `--json`), and for workloads a per-cohort summary (tau, per-position acceptance, tokens/s).
+- `serve_command(...)`: load the engine once and serve the OpenAI-compatible app (server.py) with uvicorn.
+
+Not here: argument parsing (cli.py), the generation loop (engine.py), HTTP handling (server.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+from speculators.metrics import AcceptanceStats
+
+
+def _engine(target: str, speculator: str | None, device: str, dtype: str, allow_revision_mismatch: bool,
+            tree: str | None = None, depth: int | None = None, topk: int | None = None,
+            budget: int | None = None) -> Any:
+    from speculators.serving.engine import Engine
+
+    engine = Engine.from_pretrained(target, None if speculator in (None, "", "none") else speculator, device=device,
+                                    dtype=dtype, allow_revision_mismatch=allow_revision_mismatch)
+    for warning in engine.info.pairing_warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    overrides = {k: v for k, v in (("kind", tree), ("depth", depth), ("topk", topk), ("budget", budget))
+                 if v is not None}
+    if overrides:
+        engine.set_tree(dataclasses.replace(engine.tree, **overrides))
+    return engine
+
+
+def _print_stats(stats: Any) -> None:
+    s = stats
+    acc = ", ".join(f"{a:.2f}" for a in s.per_position_acceptance) or "-"
+    print(f"[{s.drafter}] {s.generated_tokens} tokens in {s.total_seconds:.3f}s ({s.tokens_per_second:.1f} tok/s, "
+          f"{s.ms_per_token:.2f} ms/token decode) | prompt {s.prompt_tokens} (reused {s.reused_prefix_tokens}) | "
+          f"target calls {s.target_calls} | tau {s.tau:.2f} | per-position acceptance [{acc}] | "
+          f"finish {s.finish_reason} | adaptive {s.adaptive.get('mode', '-')}", file=sys.stderr)
+
+
+def generate_command(*, target: str, speculator: str | None, prompt: str | None, chat: str | None,
+                     workload: Path | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                     seed: int | None, device: str, dtype: str, tree: str | None, depth: int | None,
+                     topk: int | None, budget: int | None, allow_revision_mismatch: bool, as_json: bool) -> None:
+    from speculators.serving.sampling import SamplingParams
+
+    given = [name for name, v in (("--prompt", prompt), ("--chat", chat), ("--workload", workload)) if v is not None]
+    if len(given) != 1:
+        raise SpeculatorsError("give exactly one of --prompt TEXT, --chat MESSAGE or --workload FILE.jsonl"
+                               + (f" (got {', '.join(given)})" if given else ""))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise SpeculatorsError(str(exc)) from None
+    rows: list[tuple[str, str, Any, int]] = []  # (id, cohort, prompt, max_new_tokens)
+    if workload is not None:
+        from speculators.data.workloads import load_workloads
+
+        for row in load_workloads([str(workload)]):
+            rows.append((row.id, row.cohort, row.prompt if row.prompt is not None else row.messages,
+                         row.max_new_tokens))
+    else:
+        rows.append(("prompt", "-", prompt if prompt is not None else [{"role": "user", "content": chat}],
+                     max_new_tokens))
+    engine = _engine(target, speculator, device, dtype, allow_revision_mismatch, tree, depth, topk, budget)
+    per_cohort: dict[str, dict] = {}
+    for rid, cohort, text_or_messages, mnt in rows:
+        out = engine.generate(text_or_messages, dataclasses.replace(params, max_new_tokens=mnt))
+        if as_json:
+            print(json.dumps({"id": rid, "cohort": cohort, "text": out.text, "token_ids": out.token_ids,
+                              "stats": out.stats.to_dict()}), flush=True)
+        else:
+            if workload is not None:
+                print(f"=== {rid} ({cohort})")
+            print(out.text, flush=True)
+            _print_stats(out.stats)
+        c = per_cohort.setdefault(cohort, {"acc": AcceptanceStats(), "tokens": 0, "seconds": 0.0, "rows": 0})
+        c["acc"].merge(out.stats.acceptance)
+        c["tokens"] += out.stats.generated_tokens
+        c["seconds"] += out.stats.total_seconds
+        c["rows"] += 1
+    if workload is not None:
+        _print_cohorts(per_cohort, as_json)
+
+
+def _print_cohorts(per_cohort: dict[str, dict], as_json: bool) -> None:
+    summary = {
+        cohort: {"rows": c["rows"], "tokens": c["tokens"], "tokens_per_second": round(c["tokens"] / c["seconds"], 2)
+                 if c["seconds"] else 0.0, "tau": round(c["acc"].tau, 3),
+                 "per_position_acceptance": [round(a, 3) for a in c["acc"].per_position_acceptance]}
+        for cohort, c in per_cohort.items()
+    }
+    if as_json:
+        print(json.dumps({"summary": summary}), flush=True)
+        return
+    print("\ncohort                rows  tokens   tok/s    tau   per-position acceptance")
+    for cohort, s in summary.items():
+        acc = " ".join(f"{a:.2f}" for a in s["per_position_acceptance"]) or "-"
+        print(f"{cohort:<20} {s['rows']:>5} {s['tokens']:>7} {s['tokens_per_second']:>7.1f} {s['tau']:>6.2f}   {acc}")
+
+
+def serve_command(*, target: str, speculator: str | None, host: str, port: int, api_key_env: str | None,
+                  max_prompt_tokens: int, max_new_tokens: int, max_concurrent_requests: int, device: str,
+                  dtype: str, allow_revision_mismatch: bool) -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise SpeculatorsError("speculators serve needs the serve extra: pip install 'speculators[serve]' "
+                               "(fastapi, uvicorn, prometheus-client)") from None
+    from speculators.serving.server import ServerLimits, create_app, run_server
+
+    for name, value in (("max_prompt_tokens", max_prompt_tokens), ("max_new_tokens", max_new_tokens),
+                        ("max_concurrent_requests", max_concurrent_requests)):
+        if value < 1:
+            raise SpeculatorsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    api_key = None
+    if api_key_env:
+        api_key = os.environ.get(api_key_env, "")
+        if not api_key:
+            raise SpeculatorsError(f"--api-key-env {api_key_env}: that environment variable is unset or empty; "
+                                   f"export it, or drop the option to serve without a key")
+    engine = _engine(target, speculator, device, dtype, allow_revision_mismatch)
+    if max_prompt_tokens + max_new_tokens - 1 > engine.max_len:
+        print(f"warning: max_prompt_tokens + max_new_tokens exceeds the KV cache ({engine.max_len} tokens); "
+              f"longer requests will be refused", file=sys.stderr)
+    app = create_app(engine, ServerLimits(max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
+                                          max_concurrent_requests=max_concurrent_requests), api_key=api_key)
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print(f"warning: serving on {host} without an API key", file=sys.stderr)
+    print(f"serving {engine.target.cfg.name_or_path} with drafter {engine.info.name} on http://{host}:{port}/v1",
+          file=sys.stderr, flush=True)
+    run_server(app, host=host, port=port)

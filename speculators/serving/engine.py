@@ -1,0 +1,448 @@
+"""The bundled runtime's generation loop (DESIGN §7): prefill, then draft -> verify -> commit cycles.
+
+    engine = Engine.from_pretrained(target="data/targets/stdlib-lm", speculator=None | dir | "ngram")
+    out = engine.generate("def f(x):", SamplingParams(max_new_tokens=64, temperature=0))
+    out.token_ids, out.text, out.stats.tau, out.stats.per_position_acceptance, out.stats.target_calls
+
+One request at a time (batch 1), one code path on CPU (fp32) and CUDA (bf16):
+1. Prefill: the prompt minus its last token goes through `TargetRunner` into the static KV cache (a shared
+   prefix with the previous request is reused, features included); the drafter absorbs those positions.
+2. Each cycle: the root is the last committed token (not yet in the cache). The drafter proposes a tree
+   (depth chosen by `AdaptiveDepth`; the root alone = plain decoding), the target runs ONE forward over it with
+   the ancestor mask at positions committed + depth, `sampling.logits_to_probs` turns every node's logits into
+   the filtered target law (the same operator plain decoding uses), `verify_tree` picks the accepted path and
+   the next token, the cache keeps only the root + accepted path, and the drafter absorbs those positions with
+   their features (next tokens = the accepted tokens + the corrected / bonus token).
+3. EOS or a stop string inside the committed tokens truncates the output there; `max_new_tokens` caps it.
+
+Greedy (temperature 0) output equals the target's own greedy decoding token for token, whatever the drafter;
+sampled output is distributed exactly as sampling the target with the same temperature / top-k / top-p. A
+seeded sampled request is reproducible (same engine settings, same seed -> same tokens): its draft depth is
+fixed instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in
+distribution, not per sample path).
+
+Not here: batching several requests, CUDA graphs, paged KV, penalties / grammars, HTTP (server.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speculators.config import TargetConfig, TreeConfig
+from speculators.errors import SpeculatorsError
+from speculators.metrics import AcceptanceStats
+from speculators.serving.adaptive import AdaptiveDepth, CostModel
+from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, load_drafter, prune_tree
+from speculators.serving.sampling import SamplingParams, logits_to_probs
+from speculators.serving.target_runner import TargetRunner
+from speculators.serving.trees import DraftTree, ancestor_mask
+from speculators.serving.verify import verify_tree
+
+DEFAULT_MAX_LEN = 8192
+
+
+@dataclass
+class GenerationStats:
+    """Per-request numbers. Acceptance counters come from `metrics.AcceptanceStats` (one target call = one
+    verification forward; the prefill is not a target call)."""
+
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+    drafter: str = "none"
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    reused_prefix_tokens: int = 0
+    prefill_seconds: float = 0.0
+    first_token_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    total_seconds: float = 0.0
+    finish_reason: str = ""
+    adaptive: dict = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        return self.acceptance.tau
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return self.acceptance.per_position_acceptance
+
+    @property
+    def target_calls(self) -> int:
+        return self.acceptance.target_calls
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.decode_seconds / self.generated_tokens if self.generated_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "drafter": self.drafter, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+            "reused_prefix_tokens": self.reused_prefix_tokens, "finish_reason": self.finish_reason,
+            "prefill_seconds": round(self.prefill_seconds, 4), "first_token_seconds": round(self.first_token_seconds, 4),
+            "decode_seconds": round(self.decode_seconds, 4), "total_seconds": round(self.total_seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 2), "ms_per_token": round(self.ms_per_token, 3),
+            **self.acceptance.to_dict(), "adaptive": self.adaptive,
+        }
+
+
+@dataclass
+class GenerateOutput:
+    token_ids: list[int]  # generated ids only (EOS included when it ended the output)
+    text: str  # decoded without special tokens, cut before a matched stop string
+    stats: GenerationStats
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+
+@dataclass
+class StreamChunk:
+    text: str  # new text since the previous chunk (held back while it could still become a stop string)
+    token_ids: list[int]  # new committed token ids since the previous chunk
+    output: GenerateOutput | None = None  # set on the last chunk only
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    for source in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    return ids
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _is_chain(parents: torch.Tensor) -> bool:
+    return parents.tolist() == list(range(-1, parents.shape[0] - 1))
+
+
+class Engine:
+    """A target + a drafter + a static KV cache. Not thread-safe: one `generate` at a time."""
+
+    def __init__(self, target: Any, drafter: Any = None, *, info: DrafterInfo | None = None,
+                 tree: TreeConfig | None = None, max_len: int | None = None, adaptive: bool | None = None,
+                 prefix_caching: bool = True) -> None:
+        self.target = target  # speculators.target.LoadedTarget
+        self.tokenizer = target.tokenizer
+        self.drafter = drafter if drafter is not None else NoDrafter()
+        self.info = info or DrafterInfo(getattr(self.drafter, "name", type(self.drafter).__name__),
+                                        getattr(self.drafter, "family", getattr(self.drafter, "name", "?")))
+        self.speculative = not isinstance(self.drafter, NoDrafter)
+        self.set_tree(tree or default_tree(self.drafter), adaptive)
+        self.runner = TargetRunner(target.model, self.drafter.required_features())
+        limit = int(getattr(self.target.config, "max_position_embeddings", 0) or DEFAULT_MAX_LEN)
+        self.max_len = int(max_len or min(limit, DEFAULT_MAX_LEN))
+        self.cache = self.runner.new_cache(self.max_len)
+        self.eos_ids = _eos_ids(target.model, self.tokenizer)
+        self.prefix_caching = prefix_caching
+        self._prefix_ids: list[int] = []
+        self._prefix_features: dict[str, torch.Tensor] = {}
+        self.cost = CostModel()
+        self._acceptance_prior: list[float] = []
+        self.totals = AcceptanceStats()  # over every request served (the server's /metrics reads it)
+
+    # ---- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, target: str | Any, speculator: str | None = None, *, device: str = "auto",
+                        dtype: str = "auto", tree: TreeConfig | None = None, max_len: int | None = None,
+                        adaptive: bool | None = None, allow_revision_mismatch: bool = False,
+                        revision: str | None = None) -> Engine:
+        """Load a target (dir / hub id, or an already loaded `LoadedTarget`) and a drafter: None or "none"
+        (plain decoding), "ngram" (prompt lookup) or a speculator directory (its pairing.json is checked against
+        the target: another tokenizer is always refused, another revision unless `allow_revision_mismatch`)."""
+        from speculators.target import load_target
+
+        loaded = target if hasattr(target, "model") and hasattr(target, "tokenizer") else load_target(
+            TargetConfig(name_or_path=str(target), revision=revision, device=device, dtype=dtype))
+        drafter, info = load_drafter(speculator, loaded, allow_revision_mismatch=allow_revision_mismatch)
+        return cls(loaded, drafter, info=info, tree=tree, max_len=max_len, adaptive=adaptive)
+
+    def set_tree(self, tree: TreeConfig, adaptive: bool | None = None) -> None:
+        """Drafting settings for the next requests (max depth, top-k, node budget, kind, adaptive on/off)."""
+        if tree.depth < 1 or tree.budget < 1 or tree.topk < 1:
+            raise SpeculatorsError(f"tree depth, topk and budget must be >= 1, got depth={tree.depth}, "
+                                   f"topk={tree.topk}, budget={tree.budget}")
+        if tree.kind not in ("dynamic", "static", "chain"):
+            raise SpeculatorsError(f"tree kind must be dynamic, static or chain, got {tree.kind!r}")
+        self.tree = tree
+        self.adaptive = tree.adaptive if adaptive is None else adaptive
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    # ---- input ----------------------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[dict] | list[int] | torch.Tensor) -> list[int]:
+        """Token ids of a raw prompt, a chat (`messages`, through the chat template) or ids as given."""
+        if isinstance(prompt, torch.Tensor):
+            return [int(t) for t in prompt.reshape(-1).tolist()]
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise SpeculatorsError("the target's tokenizer has no chat template; send a raw prompt instead")
+            try:
+                enc = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            except Exception as exc:  # noqa: BLE001 - template errors come as many types; report one line
+                raise SpeculatorsError(f"cannot apply the chat template: {str(exc).splitlines()[0]}") from None
+            ids = enc["input_ids"] if hasattr(enc, "keys") else enc
+            return [int(t) for t in ids]
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise SpeculatorsError("prompt must be a string, a list of chat messages, or a list of token ids")
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise SpeculatorsError (one line) for a request this engine cannot serve."""
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise SpeculatorsError(str(exc)) from None
+        if not prompt_ids:
+            raise SpeculatorsError("the prompt is empty; give at least one token")
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise SpeculatorsError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) > self.max_len:
+            raise SpeculatorsError(f"the prompt has {len(prompt_ids)} tokens but the KV cache holds {self.max_len}; "
+                                   f"shorten the prompt")
+        if len(prompt_ids) + params.max_new_tokens - 1 > self.max_len:
+            raise SpeculatorsError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                                   f"exceed the KV cache ({self.max_len} tokens); lower max_new_tokens to at most "
+                                   f"{self.max_len - len(prompt_ids) + 1}")
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[dict] | list[int] | torch.Tensor, params: SamplingParams | None = None,
+                 **kwargs: Any) -> GenerateOutput:
+        """Generate for one prompt; keyword arguments build `SamplingParams` when `params` is not given."""
+        out = None
+        for chunk in self.stream(prompt, params, **kwargs):
+            out = chunk.output
+        assert out is not None
+        return out
+
+    def stream(self, prompt: str | list[dict] | list[int] | torch.Tensor, params: SamplingParams | None = None,
+               **kwargs: Any) -> Iterator[StreamChunk]:
+        """Like `generate`, yielding a `StreamChunk` per verification cycle; the last one carries the output."""
+        params = params or SamplingParams(**kwargs)
+        prompt_ids = self.encode(prompt)
+        self.check_request(prompt_ids, params)
+        return self._stream(prompt_ids, params)
+
+    def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+        t_start = time.perf_counter()
+        stops = list(params.stop or [])
+        hold = max((len(s) for s in stops), default=1) - 1
+        out: list[int] = []
+        emitted_text = 0
+        stats = GenerationStats(drafter=self.info.name, prompt_tokens=len(prompt_ids))
+        for new_tokens, finish in self._cycles(prompt_ids, params, out, stats, stops):
+            if finish is None:
+                text = self._decode(out).rstrip("\ufffd")
+                safe = len(text) - hold if stops else len(text)
+                delta = text[emitted_text:safe] if safe > emitted_text else ""
+                emitted_text += len(delta)
+                yield StreamChunk(text=delta, token_ids=new_tokens)
+                continue
+            text = self._final_text(out, stops)
+            stats.generated_tokens = len(out)
+            stats.finish_reason = finish
+            stats.total_seconds = time.perf_counter() - t_start
+            stats.decode_seconds = stats.total_seconds - stats.prefill_seconds
+            self.totals.merge(stats.acceptance)
+            output = GenerateOutput(token_ids=list(out), text=text, stats=stats, prompt_token_ids=list(prompt_ids))
+            yield StreamChunk(text=text[emitted_text:], token_ids=new_tokens, output=output)
+            return
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _final_text(self, out: list[int], stops: list[str]) -> str:
+        text = self._decode(out)
+        cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+        return text[: min(cuts)] if cuts else text
+
+    def _hit_stop(self, out: list[int], stops: list[str]) -> bool:
+        """Whether the last token completed a stop string (only the tail of the output is decoded)."""
+        tail = self._decode(out[-(4 * max(len(s) for s in stops) + 8):])
+        return any(s in tail for s in stops)
+
+    def _cycles(self, prompt_ids: list[int], params: SamplingParams, out: list[int], stats: GenerationStats,
+                stops: list[str]) -> Iterator[tuple[list[int], str | None]]:
+        """The generation loop; appends to `out` and yields (new tokens, finish reason or None) per cycle."""
+        t0 = time.perf_counter()
+        generator = torch.Generator()
+        generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        drafter, acc = self.drafter, stats.acceptance
+        # the drafter's own cache also holds its speculative nodes past the committed positions
+        t = self.tree
+        state = drafter.new_state(self.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8, self.device)
+        wants_ids = getattr(drafter, "needs_token_ids", False)
+        features, stats.reused_prefix_tokens = self._prefill(prompt_ids)
+        # committed positions the drafter has not absorbed yet: absorbed in one batch right before the next
+        # proposal, so plain cycles (speculation off) cost what plain decoding costs
+        pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
+        if len(prompt_ids) > 1 and self.speculative:
+            ids = torch.tensor(prompt_ids, dtype=torch.long)
+            if wants_ids:
+                features = {**features, "input_ids": ids[:-1]}
+            pending.append((features, ids[1:].to(self.device)))
+        if self.speculative and self.adaptive and not self.cost.calibrated:
+            self._calibrate(prompt_ids[-1])
+        stats.prefill_seconds = time.perf_counter() - t0
+        # a seeded sampled request must be reproducible: its depths may not depend on measured timings
+        seeded = params.seed is not None and not params.greedy
+        ctrl = AdaptiveDepth(cost=self.cost, max_depth=self.tree.depth if self.speculative else 0,
+                             max_new_tokens=params.max_new_tokens, enabled=self.adaptive and not seeded,
+                             prior=self._acceptance_prior)
+        if seeded and self.adaptive and ctrl.mode.startswith("fixed"):
+            ctrl.mode += " (seeded sampled request: reproducible)"
+        root = prompt_ids[-1]
+        root_mode = "greedy" if params.greedy else "deterministic"
+        capture = self.speculative
+        while True:
+            remaining = params.max_new_tokens - len(out)
+            t_draft = time.perf_counter()
+            depth = ctrl.choose(remaining)
+            if depth > 0:
+                if pending:
+                    self._absorb(drafter, state, pending)
+                tree = drafter.propose(state, root, self._tree_for(depth), params, generator)
+                tree = prune_tree(tree, max_depth=min(depth, remaining - 1), max_nodes=self.cache.free)
+            else:
+                tree = DraftTree.root_only(root, root_mode)
+            t_verify = time.perf_counter()
+            if tree.size == 1 or _is_chain(tree.parents):
+                fwd = self.runner.forward(self.cache, tree.tokens, capture=capture)
+            else:
+                fwd = self.runner.forward(self.cache, tree.tokens, tree.depths, ancestor_mask(tree.parents),
+                                          capture=capture)
+            t_accept = time.perf_counter()
+            accepted, next_token = self._verify(tree, self._target_probs(fwd.logits, params, tree), params,
+                                                generator)
+            path = [0, *accepted]
+            self.cache.commit(path)
+            t_done = time.perf_counter()
+            drafted_depth = tree.max_depth
+            acc.record(len(accepted), drafted_depth=drafted_depth, verified_nodes=tree.size - 1)
+            acc.draft_seconds += t_verify - t_draft
+            acc.verify_seconds += t_accept - t_verify
+            acc.accept_seconds += t_done - t_accept
+            if drafted_depth > 0:
+                ctrl.observe(drafted_depth, len(accepted))
+                self.cost.observe_draft(depth, tree.size - 1, t_verify - t_draft)
+            self.cost.observe_cycle(tree.size, t_done - t_verify)
+            if not out:
+                stats.first_token_seconds = t_done - t0
+            committed = [int(t) for t in tree.tokens[accepted].tolist()] + [int(next_token)]
+            new: list[int] = []
+            finish = None
+            for tok in committed:
+                out.append(tok)
+                new.append(tok)
+                if tok in self.eos_ids or (stops and self._hit_stop(out, stops)):
+                    finish = "stop"
+                elif len(out) >= params.max_new_tokens:
+                    finish = "length"
+                if finish:
+                    break
+            if finish:
+                stats.adaptive = ctrl.report()
+                if ctrl.mode == "adaptive":
+                    self._acceptance_prior = list(ctrl.acceptance)
+                yield new, finish
+                return
+            if self.speculative:
+                idx = torch.tensor(path, device=self.device)
+                feats = {k: v[idx] for k, v in fwd.features.items()}
+                if wants_ids:
+                    feats["input_ids"] = tree.tokens[path]
+                pending.append((feats, torch.tensor(committed, dtype=torch.long, device=self.device)))
+            yield new, None
+            root = int(next_token)
+
+    def _tree_for(self, depth: int) -> TreeConfig:
+        """The tree settings of one cycle: the chosen depth, and a node budget that grows with it (top-k nodes
+        per level, capped by the configured budget) so that shallow trees stay small."""
+        t = self.tree
+        budget = t.budget if t.kind == "chain" else min(t.budget, max(1, t.topk * depth))
+        return dataclasses.replace(t, depth=depth, budget=budget)
+
+    @staticmethod
+    def _absorb(drafter: Any, state: Any, pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
+        """Hand the drafter every pending committed position at once (consecutive positions concatenate)."""
+        if len(pending) == 1:
+            features, next_tokens = pending[0]
+        else:
+            keys = pending[0][0].keys()
+            features = {k: torch.cat([f[k] for f, _ in pending]) for k in keys}
+            next_tokens = torch.cat([n for _, n in pending])
+        drafter.absorb(state, features, next_tokens)
+        pending.clear()
+
+    def _target_probs(self, logits: torch.Tensor, params: SamplingParams, tree: DraftTree) -> torch.Tensor:
+        """The filtered target law at every node: [N, V] (the one sampling operator, as plain decoding uses)."""
+        return logits_to_probs(logits, params)
+
+    def _verify(self, tree: DraftTree, target_probs: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator) -> tuple[list[int], int]:
+        """(accepted node indices, next token): `verify_tree` in the tree's mode ("greedy" at temperature 0)."""
+        return verify_tree(tree.tokens, tree.parents, target_probs, tree.draft_probs,
+                           mode="greedy" if params.greedy else tree.mode, generator=generator)
+
+    def _prefill(self, prompt_ids: list[int]) -> tuple[dict[str, torch.Tensor], int]:
+        """Put the prompt minus its last token into the cache; return its features and the reused length."""
+        body = prompt_ids[:-1]
+        reuse = _common_prefix(self._prefix_ids, body) if self.prefix_caching else 0
+        self.cache.reset(reuse)
+        new = body[reuse:]
+        features = {k: v[:reuse] for k, v in self._prefix_features.items()} if reuse else {}
+        if new:
+            fwd = self.runner.forward(self.cache, torch.tensor(new, dtype=torch.long),
+                                      logit_rows=torch.empty(0, dtype=torch.long), capture=self.speculative)
+            self.cache.commit(list(range(len(new))))
+            features = {k: torch.cat([features[k], v]) if k in features else v for k, v in fwd.features.items()}
+        self._prefix_ids, self._prefix_features = list(body), features
+        return features, reuse
+
+    def _calibrate(self, token: int) -> None:
+        """Measure cycles of 1, 2, 4, 8, ... and budget + 1 nodes (best of 3 after a warm-up) in the scratch slots
+        past the committed ones, so the first request's depth choices already rest on this machine's costs."""
+        top = min(self.tree.budget + 1, self.cache.free)
+        sizes = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s < top} | {top})
+        if top < 2:
+            return
+        params = SamplingParams(max_new_tokens=1)
+        best: dict[int, float] = {}
+        for rep in range(4):
+            for size in sizes:
+                ids = torch.full((size,), int(token), dtype=torch.long)
+                t = time.perf_counter()
+                fwd = self.runner.forward(self.cache, ids, capture=self.speculative)
+                probs = logits_to_probs(fwd.logits, params)
+                verify_tree(ids, torch.arange(-1, size - 1), probs, mode="greedy", generator=None)
+                if rep > 0:  # rep 0 warms up
+                    best[size] = min(best.get(size, float("inf")), time.perf_counter() - t)
+        for size, seconds in best.items():
+            self.cost.set_cycle(size, seconds)

@@ -1,0 +1,208 @@
+"""The target's forward over a draft tree (or a prompt chunk) against the static KV cache.
+
+A compact re-implementation of the Llama-family decoder forward (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE:
+anything whose layers are `self_attn.{q,k,v,o}_proj` [+ `q_norm`/`k_norm`], `input_layernorm`,
+`post_attention_layernorm`, `mlp`) that reuses the Hugging Face modules themselves — embeddings, projections,
+norms, MLP / MoE blocks, the rotary-embedding module and its `apply_rotary_pos_emb` — so weights, PEFT adapters
+and RoPE scaling variants come for free. Only the attention is done here, with `scaled_dot_product_attention`
+over `StaticKVCache` and an explicit boolean mask: every new token sees the committed prefix plus, among the
+new tokens, exactly its tree ancestors and itself; positions = committed length + depth. A prompt chunk is the
+special case of a chain. The same forward captures the features a speculator asks for: the residual stream
+ENTERING the requested layers ("taps") and the post-norm last hidden state ("last_hidden").
+
+Same code on CPU (fp32) and CUDA (bf16). Not here: sampling, verification, KV commits (kv_cache.py), batching,
+CUDA graphs, families with other layer structures (Gemma-style norms, MLA, soft-capping): those fail with one
+line naming the model type.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from speculators.errors import SpeculatorsError
+from speculators.models.base import FeatureRequest
+from speculators.serving.kv_cache import StaticKVCache
+from speculators.target import base_model, text_config
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [R, V] for the requested rows (all rows unless `logit_rows` was given)
+    features: dict[str, torch.Tensor]  # "taps" [T, n_taps*H], "last_hidden" [T, H] as requested
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _default_apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, D]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class TargetRunner:
+    """Runs a loaded Hugging Face causal LM over new tokens with a `StaticKVCache`."""
+
+    def __init__(self, model: Any, features: FeatureRequest | None = None) -> None:
+        self.model = model
+        hf = base_model(model)
+        cfg = text_config(hf.config)
+        model_type = getattr(cfg, "model_type", "?")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise SpeculatorsError(
+                f"the bundled runtime cannot run target model type {model_type!r} (supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}); serve this target with vLLM instead")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(cfg, key, None):
+                raise SpeculatorsError(f"the bundled runtime does not implement {key} (target {model_type})")
+        decoder = hf.get_decoder()
+        self.embed = decoder.embed_tokens
+        self.layers = list(decoder.layers)
+        self.norm = decoder.norm
+        self.rotary = getattr(decoder, "rotary_emb", None)
+        self.lm_head = hf.get_output_embeddings()
+        if self.rotary is None or self.lm_head is None:
+            raise SpeculatorsError(f"target {model_type}: no rotary embedding / output head found; unsupported layout")
+        attn0 = self.layers[0].self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not all(hasattr(layer.self_attn, name) for layer in self.layers):
+                raise SpeculatorsError(f"target {model_type}: attention without {name}; unsupported layout")
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(attn0, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        self.scaling = float(getattr(attn0, "scaling", self.head_dim ** -0.5))
+        self.windows = [self._window(layer, cfg, model_type) for layer in self.layers]
+        self.qk_norms = [(getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None))
+                         for layer in self.layers]
+        module = sys.modules.get(type(attn0).__module__)
+        self.apply_rope: Callable = getattr(module, "apply_rotary_pos_emb", None) or _default_apply_rope
+        self.vocab_size = int(cfg.vocab_size)
+        self.device = self.embed.weight.device
+        self.dtype = self.embed.weight.dtype
+        self.set_features(features)
+
+    @staticmethod
+    def _window(layer: Any, cfg: Any, model_type: str) -> int | None:
+        win = getattr(layer.self_attn, "sliding_window", None)
+        if win is None and model_type == "mistral":
+            win = getattr(cfg, "sliding_window", None)
+        return int(win) if win else None
+
+    def set_features(self, features: FeatureRequest | None) -> None:
+        taps = tuple(features.tap_layer_ids or ()) if features else ()
+        bad = [i for i in taps if not 0 <= i < len(self.layers)]
+        if bad:
+            raise SpeculatorsError(f"speculator asks for taps entering layers {bad}, but the target has "
+                                   f"{len(self.layers)} layers; it was trained for another target")
+        self.tap_layers = taps
+        self.want_last_hidden = bool(features and features.last_hidden)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def new_cache(self, max_len: int) -> StaticKVCache:
+        return StaticKVCache(self.num_layers, self.num_kv_heads, self.head_dim, max_len, self.device, self.dtype)
+
+    @torch.no_grad()
+    def forward(self, cache: StaticKVCache, input_ids: torch.Tensor, depths: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None,
+                capture: bool = True) -> ForwardOutput:
+        """Run T new tokens placed at cache slots [cache.length, cache.length + T).
+
+        input_ids [T]; depths [T] (None = a chain: 0..T-1); tree_mask [T, T] bool (None = causal chain):
+        mask[i, j] = token j is token i or one of its ancestors. logit_rows [R] (None = every row).
+        Does NOT advance cache.length: the caller commits what it keeps.
+        """
+        start = cache.length
+        n = int(input_ids.shape[0])
+        dev = self.device
+        input_ids = input_ids.to(dev)
+        chain = depths is None
+        depths = torch.arange(n, device=dev) if chain else depths.to(dev)  # [T]
+        positions = start + depths  # [T]
+        if not chain:
+            mask = self._mask(start, positions, tree_mask.to(dev))  # [1, 1, T, S] bool
+        elif n > 1 and start > 0:
+            mask = self._mask(start, positions, None)
+        else:
+            mask = None  # one query token sees everything, or a causal prompt from slot 0
+        causal = chain and start == 0 and n > 1
+        window_masks: dict[int, torch.Tensor] = {}
+        want_taps = capture and bool(self.tap_layers)
+
+        h = self.embed(input_ids[None])  # [1, T, H]
+        cos, sin = self.rotary(h, positions[None])  # [1, T, D] each
+        taps: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if want_taps and i in self.tap_layers:
+                taps.append(h[0])
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)  # [1, T, H]
+            q = attn.q_proj(x).view(1, n, -1, self.head_dim)  # [1, T, Hq, D]
+            k = attn.k_proj(x).view(1, n, -1, self.head_dim)  # [1, T, Hkv, D]
+            v = attn.v_proj(x).view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
+            q_norm, k_norm = self.qk_norms[i]
+            if q_norm is not None:
+                q = q_norm(q)
+            if k_norm is not None:
+                k = k_norm(k)
+            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, H*, T, D]
+            cache.write(i, k[0], v[0], start)
+            keys, values = cache.keys_values(i, start + n)  # [Hkv, S, D]
+            layer_mask, layer_causal = mask, causal
+            if self.windows[i] is not None and start + n > self.windows[i]:
+                win = self.windows[i]
+                if win not in window_masks:
+                    window_masks[win] = self._window_mask(start, positions, mask, win)
+                layer_mask, layer_causal = window_masks[win], False
+            out = F.scaled_dot_product_attention(
+                q, keys[None], values[None], attn_mask=layer_mask, is_causal=layer_causal, scale=self.scaling,
+                enable_gqa=self.num_kv_heads != self.num_heads)  # [1, Hq, T, D]
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            mlp_out = layer.mlp(layer.post_attention_layernorm(h))
+            h = h + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)  # [1, T, H]
+        last = self.norm(h)[0]  # [T, H]
+        rows = last if logit_rows is None else last[logit_rows.to(dev)]
+        logits = self._lm_head(rows)  # [R, V]
+        features: dict[str, torch.Tensor] = {}
+        if capture and self.tap_layers:
+            features["taps"] = torch.cat(taps, dim=-1)  # [T, n_taps*H]
+        if capture and self.want_last_hidden:
+            features["last_hidden"] = last
+        return ForwardOutput(logits=logits, features=features)
+
+    def _lm_head(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [R, H] -> logits [R, V]. On CPU a few rows times a wide vocabulary run ~1.5x faster as
+        W @ rows^T (a tall-skinny product) than as rows @ W^T; same dot products."""
+        head = self.lm_head
+        if (self.device.type == "cpu" and 2 <= rows.shape[0] <= 16 and type(head) is torch.nn.Linear
+                and head.bias is None):
+            return torch.mm(head.weight, rows.t()).t()
+        return head(rows)
+
+    def _mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """[1, 1, T, start + T] bool: the committed prefix, then the tree's ancestor mask (causal if None)."""
+        n = positions.shape[0]
+        if tree_mask is None:
+            tree_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
+        prefix = torch.ones(n, start, dtype=torch.bool, device=positions.device)
+        return torch.cat([prefix, tree_mask], dim=1)[None, None]
+
+    def _window_mask(self, start: int, positions: torch.Tensor, mask: torch.Tensor | None, window: int
+                     ) -> torch.Tensor:
+        """`mask` restricted to keys with position > query position - window (HF sliding-window semantics)."""
+        base = mask if mask is not None else self._mask(start, positions, None)
+        key_pos = torch.cat([torch.arange(start, device=positions.device), positions])  # [S]
+        near = key_pos[None, :] > positions[:, None] - window  # [T, S]
+        return base & near[None, None]

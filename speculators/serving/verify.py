@@ -1,0 +1,381 @@
+"""Lossless verification of a draft tree (DESIGN §7 "Verification core"; reference §3).
+
+What it does: given a drafted tree (node tokens + parent pointers; node 0 is the root = the last committed
+token), the target's next-token law after the path to every node and, for sampled drafts, the law each
+node's children were drawn from, it picks the accepted root->leaf path and one more token (the correction
+on rejection, the bonus token when a leaf is reached). A generation loop that commits
+`tokens[accepted] + [next_token]` emits tokens distributed exactly as sampling from the target rows alone.
+
+Modes (children of a node are always tried in node-index order):
+  greedy               walk to the child carrying argmax(target row); stop when none does; next = argmax.
+  deterministic        children chosen by any deterministic mechanism (top-k, n-gram, static choices):
+                       accept child c w.p. r(tok_c), else r <- r with tok_c zeroed, renormalised; if none is
+                       accepted, next ~ r. Later duplicate sibling tokens are skipped.
+  iid                  siblings drawn i.i.d. from draft_probs[parent] (SpecInfer multi-step rule): accept
+                       w.p. min(1, r(x)/q(x)), else r <- norm(max(0, r - q)). Duplicate tokens are legal.
+  without_replacement  siblings drawn one after another without replacement from draft_probs[parent]
+                       (recursive rejection sampling): as iid, and after each rejection q loses x
+                       (q <- q with x zeroed, renormalised). Duplicate siblings are rejected as invalid input.
+At each node r starts as the target row of that node; a node without children emits next ~ its target row.
+
+Randomness injection: the decision logic (`walk_tree`) never touches a generator or a tensor. It reads rows
+through a `RowOps` (arithmetic on rows: probability of a token, argmax, residuals) and makes every random
+decision through a `RandomSource` (`accept(prob)`: one fresh Bernoulli coin; `draw(row)`: one categorical
+draw). `verify_tree` plugs in `TorchRowOps` (float64 tensors) and `TorchRandomness` (float64 uniforms from
+the caller's torch.Generator). The tests plug in exact rational arithmetic and a source that enumerates
+every outcome of every coin and draw with its exact probability, so the very same decision code is proved
+lossless by enumeration (tests/unit/serving/test_verify_exact.py).
+
+Not here: computing or filtering probabilities (`sampling.logits_to_probs` makes the target rows), drafting
+or building trees, KV-cache commits, EOS/stop handling, batching several requests, acceptance statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from numbers import Real
+from typing import Protocol, TypeVar
+
+import torch
+
+from speculators.serving.sampling import sample
+
+__all__ = [
+    "MODES",
+    "RandomSource",
+    "RowOps",
+    "TorchRandomness",
+    "TorchRowOps",
+    "Tree",
+    "chain_parents",
+    "remove_token",
+    "residual",
+    "verify_tree",
+    "walk_tree",
+]
+
+MODES: tuple[str, ...] = ("greedy", "deterministic", "iid", "without_replacement")
+_SAMPLED_MODES = ("iid", "without_replacement")
+# |row sum - 1| allowed in input rows, by dtype; half-precision rows carry ~3 significant digits.
+_ROW_SUM_TOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2}
+_DEFAULT_ROW_SUM_TOL = 1e-3
+
+Row = TypeVar("Row")
+
+
+class RowOps(Protocol[Row]):
+    """Arithmetic on probability rows. `remove` / `residual` return None when no mass is left."""
+
+    def prob(self, row: Row, token: int) -> Real: ...
+
+    def argmax(self, row: Row) -> int: ...
+
+    def remove(self, row: Row, token: int) -> Row | None: ...
+
+    def residual(self, r: Row, q: Row) -> Row | None: ...
+
+
+class RandomSource(Protocol[Row]):
+    """Every random decision of the verifier: a fresh coin per `accept`, a fresh draw per `draw`."""
+
+    def accept(self, prob: Real) -> bool: ...
+
+    def draw(self, row: Row) -> int: ...
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A draft tree as plain Python data: node tokens and, per node, its children in index order."""
+
+    tokens: tuple[int, ...]
+    children: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_parents(cls, tokens: Sequence[int], parents: Sequence[int]) -> Tree:
+        if len(tokens) != len(parents) or len(tokens) == 0:
+            raise ValueError(
+                f"tokens and parents must have the same non-zero length, got {len(tokens)} and {len(parents)}"
+            )
+        if parents[0] != -1:
+            raise ValueError(f"parents[0] must be -1 (node 0 is the root), got {parents[0]}")
+        children: list[list[int]] = [[] for _ in tokens]
+        for i in range(1, len(parents)):
+            if not 0 <= parents[i] < i:
+                raise ValueError(
+                    f"parents[{i}] = {parents[i]}: every parent must precede its child (0 <= parent < {i})"
+                )
+            children[parents[i]].append(i)
+        return cls(tuple(int(t) for t in tokens), tuple(tuple(c) for c in children))
+
+
+def walk_tree(
+    tree: Tree,
+    *,
+    mode: str,
+    target_row: Callable[[int], Row],
+    draft_row: Callable[[int], Row] | None,
+    ops: RowOps[Row],
+    rng: RandomSource[Row],
+) -> tuple[list[int], int]:
+    """The decision core of `verify_tree`, generic in row arithmetic and randomness (see module docstring).
+
+    target_row(i): the target law after the path to node i; draft_row(i): the law node i's children were
+    drawn from (read only in the sampled modes, only for nodes with children).
+    Returns (accepted node indices root->leaf, root excluded; next token).
+    """
+    accepted: list[int] = []
+    node = 0
+    while True:
+        if mode == "greedy":
+            best = ops.argmax(target_row(node))
+            child = next((c for c in tree.children[node] if tree.tokens[c] == best), None)
+            if child is None:
+                return accepted, best
+        else:
+            child, r = _try_children(tree, node, mode, target_row, draft_row, ops, rng)
+            if child is None:
+                return accepted, rng.draw(r)
+        accepted.append(child)
+        node = child
+
+
+def _try_children(
+    tree: Tree,
+    node: int,
+    mode: str,
+    target_row: Callable[[int], Row],
+    draft_row: Callable[[int], Row] | None,
+    ops: RowOps[Row],
+    rng: RandomSource[Row],
+) -> tuple[int | None, Row]:
+    """Try node's children in order; return (accepted child, _) or (None, law the next token is drawn from)."""
+    r = target_row(node)
+    kids = tree.children[node]
+    if not kids:
+        return None, r
+    if mode == "deterministic":
+        tried: set[int] = set()
+        for c in kids:
+            x = tree.tokens[c]
+            if x in tried:  # same token, same context: r(x) is already 0
+                continue
+            tried.add(x)
+            if rng.accept(ops.prob(r, x)):
+                return c, r
+            r = _or_keep(ops.remove(r, x), r)
+        return None, r
+    if mode not in _SAMPLED_MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if draft_row is None:
+        raise ValueError(f"mode {mode!r} needs the draft law of every node with children (draft_probs)")
+    q: Row | None = draft_row(node)
+    for c in kids:
+        x = tree.tokens[c]
+        qx = ops.prob(q, x) if q is not None else 0
+        if not qx > 0:
+            raise ValueError(
+                f"node {c} carries token {x}, which has probability 0 under the law its parent's children "
+                f"were drawn from ({mode}): draft_probs or the tree is wrong"
+            )
+        rx = ops.prob(r, x)
+        if rng.accept(rx / qx if rx < qx else 1):
+            return c, r
+        r = _or_keep(ops.residual(r, q), r)
+        if mode == "without_replacement":
+            q = ops.remove(q, x)  # exact law of the next sibling given the ones before it
+    return None, r
+
+
+def _or_keep(new: Row | None, old: Row) -> Row:
+    """A residual with no mass can only follow a zero-probability rejection (rounding): keep the old law."""
+    return old if new is None else new
+
+
+# ------------------------------------------------------------------------------------------------
+# torch backend
+
+
+def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
+    """norm(max(0, r - q)) for rows r, q [V] (float64 result), or None when r <= q everywhere."""
+    diff = (r.to(torch.float64) - q.to(torch.float64)).clamp_min_(0.0)  # [V]
+    return _normalised(diff)
+
+
+def remove_token(row: torch.Tensor, token: int) -> torch.Tensor | None:
+    """row [V] with `token` zeroed, renormalised (float64 result), or None when nothing else has mass."""
+    out = row.to(torch.float64, copy=True)  # [V]
+    out[token] = 0.0
+    return _normalised(out)
+
+
+def _normalised(row: torch.Tensor) -> torch.Tensor | None:
+    total = float(row.sum())
+    return row / total if total > 0 else None
+
+
+class TorchRowOps:
+    """RowOps on 1-D probability tensors [V]; derived rows are float64."""
+
+    def prob(self, row: torch.Tensor, token: int) -> float:
+        return float(row[token])
+
+    def argmax(self, row: torch.Tensor) -> int:
+        return int(torch.argmax(row))
+
+    def remove(self, row: torch.Tensor, token: int) -> torch.Tensor | None:
+        return remove_token(row, token)
+
+    def residual(self, r: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
+        return residual(r, q)
+
+
+class TorchRandomness:
+    """RandomSource backed by a torch.Generator: float64 uniforms, strict `u < prob` coins."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def accept(self, prob: Real) -> bool:
+        if not prob > 0:  # never accept a zero-probability token, even when u == 0
+            return False
+        u = float(torch.rand((), dtype=torch.float64, generator=self.generator, device=self.generator.device))
+        return u < prob
+
+    def draw(self, row: torch.Tensor) -> int:
+        return sample(row, self.generator)
+
+
+class _NoRandomness:
+    """Greedy verification makes no random decision; reaching this is a bug."""
+
+    def accept(self, prob: Real) -> bool:
+        raise RuntimeError("greedy verification drew a coin")
+
+    def draw(self, row: torch.Tensor) -> int:
+        raise RuntimeError("greedy verification drew a token")
+
+
+_TORCH_OPS = TorchRowOps()
+
+
+def chain_parents(num_nodes: int) -> torch.Tensor:
+    """Parents [num_nodes] of a chain (root + num_nodes - 1 drafts): [-1, 0, 1, ..., num_nodes - 2]."""
+    if num_nodes < 1:
+        raise ValueError(f"a chain has at least the root node, got num_nodes={num_nodes}")
+    return torch.arange(-1, num_nodes - 1, dtype=torch.long)
+
+
+def verify_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    mode: str,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Verify one draft tree; returns (accepted node indices root->leaf, root excluded; next token).
+
+    tokens [N] and parents [N] are integer tensors (parents[0] = -1, parents[i] < i); target_probs [N, V]
+    holds the already-filtered target law after the path to each node; draft_probs [N, V] (iid and
+    without_replacement only; ignored otherwise) holds the law node i's children were drawn from — only
+    rows of nodes with children are read. generator may be None only in greedy mode.
+    Raises ValueError on malformed input.
+    """
+    tree = _check_inputs(tokens, parents, target_probs, draft_probs, mode, generator)
+    sampled = mode in _SAMPLED_MODES
+    return walk_tree(
+        tree,
+        mode=mode,
+        target_row=target_probs.__getitem__,  # row i: [V]
+        draft_row=draft_probs.__getitem__ if sampled and draft_probs is not None else None,
+        ops=_TORCH_OPS,
+        rng=TorchRandomness(generator) if generator is not None else _NoRandomness(),
+    )
+
+
+def _check_inputs(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    mode: str,
+    generator: torch.Generator | None,
+) -> Tree:
+    if mode not in MODES:
+        raise ValueError(f"verify_tree: mode must be one of {MODES}, got {mode!r}")
+    if mode != "greedy" and not isinstance(generator, torch.Generator):
+        raise ValueError(f"verify_tree: mode {mode!r} needs a torch.Generator, got {type(generator).__name__}")
+    for name, t in (("tokens", tokens), ("parents", parents)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
+            raise ValueError(f"verify_tree: {name} must be a 1-D integer tensor [N], got {_describe(t)}")
+    tree = Tree.from_parents(tokens.tolist(), parents.tolist())
+    n = len(tree.tokens)
+    vocab = _check_rows("target_probs", target_probs, n, None, None)
+    bad = [i for i, t in enumerate(tree.tokens) if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(
+            f"verify_tree: tokens[{bad[0]}] = {tree.tokens[bad[0]]} is outside the vocabulary [0, {vocab})"
+        )
+    if mode in _SAMPLED_MODES:
+        _check_draft(tree, parents, draft_probs, mode, vocab)
+    return tree
+
+
+def _check_draft(tree: Tree, parents: torch.Tensor, draft_probs: torch.Tensor | None, mode: str, vocab: int) -> None:
+    if draft_probs is None:
+        raise ValueError(
+            f"verify_tree: mode {mode!r} needs draft_probs [N, V] (the law each node's children were drawn from)"
+        )
+    internal = [i for i, kids in enumerate(tree.children) if kids]
+    _check_rows("draft_probs", draft_probs, len(tree.tokens), vocab, internal)
+    if len(tree.tokens) > 1:
+        rows = parents[1:].to(device=draft_probs.device, dtype=torch.long)  # [N-1]
+        cols = torch.tensor(tree.tokens[1:], dtype=torch.long, device=draft_probs.device)  # [N-1]
+        q_drafted = draft_probs[rows, cols]  # [N-1]
+        if not float(q_drafted.min()) > 0:
+            i = int(torch.nonzero(~(q_drafted > 0))[0]) + 1
+            raise ValueError(
+                f"verify_tree: node {i} carries token {tree.tokens[i]} but draft_probs[{int(parents[i])}] gives it "
+                f"probability 0, so it cannot have been drawn from that law"
+            )
+    if mode == "without_replacement":
+        for node, kids in enumerate(tree.children):
+            toks = [tree.tokens[c] for c in kids]
+            if len(set(toks)) != len(toks):
+                raise ValueError(
+                    f"verify_tree: node {node} has duplicate child tokens {toks}; without_replacement drafts are distinct"
+                )
+
+
+def _check_rows(name: str, probs: object, n: int, vocab: int | None, rows: list[int] | None) -> int:
+    """Check probs is [n, vocab] of non-negative rows summing to ~1 (only `rows` if given); return V."""
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or not probs.is_floating_point():
+        raise ValueError(f"verify_tree: {name} must be a floating-point tensor [N, V], got {_describe(probs)}")
+    if probs.shape[0] != n or probs.shape[1] == 0 or (vocab is not None and probs.shape[1] != vocab):
+        want = f"[{n}, {vocab if vocab is not None else 'V>0'}]"
+        raise ValueError(f"verify_tree: {name} has shape {list(probs.shape)}, expected {want}")
+    if rows is not None and not rows:
+        return probs.shape[1]
+    sel = probs if rows is None else probs[torch.tensor(rows, device=probs.device)]  # [R, V]
+    tol = _ROW_SUM_TOL.get(probs.dtype, _DEFAULT_ROW_SUM_TOL)
+    sums = sel.sum(dim=-1)  # [R]
+    low, high = torch.aminmax(sums)
+    if 1 - tol <= float(low) and float(high) <= 1 + tol and float(sel.min()) >= 0:  # NaN fails every test
+        return probs.shape[1]
+    index = list(range(n)) if rows is None else rows
+    sum_ok = (sums - 1).abs() <= tol  # [R] False for NaN / Inf
+    non_negative = sel.amin(dim=-1) >= 0  # [R]
+    bad = int(torch.nonzero(~sum_ok | ~non_negative)[0])
+    if not bool(sum_ok[bad]):
+        raise ValueError(
+            f"verify_tree: {name}[{index[bad]}] sums to {float(sums[bad]):.6g}; rows must be probabilities summing to 1"
+        )
+    raise ValueError(f"verify_tree: {name}[{index[bad]}] has negative entries; rows must be probabilities")
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {list(x.shape)}"
+    return type(x).__name__

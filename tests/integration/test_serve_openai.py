@@ -1,0 +1,87 @@
+"""`speculators serve` as a real subprocess, driven by the `openai` Python client: a streaming chat request,
+the API key, a bad request answered with a clear 400 while the server keeps serving, and /metrics."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.integration.cli_helpers import REPO_ENV
+
+pytestmark = pytest.mark.integration
+
+KEY = "test-key-123"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(house_target):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "speculators.cli", "serve", "--target", str(house_target), "--speculator", "ngram",
+         "--port", str(port), "--device", "cpu", "--max-new-tokens", "64", "--api-key-env", "SPEC_TEST_KEY"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**REPO_ENV, "SPEC_TEST_KEY": KEY})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError("server did not come up in time")
+        time.sleep(0.5)
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_openai_client_streaming_chat(server: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Write a Python function that returns the sum of a list."}]
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0,
+                                            stream=True)
+    pieces, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    text = "".join(pieces)
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
+    assert text and text == full.choices[0].message.content
+    assert finish in ("stop", "length") and full.usage.completion_tokens <= 32
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="x", top_p=1.5)
+    assert "top_p must be in (0, 1]" in str(err.value)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).completions.create(
+            model=model, prompt="x", max_tokens=2)
+    again = client.completions.create(model=model, prompt="def add(a, b):\n    return", max_tokens=4,
+                                      temperature=0)
+    assert again.choices[0].finish_reason in ("stop", "length")
+
+    metrics = httpx.get(server + "/metrics").text
+    assert "speculators_draft_tokens_total" in metrics and "speculators_per_position_acceptance" in metrics
+    assert 'speculators_requests_total{endpoint="/v1/completions",status="400"} 1.0' in metrics

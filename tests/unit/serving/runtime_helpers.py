@@ -1,0 +1,91 @@
+"""Helpers for the runtime tests: HF reference decoding, random speculator directories with pairing.json.
+
+Imported as `tests.unit.serving.runtime_helpers` (the repo root is on pytest's pythonpath) by unit and
+integration tests alike.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+FAMILIES = ("eagle3", "medusa", "mtp")
+
+
+@functools.lru_cache(maxsize=8)
+def hf_model(path: str):
+    """The target loaded by Hugging Face (fp32, eval), cached per path."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@functools.lru_cache(maxsize=8)
+def loaded_target(path: str):
+    """`speculators.target.load_target` of `path` on CPU fp32, cached per path (engines share it)."""
+    from speculators.config import TargetConfig
+    from speculators.target import load_target
+
+    return load_target(TargetConfig(name_or_path=str(path), device="cpu", dtype="float32"))
+
+
+def hf_greedy(path: str | Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face `generate(do_sample=False)` continuation (generated ids only, EOS included)."""
+    model = hf_model(str(path))
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=model.generation_config.pad_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def top2_margin(path: str | Path, ids: list[int]) -> float:
+    """logit(top-1) - logit(top-2) of the target's next-token logits after `ids` (HF forward)."""
+    with torch.no_grad():
+        logits = hf_model(str(path))(torch.tensor([ids])).logits[0, -1]
+    top = torch.topk(logits.double(), 2).values
+    return float(top[0] - top[1])
+
+
+def make_speculator_dir(target_dir: str | Path, family: str, out: str | Path, *, seed: int = 0,
+                        num_steps: int = 3, scale: float = 0.02) -> Path:
+    """A randomly initialised speculator of `family` for the target in `target_dir`, saved with its
+    pairing.json to `out` (a real checkpoint dir, as training writes it)."""
+    from speculators.config import SpeculatorConfig, TargetConfig
+    from speculators.export.pairing import pairing_record, write_pairing
+    from speculators.models import SPECULATORS
+    from speculators.models.io import save_speculator, target_weights
+    from speculators.target import fingerprint_target
+
+    model = hf_model(str(target_dir))
+    spec_cfg = SpeculatorConfig(family=family, num_steps=num_steps)
+    torch.manual_seed(seed)
+    spec = SPECULATORS[family].from_target(model.config, spec_cfg, target_weights(model))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in spec.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+    out = Path(out)
+    save_speculator(spec, out, {"family": family})
+    fp = fingerprint_target(TargetConfig(name_or_path=str(target_dir))).to_dict()
+    taps = spec.required_features().tap_layer_ids
+    write_pairing(out, pairing_record(target=fp, family=family, layer_ids=list(taps) if taps else None,
+                                      draft_dir=out))
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP threads that wait
+    for a busy core slow every small op down by orders of magnitude: run these tests on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

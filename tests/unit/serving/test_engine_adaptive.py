@@ -1,0 +1,87 @@
+"""Adaptive speculation: depth from recent acceptance and measured costs, off for short outputs and where it
+loses (with periodic probes), every choice reported; the engine stays lossless either way."""
+
+from __future__ import annotations
+
+from speculators.config import TreeConfig
+from speculators.serving import Engine, SamplingParams
+from speculators.serving.adaptive import AdaptiveDepth, CostModel
+from tests.unit.serving.runtime_helpers import hf_greedy, loaded_target, single_thread  # noqa: F401
+
+
+def _cost(base: float = 0.010, per_node: float = 0.001, draft: float = 0.0005) -> CostModel:
+    """Cycle costs base + per_node * (nodes - 1) measured at 1..32 nodes; chains (one node per depth) drafted
+    at `draft` seconds per depth."""
+    c = CostModel()
+    for n in (1, 2, 4, 8, 16, 32):
+        c.set_cycle(n, base + per_node * (n - 1))
+    c.observe_draft(depth=1, drafted_nodes=1, seconds=draft)
+    return c
+
+
+def test_short_output_turns_speculation_off() -> None:
+    ctrl = AdaptiveDepth(cost=_cost(), max_depth=5, max_new_tokens=4)
+    assert ctrl.mode.startswith("off: short output")
+    assert [ctrl.choose(r) for r in (4, 3, 2, 1)] == [0, 0, 0, 0]
+    assert ctrl.report()["plain_cycles"] == 4
+
+
+def test_high_acceptance_drafts_deep_and_never_past_the_end() -> None:
+    ctrl = AdaptiveDepth(cost=_cost(), max_depth=6, max_new_tokens=100)
+    for _ in range(20):
+        ctrl.observe(drafted_depth=6, accepted=6)
+    assert ctrl.choose(100) == 6
+    assert ctrl.choose(3) == 2  # depth <= remaining - 1
+    assert ctrl.choose(1) == 0
+
+
+def test_low_acceptance_goes_plain_then_probes() -> None:
+    ctrl = AdaptiveDepth(cost=_cost(per_node=0.008, draft=0.004), max_depth=4, max_new_tokens=100, probe_every=5)
+    for _ in range(30):
+        ctrl.observe(drafted_depth=4, accepted=0)
+    choices = [ctrl.choose(100) for _ in range(20)]
+    # a probe at the most promising depth after 5 plain cycles, then after 10 (back-off while probes lose)
+    assert [i for i, d in enumerate(choices) if d > 0] == [4, 14] and choices[4] == max(range(1, 5), key=ctrl.rate)
+    report = ctrl.report()
+    assert report["probe_cycles"] == 2 and report["turned_off"] >= 1
+    assert report["acceptance_estimate"][0] < 0.05 and report["mode"] == "adaptive"
+
+
+def test_cheap_verification_prefers_depth_over_plain() -> None:
+    ctrl = AdaptiveDepth(cost=_cost(per_node=0.0001, draft=0.0001), max_depth=4, max_new_tokens=100,
+                         prior=[0.5, 0.5, 0.5, 0.5])
+    assert ctrl.choose(100) >= 3
+    assert ctrl.rate(ctrl.choose(100)) > ctrl.rate(0)
+
+
+def test_fixed_and_uncalibrated_modes() -> None:
+    assert AdaptiveDepth(cost=_cost(), max_depth=3, max_new_tokens=50, enabled=False).choose(50) == 3
+    assert AdaptiveDepth(cost=CostModel(), max_depth=3, max_new_tokens=50).choose(50) == 3  # no costs yet
+    assert AdaptiveDepth(cost=_cost(), max_depth=0, max_new_tokens=50).mode.startswith("off")
+
+
+def test_cost_model_interpolates_and_ignores_preempted_spikes() -> None:
+    c = CostModel()
+    c.set_cycle(1, 0.010)
+    c.set_cycle(2, 0.014)  # the step from a matrix-vector to a matrix-matrix product
+    c.set_cycle(8, 0.016)
+    assert abs(c.cycle(5) - 0.015) < 1e-9 and abs(c.cycle(16) - 0.016 - 8 * 0.002 / 6) < 1e-9
+    c.observe_cycle(1, 5.0)  # a cycle that lost the CPU
+    assert c.cycle(1) < 0.02
+    c.observe_draft(depth=2, drafted_nodes=6, seconds=0.004)
+    assert c.draft_nodes(2) == 6 and abs(c.draft_nodes(4) - 12) < 1e-9 and abs(c.draft_cost(1) - 0.002) < 1e-9
+    assert set(c.to_dict()) == {"cycle_ms_by_nodes", "draft_ms_by_depth", "draft_nodes_by_depth"}
+
+
+def test_engine_reports_choices_and_stays_lossless(tiny_llama) -> None:
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram",
+                                    tree=TreeConfig(kind="chain", depth=4, adaptive=True))
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=20))
+    assert out.token_ids == hf_greedy(tiny_llama, prompt, 20)
+    adaptive = out.stats.adaptive
+    assert adaptive["mode"] == "adaptive" and sum(adaptive["depth_histogram"].values()) == out.stats.target_calls
+    assert adaptive["cost"]["cycle_ms_by_nodes"]["1.0"] > 0 and len(adaptive["cost"]["cycle_ms_by_nodes"]) >= 2
+    short = engine.generate(prompt, SamplingParams(max_new_tokens=3))
+    assert short.stats.adaptive["mode"].startswith("off: short output") and short.stats.acceptance.drafted_tokens == 0
+    assert short.token_ids == out.token_ids[:3]

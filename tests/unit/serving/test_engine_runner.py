@@ -1,0 +1,104 @@
+"""TargetRunner: the compact forward equals Hugging Face's (logits, taps, last hidden), over prompts, trees with
+ancestor masks, after KV commits, with sliding windows; unsupported layouts fail with one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+from transformers import AutoModelForCausalLM
+
+from speculators.errors import SpeculatorsError
+from speculators.models.base import FeatureRequest
+from speculators.serving.target_runner import TargetRunner
+from speculators.serving.trees import ancestor_mask, depths_of
+from tests.unit.serving.runtime_helpers import single_thread  # noqa: F401
+
+ATOL = 1e-4
+VOCAB = 300
+
+
+def _model(family: str, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = tiny_config(family, VOCAB, **overrides)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def _mistral(window: int) -> torch.nn.Module:
+    from transformers import MistralConfig
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                        max_position_embeddings=128)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def _check_against_hf(model: torch.nn.Module, taps: tuple[int, ...] = (1, 2)) -> None:
+    runner = TargetRunner(model, FeatureRequest(tap_layer_ids=taps, last_hidden=True))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (20,), generator=g)
+    with torch.no_grad():
+        ref = model(ids[None], output_hidden_states=True)
+    logits, hidden = ref.logits[0], ref.hidden_states  # [20, V]; hidden[k] enters layer k
+    cache = runner.new_cache(64)
+    # prompt chunk from slot 0
+    out = runner.forward(cache, ids[:10])
+    torch.testing.assert_close(out.logits, logits[:10], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.features["taps"], torch.cat([hidden[t][0, :10] for t in taps], -1),
+                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.features["last_hidden"], hidden[-1][0, :10], atol=ATOL, rtol=0)
+    cache.commit(list(range(10)))
+    # a tree rooted at ids[10]: path 0 -> 1 -> 3 -> 4 carries ids[10..13]; nodes 2, 5 are decoys
+    tokens = torch.stack([ids[10], ids[11], torch.tensor(7), ids[12], ids[13], torch.tensor(9)])
+    parents = torch.tensor([-1, 0, 0, 1, 3, 2])
+    tree = runner.forward(cache, tokens, depths_of(parents), ancestor_mask(parents))
+    torch.testing.assert_close(tree.logits[[0, 1, 3, 4]], logits[10:14], atol=ATOL, rtol=0)
+    torch.testing.assert_close(tree.features["taps"][[0, 1, 3, 4]],
+                               torch.cat([hidden[t][0, 10:14] for t in taps], -1), atol=ATOL, rtol=0)
+    cache.commit([0, 1, 3, 4])
+    assert cache.length == 14
+    # a chain after the commit, and a single token: both see exactly the committed path
+    chain = runner.forward(cache, ids[14:18])
+    torch.testing.assert_close(chain.logits, logits[14:18], atol=ATOL, rtol=0)
+    cache.commit([0, 1, 2, 3])
+    one = runner.forward(cache, ids[18:19], logit_rows=torch.tensor([0]))
+    torch.testing.assert_close(one.logits, logits[18:19], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_matches_hf_forward(family: str) -> None:
+    _check_against_hf(_model(family), taps=(2, 4, 5))
+
+
+def test_matches_hf_forward_qwen2_with_bias() -> None:
+    from transformers import Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    _check_against_hf(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
+
+
+def test_sliding_window_matches_hf() -> None:
+    _check_against_hf(_mistral(window=6))
+
+
+def test_no_features_when_not_requested() -> None:
+    runner = TargetRunner(_model("llama"), None)
+    out = runner.forward(runner.new_cache(8), torch.tensor([1, 2, 3]), logit_rows=torch.tensor([2]))
+    assert out.features == {} and out.logits.shape == (1, VOCAB)
+
+
+def test_unsupported_target_fails_with_one_line() -> None:
+    from transformers import GPT2Config
+
+    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(SpeculatorsError, match="cannot run target model type 'gpt2'") as err:
+        TargetRunner(model, None)
+    assert "\n" not in str(err.value)
+
+
+def test_taps_out_of_range_are_refused() -> None:
+    with pytest.raises(SpeculatorsError, match=r"layers \[8\]"):
+        TargetRunner(_model("llama"), FeatureRequest(tap_layer_ids=(2, 8), last_hidden=False))
