@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -22,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Train, evaluate, export and serve speculative-decoding speculators.")
 
 RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML, e.g. recipes/house-eagle3.yaml")]
-OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="dotted overrides, e.g. train.lr=3e-4")]
+OverridesArg = Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. train.lr=3e-4")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="redo the stage even if its outputs are complete")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="print the resolved recipe and exit")]
 
@@ -87,7 +87,7 @@ for _name, _help in (
 @app.command(help="Run every stage of a recipe in order, skipping stages whose outputs are complete.")
 @_user_errors
 def run(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
-        only: Annotated[Optional[str], typer.Option(help="comma-separated stages to run")] = None) -> None:
+        only: Annotated[str | None, typer.Option(help="comma-separated stages to run")] = None) -> None:
     from speculators.config import dump_recipe
     from speculators.pipeline import run_pipeline
 
@@ -97,8 +97,20 @@ def run(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = Fal
         return
     results = run_pipeline(r, only=only.split(",") if only else None, force=force,
                            log=lambda m: typer.echo(m, err=True))
-    _print_summary(f"run: {r.name}", {k: v.get("status", "done") if isinstance(v, dict) else v
-                                      for k, v in results.items()})
+    _print_summary(f"run: {r.name}", {k: _stage_line(v) for k, v in results.items()})
+
+
+def _stage_line(summary: dict) -> str:
+    """One line per stage for the run summary: status, seconds, then its first few scalar figures."""
+    status = str(summary.get("status", "done"))
+    if status != "done":
+        return status
+    parts = [status, f"{summary.get('seconds', 0):.0f} s"]
+    skip = {"status", "seconds", "output"}
+    figures = [(k, v) for k, v in summary.items()
+               if k not in skip and isinstance(v, (int, float, str)) and not isinstance(v, bool)]
+    parts += [f"{k}={round(v, 3) if isinstance(v, float) else v}" for k, v in figures[:6]]
+    return " · ".join(parts)
 
 
 @app.command(help="Generate from one prompt (or a workload file) with the bundled runtime and print stats.")
@@ -106,20 +118,20 @@ def run(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = Fal
 def generate(
     target: Annotated[str, typer.Option(help="target checkpoint dir or hub id")] = "data/targets/stdlib-lm",
     speculator: Annotated[str, typer.Option(help="speculator dir, 'ngram', or 'none'")] = "none",
-    prompt: Annotated[Optional[str], typer.Option(help="raw text prompt")] = None,
-    chat: Annotated[Optional[str], typer.Option(help="a user message, sent through the chat template")] = None,
-    workload: Annotated[Optional[Path], typer.Option(help="a workloads .jsonl file: generate every row")] = None,
+    prompt: Annotated[str | None, typer.Option(help="raw text prompt")] = None,
+    chat: Annotated[str | None, typer.Option(help="a user message, sent through the chat template")] = None,
+    workload: Annotated[Path | None, typer.Option(help="a workloads .jsonl file: generate every row")] = None,
     max_new_tokens: Annotated[int, typer.Option()] = 64,
     temperature: Annotated[float, typer.Option()] = 0.0,
     top_k: Annotated[int, typer.Option()] = 0,
     top_p: Annotated[float, typer.Option()] = 1.0,
-    seed: Annotated[Optional[int], typer.Option()] = None,
+    seed: Annotated[int | None, typer.Option()] = None,
     device: Annotated[str, typer.Option()] = "auto",
     dtype: Annotated[str, typer.Option()] = "auto",
-    tree: Annotated[Optional[str], typer.Option(help="dynamic | static | chain (default: the drafter's own)")] = None,
-    depth: Annotated[Optional[int], typer.Option()] = None,
-    topk: Annotated[Optional[int], typer.Option()] = None,
-    budget: Annotated[Optional[int], typer.Option()] = None,
+    tree: Annotated[str | None, typer.Option(help="dynamic | static | chain (default: the drafter's own)")] = None,
+    depth: Annotated[int | None, typer.Option()] = None,
+    topk: Annotated[int | None, typer.Option()] = None,
+    budget: Annotated[int | None, typer.Option()] = None,
     allow_revision_mismatch: Annotated[bool, typer.Option(help="serve a speculator trained on another target "
                                                                 "revision (never another tokenizer)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object per generation")] = False,
@@ -139,7 +151,7 @@ def serve(
     speculator: Annotated[str, typer.Option(help="speculator dir, 'ngram', or 'none'")] = "none",
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
-    api_key_env: Annotated[Optional[str], typer.Option(help="env var holding the API key (off if unset)")] = None,
+    api_key_env: Annotated[str | None, typer.Option(help="env var holding the API key (off if unset)")] = None,
     max_prompt_tokens: Annotated[int, typer.Option()] = 2048,
     max_new_tokens: Annotated[int, typer.Option()] = 512,
     max_concurrent_requests: Annotated[int, typer.Option()] = 4,
@@ -159,14 +171,14 @@ def serve(
 @_user_errors
 def bench(
     target: Annotated[str, typer.Option()] = "data/targets/stdlib-lm",
-    speculator: Annotated[Optional[list[str]], typer.Option(help="speculator dirs (repeatable); n-gram is "
+    speculator: Annotated[list[str] | None, typer.Option(help="speculator dirs (repeatable); n-gram is "
                                                                  "always included")] = None,
     workloads: Annotated[str, typer.Option(help="glob of workload files")] = "data/workloads/*.jsonl",
     rows_per_cohort: Annotated[int, typer.Option()] = 4,
     temperatures: Annotated[str, typer.Option(help="comma-separated")] = "0,1",
     device: Annotated[str, typer.Option()] = "auto",
     dtype: Annotated[str, typer.Option()] = "auto",
-    out: Annotated[Optional[Path], typer.Option(help="write the JSON + Markdown report here")] = None,
+    out: Annotated[Path | None, typer.Option(help="write the JSON + Markdown report here")] = None,
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     from speculators.serving.bench import bench_command
@@ -182,12 +194,12 @@ def train_bench(
     target: Annotated[str, typer.Option()] = "data/targets/stdlib-lm",
     families: Annotated[str, typer.Option(help="comma-separated: eagle3,medusa,mtp")] = "eagle3,medusa,mtp",
     steps: Annotated[int, typer.Option(help="optimizer steps per family")] = 20,
-    batch_size: Annotated[Optional[int], typer.Option(help="default: the family's house recipe")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="default: the family's house recipe")] = None,
     mode: Annotated[str, typer.Option(help="offline (capture, then train) | online (target inside the step)")]
     = "offline",
     data: Annotated[str, typer.Option(help="chat rows (jsonl)")] = "data/datasets/stdlib-chat/train.jsonl",
-    out: Annotated[Optional[Path], typer.Option(help="work dir (kept); default: a temp dir")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="OMP_NUM_THREADS for the runs")] = None,
+    out: Annotated[Path | None, typer.Option(help="work dir (kept); default: a temp dir")] = None,
+    threads: Annotated[int | None, typer.Option(help="OMP_NUM_THREADS for the runs")] = None,
 ) -> None:
     from speculators.train.bench import bench_command
 

@@ -21,7 +21,6 @@ import yaml
 
 from speculators.errors import SpeculatorsError
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # sections
 

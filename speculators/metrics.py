@@ -140,7 +140,7 @@ class AcceptanceStats:
     @property
     def per_position_acceptance(self) -> list[float]:
         """a_k for every depth that was attempted at least once."""
-        return [acc / att for acc, att in zip(self.accepts, self.attempts) if att > 0]
+        return [acc / att for acc, att in zip(self.accepts, self.attempts, strict=True) if att > 0]
 
     @property
     def bonus_rate(self) -> float:

@@ -22,7 +22,6 @@ import json
 import math
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,6 +54,7 @@ class BuildConfig:
     chat_copies: int = 1  # how many times the chat tasks appear in the training stream
     workload_rows_per_cohort: int = 48
     dataset_rows: int = 3000
+    code_dataset_rows: int = 1000
     threads: int = 2
     compile: bool = True
 
@@ -123,6 +123,19 @@ def write_chat_dataset(train_tasks: list[tasks.Task], out_dir: Path, rows: int, 
     return len(chosen)
 
 
+def write_code_dataset(files: list[corpus.SourceFile], out_dir: Path, rows: int, seed: int) -> int:
+    """Raw code-completion rows (`{"id", "prompt", "completion"}`, no chat template) from TRAINING modules only."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pool: list[tasks.Task] = []
+    for f in files:
+        pool.extend(tasks.code_completion(f, random.Random(f"{seed}:code-dataset:{f.module}")))
+    chosen = random.Random(f"{seed}:code-dataset").sample(pool, min(rows, len(pool)))
+    with (out_dir / "train.jsonl").open("w") as fh:
+        for i, t in enumerate(chosen):
+            fh.write(json.dumps({"id": f"stdlib-code-{i:05d}", "prompt": t.prompt, "completion": t.completion}) + "\n")
+    return len(chosen)
+
+
 def training_documents(data: dict, cfg: BuildConfig) -> list[str]:
     docs = [f.text for f in data["train_files"]]
     docs += [render_chat(t.messages) for t in data["train_tasks"] for _ in range(cfg.chat_copies)]
@@ -178,7 +191,7 @@ def train(model, inputs, labels, cfg: BuildConfig, log) -> list[dict]:
     import torch
 
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         (decay if p.ndim >= 2 else no_decay).append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -305,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="data/targets/stdlib-lm")
     parser.add_argument("--workloads", default="data/workloads")
     parser.add_argument("--datasets", default="data/datasets/stdlib-chat")
+    parser.add_argument("--code-datasets", default="data/datasets/stdlib-code")
     parser.add_argument("--steps", type=int, default=None, help="override the number of optimizer steps")
     parser.add_argument("--data-only", action="store_true", help="write workloads and datasets, skip the model")
     args = parser.parse_args(argv)
@@ -326,8 +340,10 @@ def main(argv: list[str] | None = None) -> None:
     data = collect(cfg)
     counts = write_workloads(data["held_tasks"], Path(args.workloads), cfg.workload_rows_per_cohort, cfg.seed)
     n_chat = write_chat_dataset(data["train_tasks"], Path(args.datasets), cfg.dataset_rows, cfg.seed)
+    n_code = write_code_dataset(data["train_files"], Path(args.code_datasets), cfg.code_dataset_rows, cfg.seed)
     log(f"corpus: {len(data['train_files'])} train files, {len(data['held_files'])} held-out files, "
-        f"{len(data['train_tasks'])} train chat tasks; workloads {counts}; chat dataset rows {n_chat}")
+        f"{len(data['train_tasks'])} train chat tasks; workloads {counts}; chat dataset rows {n_chat}; "
+        f"code dataset rows {n_code}")
     if args.data_only:
         return
 

@@ -147,8 +147,11 @@ def code_completion(src: SourceFile, rng: random.Random, prefix_lines: tuple[int
             continue
         cut = start + rng.randint(2, max(2, min(end - start - 2, 12)))
         ctx_start = max(0, cut - rng.randint(*prefix_lines))
-        prompt = "".join(lines[ctx_start:cut])
-        completion = "".join(lines[cut:min(end, cut + 12)])
+        # The prompt stops before its last newline: byte-level BPE merges a newline with the next line's
+        # indentation, so a prompt ending in a bare "\n" is a token boundary the model never saw in training.
+        text = "".join(lines[ctx_start:cut])
+        prompt = text.removesuffix("\n")
+        completion = text[len(prompt):] + "".join(lines[cut:min(end, cut + 12)])
         if prompt.strip() and completion.strip():
             tasks.append(Task("code-completion", src.module, prompt=prompt, completion=completion))
     return tasks
@@ -224,7 +227,7 @@ def json_tool_call(src: SourceFile, rng: random.Random) -> list[Task]:
         if not params:
             continue
         defaults = [None] * (len(args.posonlyargs + args.args) - len(args.defaults)) + list(args.defaults)
-        by_name = {a.arg: d for a, d in zip(args.posonlyargs + args.args, defaults)}
+        by_name = {a.arg: d for a, d in zip(args.posonlyargs + args.args, defaults, strict=False)}
         chosen = [p for p in params if by_name.get(p) is None] or params[:1]
         extra = [p for p in params if p not in chosen]
         if extra and rng.random() < 0.5:

