@@ -52,11 +52,14 @@ def sampled_alpha(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torc
 
 
 def chain_reach(alpha: torch.Tensor, valid: torch.Tensor | None = None) -> list[float]:
-    """E_k = mean over positions of prod_{j<=k} alpha_{t,j}.
+    """E_k = prod_{j<=k} a_j, the chance that a depth-k chain is accepted through depth k.
 
     alpha: [N, K] per-position, per-depth acceptance (greedy 0/1 or sampled probability);
     valid: [N, K] bool, whether depth k exists for position t (end of sequence / loss mask). A position counts
-    for depth k only if depths 1..k are all valid.
+    for depth k only if depths 1..k are all valid, so a_k is estimated as a conditional over the positions where
+    depth k exists: a_k = sum_t reach_{t,k} / sum_t reach_{t,k-1} (both over those positions). Without masks this is
+    the plain mean of prod_{j<=k} alpha_{t,j}; with masks it never exceeds 1 (positions near a sequence's end, which
+    have depth k-1 but not depth k, leave both sums).
     """
     import torch
 
@@ -65,8 +68,10 @@ def chain_reach(alpha: torch.Tensor, valid: torch.Tensor | None = None) -> list[
         valid = torch.ones_like(a, dtype=torch.bool)
     ok = torch.cumprod(valid.double(), dim=1)  # [N, K]
     reach = torch.cumprod(a * ok, dim=1)  # [N, K]
-    denom = ok.sum(0).clamp_min(1)
-    return (reach.sum(0) / denom).tolist()
+    before = torch.cat([torch.ones_like(reach[:, :1]), reach[:, :-1]], dim=1) * ok  # [N, K] reach_{t,k-1}
+    num, den = reach.sum(0), before.sum(0)  # [K]
+    cond = torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))  # [K] a_k
+    return torch.cumprod(cond, dim=0).tolist()
 
 
 def per_position_from_reach(reach: Sequence[float]) -> list[float]:

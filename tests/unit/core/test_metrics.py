@@ -33,7 +33,13 @@ def test_chain_reach_and_per_position() -> None:
     assert metrics.simulated_tau(a) == pytest.approx(1 + sum(reach))
     valid = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
     reach_v = metrics.chain_reach(alpha, valid)
-    assert reach_v == pytest.approx([2 / 3, 1 / 2, 0.0])
+    # a_2 over the two positions that have depth 2 (rows 0, 1): 1 of 2 reached depth 1 and accepted depth 2
+    assert reach_v == pytest.approx([2 / 3, 2 / 3 * 1 / 2, 0.0])
+    # near the end of sequences positions drop out of deeper depths; a_k stays a conditional (<= 1)
+    late = torch.tensor([[1, 1], [1, 1], [0, 0]], dtype=torch.float32)
+    late_valid = torch.tensor([[1, 0], [1, 0], [1, 1]], dtype=torch.bool)
+    a_late = metrics.per_position_from_reach(metrics.chain_reach(late, late_valid))
+    assert a_late == pytest.approx([2 / 3, 0.0]) and max(a_late) <= 1
 
 
 def test_live_stats_counters() -> None:

@@ -48,11 +48,12 @@ def test_greedy_alpha_and_chain_by_hand() -> None:
     assert alpha.tolist() == [[1, 1], [0, 1], [1, 0]]
     assert valid.tolist() == [[True, True], [True, True], [True, False]]
     s = summarize(alpha, valid, rows=1)
-    # E_1 = 2/3 (3 positions), E_2 = (1 + 0) / 2 (depth 2 exists at 2 positions, chain broken at t=2)
-    assert s["chain_reach"] == [round(2 / 3, 4), 0.5]
-    assert s["per_position_acceptance"] == [round(2 / 3, 4), 0.75]
-    assert s["simulated_tau"] == round(1 + 2 / 3 + 0.5, 4)
-    assert s["tau_by_depth"] == [round(1 + 2 / 3, 4), round(1 + 2 / 3 + 0.5, 4)]
+    # a_1 = 2/3 (3 positions); depth 2 exists at t=0,1 only: of those, t=0 reached depth 1 and accepted depth 2,
+    # so a_2 = 1/1 and E_2 = 2/3
+    assert s["chain_reach"] == [round(2 / 3, 4), round(2 / 3, 4)]
+    assert s["per_position_acceptance"] == [round(2 / 3, 4), 1.0]
+    assert s["simulated_tau"] == round(1 + 2 / 3 + 2 / 3, 4)
+    assert s["tau_by_depth"] == [round(1 + 2 / 3, 4), round(1 + 2 / 3 + 2 / 3, 4)]
     assert s["positions"] == 3
 
 
@@ -114,7 +115,9 @@ def test_ngram_alpha_by_hand_greedy_and_sampled() -> None:
     assert alpha1[1, 0].item() == pytest.approx(0.4, abs=1e-6)  # p4(2)
     s = summarize(alpha1, valid, rows=1)
     assert s["chain_reach"][0] == pytest.approx((0.6 + 0.4) / 2, abs=1e-4)
-    assert s["chain_reach"][1] == pytest.approx(0.6 * 0.4, abs=1e-4)
+    # a_2 over the one position with a depth 2 (t=2): 0.6 * 0.4 / 0.6; E_2 = a_1 * a_2
+    assert s["per_position_acceptance"][1] == pytest.approx(0.4, abs=1e-4)
+    assert s["chain_reach"][1] == pytest.approx(0.5 * 0.4, abs=1e-4)
 
 
 def test_ngram_gather_equals_sampled_alpha_of_a_onehot_draft() -> None:
