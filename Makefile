@@ -20,7 +20,7 @@ install: $(STAMP)
 
 demo: install
 	$(BIN)/speculators run recipes/house-eagle3.yaml run_dir=$(RUN)/eagle3
-	$(BIN)/speculators bench --speculator $(RUN)/eagle3/export --rows-per-cohort 2 --out $(RUN)/bench
+	$(BIN)/speculators bench --speculator $(RUN)/eagle3/export --rows-per-cohort 2 --temperatures 0 --out $(RUN)/bench
 
 test: install
 	$(BIN)/python -m pytest tests -q -x --timeout 900
