@@ -113,6 +113,20 @@ def _stage_line(summary: dict) -> str:
     return " · ".join(parts)
 
 
+ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch (0 = torch's default, one per core); 1 is "
+                                              "much faster when the cores are shared with other jobs")]
+
+
+def _set_threads(threads: int) -> None:
+    """The runtime commands' CPU thread count (a process-wide torch setting)."""
+    if threads < 0:
+        raise SpeculatorsError(f"--threads must be >= 0, got {threads}")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 @app.command(help="Generate from one prompt (or a workload file) with the bundled runtime and print stats.")
 @_user_errors
 def generate(
@@ -135,9 +149,11 @@ def generate(
     allow_revision_mismatch: Annotated[bool, typer.Option(help="serve a speculator trained on another target "
                                                                 "revision (never another tokenizer)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object per generation")] = False,
+    threads: ThreadsOpt = 0,
 ) -> None:
     from speculators.serving.commands import generate_command
 
+    _set_threads(threads)
     generate_command(target=target, speculator=speculator, prompt=prompt, chat=chat, workload=workload,
                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                      device=device, dtype=dtype, tree=tree, depth=depth, topk=topk, budget=budget,
@@ -158,9 +174,11 @@ def serve(
     device: Annotated[str, typer.Option()] = "auto",
     dtype: Annotated[str, typer.Option()] = "auto",
     allow_revision_mismatch: Annotated[bool, typer.Option()] = False,
+    threads: ThreadsOpt = 0,
 ) -> None:
     from speculators.serving.commands import serve_command
 
+    _set_threads(threads)
     serve_command(target=target, speculator=speculator, host=host, port=port, api_key_env=api_key_env,
                   max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                   max_concurrent_requests=max_concurrent_requests, device=device, dtype=dtype,
@@ -180,9 +198,11 @@ def bench(
     dtype: Annotated[str, typer.Option()] = "auto",
     out: Annotated[Path | None, typer.Option(help="write the JSON + Markdown report here")] = None,
     seed: Annotated[int, typer.Option()] = 0,
+    threads: ThreadsOpt = 0,
 ) -> None:
     from speculators.serving.bench import bench_command
 
+    _set_threads(threads)
     bench_command(target=target, speculators=speculator or [], workloads=workloads,
                   rows_per_cohort=rows_per_cohort, temperatures=[float(t) for t in temperatures.split(",")],
                   device=device, dtype=dtype, out=out, seed=seed)

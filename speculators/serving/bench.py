@@ -115,12 +115,8 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
         raise SpeculatorsError(f"--rows-per-cohort must be >= 1, got {rows_per_cohort}")
     if not temperatures or any(t < 0 for t in temperatures):
         raise SpeculatorsError(f"--temperatures must be non-negative numbers, got {temperatures}")
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads()  # set by the caller (`speculators bench --threads`); every method shares it
     loaded = load_target(TargetConfig(name_or_path=target, device=device, dtype=dtype))
-    if loaded.device == "cpu":  # one intra-op thread per core this process may use (OMP_NUM_THREADS wins)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, cores)
-        torch.set_num_threads(threads)
     rows_raw = load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)
     methods = [_Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
                _Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]

@@ -65,3 +65,8 @@ def test_unreadable_workload_file(tmp_path: Path) -> None:
     bad.write_bytes(b"\xff\xfe\x00garbage")
     line = _one_error_line(_cli("generate", "--workload", str(bad)))
     assert str(bad) in line
+
+
+def test_negative_thread_count() -> None:
+    line = _one_error_line(_cli("generate", "--prompt", "x", "--threads", "-1"))
+    assert "--threads" in line
