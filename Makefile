@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(BIN)/speculators run recipes/house-eagle3.yaml run_dir=$(RUN)/eagle3
+	$(BIN)/speculators run recipes/house-eagle3.yaml run_dir=$(RUN)/eagle3 train.epochs=2
 	$(BIN)/speculators bench --speculator $(RUN)/eagle3/export --rows-per-cohort 2 --temperatures 0 --out $(RUN)/bench
 
 test: install
