@@ -18,7 +18,8 @@ What it does:
   protocol `new_state` / `absorb` / `propose` (tree policies in `drafting.py`), which see exactly the attention
   pattern TTT trained on; `RecurrentStepper` drafts one tree level per batched forward into speculative KV slots
   beyond the committed length.
-- Small construction helpers every family uses (`verifier_info`, `check_target_weights`, `native_options`).
+- Small construction helpers every family uses (`verifier_info`, `check_target_weights`,
+  `check_full_vocab`, `native_options`).
 
 What it does not do: family-specific inputs/heads (eagle3.py, mtp.py), tree-building policies (drafting.py),
 file I/O (io.py), losses (speculators.train).
@@ -330,6 +331,13 @@ def check_target_weights(weights: TargetWeights, vocab: int, hidden: int) -> Non
         if tuple(t.shape) != (vocab, hidden):
             raise SpeculatorsError(f"target {name} has shape {list(t.shape)}, expected [{vocab}, {hidden}] from the "
                                    "target config; the weights and the config come from different models")
+
+
+def check_full_vocab(family: str, draft_vocab_size: int | None, d2t: torch.Tensor | None, vocab: int) -> None:
+    """Families that draft over the full target vocabulary (Medusa, MTP) refuse a reduced one."""
+    if draft_vocab_size not in (None, vocab) or (d2t is not None and int(torch.as_tensor(d2t).numel()) != vocab):
+        raise SpeculatorsError(f"{family} drafts over the full target vocab; unset speculator.draft_vocab_size "
+                               "(reduced vocabularies are an eagle3 option)")
 
 
 def native_options(spec: SpeculatorConfig) -> dict:

@@ -24,7 +24,7 @@ from torch import nn
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, Speculator, TargetWeights
-from speculators.models.layers import check_target_weights, dtype_name, native_options, verifier_info
+from speculators.models.layers import check_full_vocab, check_target_weights, dtype_name, native_options, verifier_info
 
 if TYPE_CHECKING:
     from speculators.config import SpeculatorConfig, TreeConfig
@@ -95,7 +95,7 @@ class MedusaSpeculator(Speculator):
         tc = text_config(target_config)
         vocab, hidden = int(tc.vocab_size), int(tc.hidden_size)
         check_target_weights(weights, vocab, hidden)
-        _full_vocab_only("medusa", spec.draft_vocab_size, d2t, vocab)
+        check_full_vocab("medusa", spec.draft_vocab_size, d2t, vocab)
         model = cls(hidden_size=hidden, vocab_size=vocab, num_heads=spec.num_steps, num_layers=spec.num_layers,
                     verifier=verifier_info(target_config), options=native_options(spec))
         std = float(getattr(tc, "initializer_range", None) or 0.02)
@@ -217,12 +217,6 @@ class MedusaSpeculator(Speculator):
         logits = torch.stack(self.heads(state.last_hidden.to(device=p.device, dtype=p.dtype)))  # [K, V]
         return propose_tree(MedusaStepper(logits, self.choices), int(root_token), tree, sampling, generator,
                             self.draft_to_target, self._vocab_size)
-
-
-def _full_vocab_only(family: str, draft_vocab_size: int | None, d2t: torch.Tensor | None, vocab: int) -> None:
-    if draft_vocab_size not in (None, vocab) or (d2t is not None and int(torch.as_tensor(d2t).numel()) != vocab):
-        raise SpeculatorsError(f"{family} drafts over the full target vocab; unset speculator.draft_vocab_size "
-                               "(reduced vocabularies are an eagle3 option)")
 
 
 SPECULATOR_CLASS = MedusaSpeculator

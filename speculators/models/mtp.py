@@ -30,13 +30,13 @@ from speculators.models.layers import (
     RecurrentSpeculator,
     RMSNorm,
     Rotary,
+    check_full_vocab,
     check_target_weights,
     dtype_name,
     init_linear_weights,
     native_options,
     verifier_info,
 )
-from speculators.models.medusa import _full_vocab_only
 
 if TYPE_CHECKING:
     from speculators.config import SpeculatorConfig
@@ -84,7 +84,7 @@ class MTPSpeculator(RecurrentSpeculator):
         tc = text_config(target_config)
         vocab, hidden = int(tc.vocab_size), int(tc.hidden_size)
         check_target_weights(weights, vocab, hidden)
-        _full_vocab_only("mtp", spec.draft_vocab_size, d2t, vocab)
+        check_full_vocab("mtp", spec.draft_vocab_size, d2t, vocab)
         if tuple(weights.final_norm.shape) != (hidden,):
             raise SpeculatorsError(f"target final norm has shape {list(weights.final_norm.shape)}, expected [{hidden}]")
         decoder = DecoderSpec.from_target(tc, spec.draft_arch, spec.intermediate_size)
