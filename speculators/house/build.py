@@ -329,12 +329,14 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "build.log"
-    log_fh = log_path.open("w")
+    # --data-only must not truncate the shipped model's build log (it rewrites data files only)
+    log_fh = None if args.data_only else log_path.open("w")
 
     def log(msg: str) -> None:
         print(msg, flush=True)
-        log_fh.write(msg + "\n")
-        log_fh.flush()
+        if log_fh is not None:
+            log_fh.write(msg + "\n")
+            log_fh.flush()
 
     t_start = time.time()
     data = collect(cfg)
