@@ -146,6 +146,8 @@ def generate(
     depth: Annotated[int | None, typer.Option()] = None,
     topk: Annotated[int | None, typer.Option()] = None,
     budget: Annotated[int | None, typer.Option()] = None,
+    draft_dtype: Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16 (auto: float16 on CPU for a "
+                                                  "float32 target)")] = "auto",
     allow_revision_mismatch: Annotated[bool, typer.Option(help="serve a speculator trained on another target "
                                                                 "revision (never another tokenizer)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object per generation")] = False,
@@ -157,7 +159,7 @@ def generate(
     generate_command(target=target, speculator=speculator, prompt=prompt, chat=chat, workload=workload,
                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                      device=device, dtype=dtype, tree=tree, depth=depth, topk=topk, budget=budget,
-                     allow_revision_mismatch=allow_revision_mismatch, as_json=as_json)
+                     allow_revision_mismatch=allow_revision_mismatch, as_json=as_json, draft_dtype=draft_dtype)
 
 
 @app.command(help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics).")

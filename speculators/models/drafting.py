@@ -110,6 +110,8 @@ def build_chain(stepper: Stepper, root_token: int, length: int, sampling: Sampli
         if sampling.greedy:
             tok = int(d2t[int(torch.argmax(logits))])
         else:
+            if not bool(torch.isfinite(logits).all()):  # the draft overflowed (low-precision drafting): stop here
+                break
             q = logits_to_probs(to_target_logits(logits.float(), d2t, vocab_size), sampling)  # [V]
             tok = sample(q, generator)
             rows.append(q)
@@ -120,8 +122,9 @@ def build_chain(stepper: Stepper, root_token: int, length: int, sampling: Sampli
     n = len(tokens)
     if sampling.greedy:
         return DraftTree.chain(tokens[0], tokens[1:], mode="greedy")
-    probs = torch.zeros(n, vocab_size, dtype=rows[0].dtype, device=rows[0].device)  # [N, V]; leaf row unused
-    probs[: n - 1] = torch.stack(rows)
+    probs = torch.zeros(n, vocab_size, dtype=torch.float32, device=logits.device)  # [N, V]; leaf row unused
+    if rows:
+        probs[: n - 1] = torch.stack(rows)
     return DraftTree.chain(tokens[0], tokens[1:], mode="iid", draft_probs=probs)
 
 

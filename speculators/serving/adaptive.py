@@ -4,8 +4,10 @@ Model (per cycle): drafting to depth d yields E(d) = 1 + sum_{k<=d} prod_{j<=k} 
 expectation (`metrics.simulated_tau` of the request's recent per-position acceptance a_k, an EWMA over its
 own verification cycles, seeded from the engine's previous requests) and costs draft(d) + cycle(1 + nodes(d))
 seconds, where `CostModel` holds the MEASURED costs of this machine: seconds per target cycle by verified node
-count (piecewise linear), and per chosen depth the drafting seconds (the drafter's pending absorbs included)
-and the number of draft nodes it produced. The controller picks the depth with the
+count (piecewise linear), per chosen depth the proposing seconds and the number of draft nodes it produced, and
+the seconds the drafter takes to absorb a cycle's committed tokens. All are seeded by a calibration on the first
+request (best of 3 warm runs) and then follow the measured cycles (an EWMA whose steps are clamped to [0.5x, 2x]
+of the estimate, so a preempted or cache-cold cycle cannot swing it). The controller picks the depth with the
 highest expected tokens/s, and plain decoding (a root-only cycle, 1 token per cycle(1)) when no depth beats it;
 while off it still probes one speculative cycle at the most promising depth after `probe_every` plain cycles
 (the interval doubles, up to 8x, while probes keep losing) to refresh the estimates, and it
@@ -40,6 +42,7 @@ class CostModel:
     points: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean nodes, mean seconds)
     draft: dict[int, float] = field(default_factory=dict)  # depth -> drafting seconds per cycle (absorb included)
     nodes: dict[int, float] = field(default_factory=dict)  # depth -> verified draft nodes per cycle
+    absorb: float | None = None  # seconds the drafter takes to absorb one cycle's committed tokens
     smoothing: float = 0.2
 
     @staticmethod
@@ -49,7 +52,8 @@ class CostModel:
     def _ewma(self, old: float | None, new: float) -> float:
         if old is None:
             return new
-        new = min(new, 3 * old) if old > 0 else new  # a preempted cycle must not swing the estimate
+        if old > 0:  # a preempted (or unusually lucky) cycle must not swing the estimate
+            new = min(max(new, 0.5 * old), 2 * old)
         return old + self.smoothing * (new - old)
 
     def set_cycle(self, nodes: int, seconds: float) -> None:
@@ -64,8 +68,16 @@ class CostModel:
         n_old, t_old = self.points[b]
         self.points[b] = (n_old + self.smoothing * (nodes - n_old), self._ewma(t_old, seconds))
 
+    def set_draft(self, depth: int, drafted_nodes: int, seconds: float) -> None:
+        """Seed one depth from a calibration run."""
+        self.draft[depth], self.nodes[depth] = seconds, float(drafted_nodes)
+
+    def observe_absorb(self, seconds: float) -> None:
+        """The drafter absorbing one speculative cycle's committed tokens (paid once per speculative cycle)."""
+        self.absorb = self._ewma(self.absorb, seconds)
+
     def observe_draft(self, depth: int, drafted_nodes: int, seconds: float) -> None:
-        """A speculative cycle at `depth`: its drafting seconds (pending absorbs + propose) and draft nodes."""
+        """A speculative cycle at `depth`: its proposing seconds and draft nodes."""
         if depth > 0:
             self.draft[depth] = self._ewma(self.draft.get(depth), seconds)
             old = self.nodes.get(depth)
@@ -81,7 +93,8 @@ class CostModel:
         return table[near] * depth / near
 
     def draft_cost(self, depth: int) -> float:
-        return self._per_depth(self.draft, depth, 0.0)
+        """Seconds of drafting to `depth` in one cycle: absorbing the last cycle's tokens, then proposing."""
+        return (self.absorb or 0.0) + self._per_depth(self.draft, depth, 0.0)
 
     def draft_nodes(self, depth: int) -> float:
         return self._per_depth(self.nodes, depth, float(depth))
@@ -107,6 +120,7 @@ class CostModel:
         ms = lambda x: None if x is None else round(1000 * x, 3)  # noqa: E731
         return {"cycle_ms_by_nodes": {str(round(n, 1)): ms(t) for n, t in sorted(self.points.values())},
                 "draft_ms_by_depth": {str(d): ms(t) for d, t in sorted(self.draft.items())},
+                "absorb_ms": ms(self.absorb),
                 "draft_nodes_by_depth": {str(d): round(n, 2) for d, n in sorted(self.nodes.items())}}
 
 

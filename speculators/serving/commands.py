@@ -23,11 +23,12 @@ from speculators.metrics import AcceptanceStats
 
 def _engine(target: str, speculator: str | None, device: str, dtype: str, allow_revision_mismatch: bool,
             tree: str | None = None, depth: int | None = None, topk: int | None = None,
-            budget: int | None = None) -> Any:
+            budget: int | None = None, draft_dtype: str = "auto") -> Any:
     from speculators.serving.engine import Engine
 
     engine = Engine.from_pretrained(target, None if speculator in (None, "", "none") else speculator, device=device,
-                                    dtype=dtype, allow_revision_mismatch=allow_revision_mismatch)
+                                    dtype=dtype, allow_revision_mismatch=allow_revision_mismatch,
+                                    draft_dtype=draft_dtype)
     for warning in engine.info.pairing_warnings:
         print(f"warning: {warning}", file=sys.stderr)
     overrides = {k: v for k, v in (("kind", tree), ("depth", depth), ("topk", topk), ("budget", budget))
@@ -49,7 +50,8 @@ def _print_stats(stats: Any) -> None:
 def generate_command(*, target: str, speculator: str | None, prompt: str | None, chat: str | None,
                      workload: Path | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                      seed: int | None, device: str, dtype: str, tree: str | None, depth: int | None,
-                     topk: int | None, budget: int | None, allow_revision_mismatch: bool, as_json: bool) -> None:
+                     topk: int | None, budget: int | None, allow_revision_mismatch: bool, as_json: bool,
+                     draft_dtype: str = "auto") -> None:
     from speculators.serving.sampling import SamplingParams
 
     given = [name for name, v in (("--prompt", prompt), ("--chat", chat), ("--workload", workload)) if v is not None]
@@ -72,7 +74,8 @@ def generate_command(*, target: str, speculator: str | None, prompt: str | None,
     else:
         rows.append(("prompt", "-", prompt if prompt is not None else [{"role": "user", "content": chat}],
                      max_new_tokens))
-    engine = _engine(target, speculator, device, dtype, allow_revision_mismatch, tree, depth, topk, budget)
+    engine = _engine(target, speculator, device, dtype, allow_revision_mismatch, tree, depth, topk, budget,
+                     draft_dtype)
     per_cohort: dict[str, dict] = {}
     for rid, cohort, text_or_messages, mnt in rows:
         out = engine.generate(text_or_messages, dataclasses.replace(params, max_new_tokens=mnt))

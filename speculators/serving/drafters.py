@@ -125,13 +125,21 @@ class NgramDrafter:
                          parents=torch.tensor(parents, dtype=torch.long), mode=_root_mode(sampling))
 
 
-def default_tree(drafter: Any) -> TreeConfig:
-    """The drafter's own tree settings (`default_tree()` when it has one), else the recipe defaults."""
+# On a CPU every verified node costs target time (a 17-node forward of the house target costs 1.5x a 1-node one),
+# so narrow trees win there: depth 5, top-2, 10 nodes measured fastest among chains of 4-5 and top-2/3/4 trees of
+# 8-16 nodes (README, runtime). On a GPU extra nodes are nearly free: the recipe default (top-4, 16 nodes).
+CPU_TREE = {"kind": "dynamic", "depth": 5, "topk": 2, "budget": 10}
+
+
+def default_tree(drafter: Any, device: torch.device | str = "cpu") -> TreeConfig:
+    """The drafter's own tree settings (`default_tree()` when it has one), else the defaults for `device`."""
     from speculators.config import TreeConfig
 
     own = getattr(drafter, "default_tree", None)
     tree = own() if callable(own) else None
-    return tree if tree is not None else TreeConfig()
+    if tree is not None:
+        return tree
+    return TreeConfig(**CPU_TREE) if str(device).startswith("cpu") else TreeConfig()
 
 
 def prune_tree(tree: DraftTree, max_depth: int, max_nodes: int) -> DraftTree:
@@ -213,9 +221,28 @@ def target_fingerprint(target: LoadedTarget) -> dict:
     return _FINGERPRINTS[key]
 
 
+def draft_dtype_for(target: LoadedTarget, draft_dtype: str | torch.dtype | None = "auto") -> torch.dtype:
+    """The dtype a speculator drafts in. "auto": float16 on a CPU serving a float32 target, else the target's dtype.
+
+    Drafting precision never changes the output (every draft is verified by the target), only speed and the
+    acceptance rate: on CPUs a one-row float16 matrix product streams half the bytes of a float32 one, and the
+    draft's weights must be re-read from memory every step (the target's forward evicts them from the caches);
+    measured on the house target: the draft step 25-40% cheaper, acceptance unchanged (README, runtime)."""
+    if isinstance(draft_dtype, torch.dtype):
+        return draft_dtype
+    if draft_dtype in (None, "", "auto"):
+        return torch.float16 if str(target.device).startswith("cpu") and target.dtype == torch.float32 else target.dtype
+    choices = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if draft_dtype not in choices:
+        raise SpeculatorsError(f"draft dtype must be auto, {', '.join(choices)}; got {draft_dtype!r}")
+    return choices[draft_dtype]
+
+
 def load_drafter(speculator: str | os.PathLike | None, target: LoadedTarget, *,
-                 allow_revision_mismatch: bool = False) -> tuple[Any, DrafterInfo]:
-    """None / "none" -> NoDrafter, "ngram" -> NgramDrafter, a directory -> its speculator (pairing checked)."""
+                 allow_revision_mismatch: bool = False, draft_dtype: str | torch.dtype | None = "auto"
+                 ) -> tuple[Any, DrafterInfo]:
+    """None / "none" -> NoDrafter, "ngram" -> NgramDrafter, a directory -> its speculator (pairing checked), in
+    `draft_dtype_for(target, draft_dtype)`."""
     if speculator is None or str(speculator) in ("", "none"):
         return NoDrafter(), DrafterInfo("none", "none")
     if str(speculator) == "ngram":
@@ -232,7 +259,7 @@ def load_drafter(speculator: str | os.PathLike | None, target: LoadedTarget, *,
     if want is not None and taps is not None and list(want) != list(taps):
         raise SpeculatorsError(f"speculator {directory}: pairing.json records layer ids {want} but the model taps "
                                f"{list(taps)}; the directory is inconsistent, re-export it")
-    spec.to(device=target.device, dtype=target.dtype)
+    spec.to(device=target.device, dtype=draft_dtype_for(target, draft_dtype))
     spec.eval()
     family = getattr(spec, "family", record.get("draft", {}).get("family", "?"))
     return spec, DrafterInfo(str(directory), family, str(directory), warnings)

@@ -150,8 +150,8 @@ class Engine:
         self.info = info or DrafterInfo(getattr(self.drafter, "name", type(self.drafter).__name__),
                                         getattr(self.drafter, "family", getattr(self.drafter, "name", "?")))
         self.speculative = not isinstance(self.drafter, NoDrafter)
-        self.set_tree(tree or default_tree(self.drafter), adaptive)
         self.runner = TargetRunner(target.model, self.drafter.required_features())
+        self.set_tree(tree or default_tree(self.drafter, self.runner.device), adaptive)
         limit = int(getattr(self.target.config, "max_position_embeddings", 0) or DEFAULT_MAX_LEN)
         self.max_len = int(max_len or min(limit, DEFAULT_MAX_LEN))
         self.cache = self.runner.new_cache(self.max_len)
@@ -168,15 +168,17 @@ class Engine:
     def from_pretrained(cls, target: str | Any, speculator: str | None = None, *, device: str = "auto",
                         dtype: str = "auto", tree: TreeConfig | None = None, max_len: int | None = None,
                         adaptive: bool | None = None, allow_revision_mismatch: bool = False,
-                        revision: str | None = None) -> Engine:
+                        revision: str | None = None, draft_dtype: str = "auto") -> Engine:
         """Load a target (dir / hub id, or an already loaded `LoadedTarget`) and a drafter: None or "none"
         (plain decoding), "ngram" (prompt lookup) or a speculator directory (its pairing.json is checked against
-        the target: another tokenizer is always refused, another revision unless `allow_revision_mismatch`)."""
+        the target: another tokenizer is always refused, another revision unless `allow_revision_mismatch`),
+        drafting in `draft_dtype` (see `drafters.draft_dtype_for`; the target's dtype is never changed)."""
         from speculators.target import load_target
 
         loaded = target if hasattr(target, "model") and hasattr(target, "tokenizer") else load_target(
             TargetConfig(name_or_path=str(target), revision=revision, device=device, dtype=dtype))
-        drafter, info = load_drafter(speculator, loaded, allow_revision_mismatch=allow_revision_mismatch)
+        drafter, info = load_drafter(speculator, loaded, allow_revision_mismatch=allow_revision_mismatch,
+                                     draft_dtype=draft_dtype)
         return cls(loaded, drafter, info=info, tree=tree, max_len=max_len, adaptive=adaptive)
 
     def set_tree(self, tree: TreeConfig, adaptive: bool | None = None) -> None:
@@ -310,6 +312,9 @@ class Engine:
             pending.append((features, ids[1:].to(self.device)))
         if self.speculative and self.adaptive and not self.cost.calibrated:
             self._calibrate(prompt_ids[-1])
+            if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)
+                self._absorb(drafter, state, pending)
+            self._calibrate_drafting(drafter, state, prompt_ids[-1])
         stats.prefill_seconds = time.perf_counter() - t0
         # a seeded sampled request must be reproducible: its depths may not depend on measured timings
         seeded = params.seed is not None and not params.greedy
@@ -327,7 +332,11 @@ class Engine:
             depth = ctrl.choose(remaining)
             if depth > 0:
                 if pending:
+                    one_cycle = len(pending) == 1  # the last cycle's tokens only (not a plain streak's backlog)
                     self._absorb(drafter, state, pending)
+                    if one_cycle:
+                        self.cost.observe_absorb(time.perf_counter() - t_draft)
+                t_propose = time.perf_counter()
                 tree = drafter.propose(state, root, self._tree_for(depth), params, generator)
                 tree = prune_tree(tree, max_depth=min(depth, remaining - 1), max_nodes=self.cache.free)
             else:
@@ -351,7 +360,7 @@ class Engine:
             acc.accept_seconds += t_done - t_accept
             if drafted_depth > 0:
                 ctrl.observe(drafted_depth, len(accepted))
-                self.cost.observe_draft(depth, tree.size - 1, t_verify - t_draft)
+                self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose)
             self.cost.observe_cycle(tree.size, t_done - t_verify)
             if not out:
                 stats.first_token_seconds = t_done - t0
@@ -446,3 +455,18 @@ class Engine:
                     best[size] = min(best.get(size, float("inf")), time.perf_counter() - t)
         for size, seconds in best.items():
             self.cost.set_cycle(size, seconds)
+
+    def _calibrate_drafting(self, drafter: Any, state: Any, root: int) -> None:
+        """Time greedy proposals at every depth (best of 3 after a warm-up) on the request's real drafter state:
+        proposing writes only scratch slots, so the state (and the request's random stream) is left as it was."""
+        if getattr(state, "last_token", root) != root:
+            return
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        for depth in range(1, self.tree.depth + 1):
+            times, nodes = [], 0
+            for _ in range(4):
+                t = time.perf_counter()
+                nodes = drafter.propose(state, root, self._tree_for(depth), params, None).size - 1
+                times.append(time.perf_counter() - t)
+            if nodes > 0:
+                self.cost.set_draft(depth, nodes, min(times[1:]))

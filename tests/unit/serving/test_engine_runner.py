@@ -102,3 +102,29 @@ def test_unsupported_target_fails_with_one_line() -> None:
 def test_taps_out_of_range_are_refused() -> None:
     with pytest.raises(SpeculatorsError, match=r"layers \[8\]"):
         TargetRunner(_model("llama"), FeatureRequest(tap_layer_ids=(2, 8), last_hidden=False))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_path_is_used_and_leaves_the_hf_model_unchanged(family: str) -> None:
+    model = _model(family)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(ids).logits
+    runner = TargetRunner(model, None)
+    assert runner.fused is not None and runner.plain_rope
+    with torch.no_grad():
+        after = model(ids).logits  # q/k/v and gate/up now share storage with the fused matrices
+    assert torch.equal(before, after)
+    layer = model.model.layers[0]
+    assert layer.self_attn.k_proj.weight.untyped_storage().data_ptr() == runner.fused[0].qkv_weight.data_ptr()
+    fused = runner.forward(runner.new_cache(16), ids[0]).logits
+    runner.fused = None  # the module-by-module path
+    torch.testing.assert_close(runner.forward(runner.new_cache(16), ids[0]).logits, fused, atol=1e-5, rtol=0)
+
+
+def test_adapters_and_moe_keep_the_module_path() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    assert TargetRunner(_model("qwen3_moe"), None).fused is None
+    lora = get_peft_model(_model("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert TargetRunner(lora, None).fused is None

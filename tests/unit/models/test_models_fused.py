@@ -1,0 +1,80 @@
+"""The drafting fast path (speculators/models/fused.py) computes what `run_layers` computes, and follows weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from models_helpers import (
+    one_torch_thread,  # noqa: F401 (autouse fixture)
+    tiny_target,
+)
+
+from speculators.models.fused import FusedStack
+from speculators.models.layers import DecoderLayer, DecoderSpec, KVCache, Rotary, run_layers
+
+
+def _stack(arch: str, first_fused: bool, bias: bool = False, layers: int = 2, seed: int = 0):
+    cfg, _ = tiny_target("llama")
+    spec = DecoderSpec.from_target(cfg, arch)
+    if bias:
+        spec = dataclasses.replace(spec, attention_bias=True, mlp_bias=True)
+    torch.manual_seed(seed)
+    stack = torch.nn.ModuleList([DecoderLayer(spec, fused=first_fused and i == 0) for i in range(layers)])
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.normal_(0, 0.2)
+    return spec, stack
+
+
+def _run_both(spec, stack, first_fused: bool):
+    rotary = Rotary(spec)
+    g = torch.Generator().manual_seed(1)
+    h = spec.hidden_size
+    x, hidden = torch.randn(1, 7, h, generator=g), torch.randn(1, 7, h, generator=g)
+    pos = torch.arange(3, 10)
+    mask = torch.ones(7, 10, dtype=torch.bool).tril(diagonal=3)  # [S, L]: 3 committed slots, then causal
+    out = []
+    for run in (lambda *a: run_layers(stack, *a), FusedStack.of(stack).run):
+        cache = KVCache(len(stack), spec.num_key_value_heads, 16, spec.head_dim, "cpu", torch.float32)
+        cache.k[:, :, :3] = 0.5
+        cache.v[:, :, :3] = -0.25
+        cos, sin = rotary.lookup(pos[None], torch.float32)
+        with torch.no_grad():
+            out.append(run(x, hidden if first_fused else None, cos, sin, cache.attend_fn(3, mask)))
+    return out
+
+
+@pytest.mark.parametrize("arch,first_fused,bias", [("llama", True, False), ("llama", False, True),
+                                                   ("qwen3", True, False), ("qwen3", False, False)])
+def test_fused_stack_equals_run_layers(arch, first_fused, bias):
+    spec, stack = _stack(arch, first_fused, bias)
+    want, got = _run_both(spec, stack, first_fused)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_copy_follows_weight_changes():
+    spec, stack = _stack("llama", True)
+    first = FusedStack.of(stack)
+    assert FusedStack.of(stack) is first  # cached while nothing changes
+    with torch.no_grad():
+        stack[1].mlp.up_proj.weight.mul_(2.0)  # in place: same storage, new version
+    second = FusedStack.of(stack)
+    assert second is not first
+    want, got = _run_both(spec, stack, True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    stack.to(torch.float64)
+    assert FusedStack.of(stack).layers[0].qkv_w.dtype == torch.float64
+    assert "_speculators_fused" not in str(list(stack.state_dict()))
+
+
+def test_rotary_lookup_equals_forward_and_grows():
+    cfg, _ = tiny_target("llama")
+    rotary = Rotary(DecoderSpec.from_target(cfg, "llama"))
+    for pos in (torch.tensor([[0, 1, 5]]), torch.tensor([[40, 41]]), torch.tensor([[3]])):
+        for dtype in (torch.float32, torch.bfloat16):
+            want = rotary(pos, dtype)
+            got = rotary.lookup(pos, dtype)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert rotary._tables[("cpu", torch.float32)][0].shape[0] == 64  # next power of two past position 41
