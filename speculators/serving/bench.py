@@ -71,14 +71,13 @@ def _hf_generate(model: Any, ids: list[int], max_new: int, temperature: float, s
     return out[0, len(ids):].tolist()
 
 
-def _run_method(method: _Method, rows: list[tuple[str, list[int], int]], temperature: float, seed: int,
-                model: Any) -> tuple[dict[str, _Cell], list[list[int]]]:
+def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]], temperature: float, seed: int,
+                 model: Any) -> list[list[list[int]]]:
+    """Every method on every row, row by row (each row runs all methods back to back, so a machine whose speed
+    drifts during the run slows every method alike); fills `method.cells`; returns outputs[method][row]."""
     from speculators.serving.sampling import SamplingParams
 
-    cells: dict[str, _Cell] = {}
-    outputs: list[list[int]] = []
-
-    def one(ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], AcceptanceStats | None]:
+    def one(method: _Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], AcceptanceStats | None]:
         if method.kind == "runtime":
             # unseeded: a seeded sampled request drafts at a fixed depth (reproducibility), and the bench
             # measures what serving does by default (adaptive depth)
@@ -87,20 +86,25 @@ def _run_method(method: _Method, rows: list[tuple[str, list[int], int]], tempera
             return out.token_ids, out.stats.acceptance
         return _hf_generate(model, ids, max_new, temperature, row_seed, method.kind == "hf-assisted"), None
 
-    one(rows[0][1], min(rows[0][2], 16), seed)  # warm-up, not measured
+    outputs: list[list[list[int]]] = [[] for _ in methods]
+    for method in methods:
+        method.cells = {}
+        one(method, rows[0][1], min(rows[0][2], 16), seed)  # warm-up (and the engine's calibration), not measured
     for i, (cohort, ids, max_new) in enumerate(rows):
-        t0 = time.perf_counter()
-        tokens, acc = one(ids, max_new, seed + i)
-        seconds = time.perf_counter() - t0
-        outputs.append(tokens)
-        for key in (cohort, "all"):
-            cell = cells.setdefault(key, _Cell(acceptance=AcceptanceStats() if method.kind == "runtime" else None))
-            cell.tokens += len(tokens)
-            cell.seconds += seconds
-            cell.rows += 1
-            if acc is not None and cell.acceptance is not None:
-                cell.acceptance.merge(acc)
-    return cells, outputs
+        for method, outs in zip(methods, outputs, strict=True):
+            t0 = time.perf_counter()
+            tokens, acc = one(method, ids, max_new, seed + i)
+            seconds = time.perf_counter() - t0
+            outs.append(tokens)
+            for key in (cohort, "all"):
+                cell = method.cells.setdefault(
+                    key, _Cell(acceptance=AcceptanceStats() if method.kind == "runtime" else None))
+                cell.tokens += len(tokens)
+                cell.seconds += seconds
+                cell.rows += 1
+                if acc is not None and cell.acceptance is not None:
+                    cell.acceptance.merge(acc)
+    return outputs
 
 
 def bench_command(*, target: str, speculators: list[str], workloads: str, rows_per_cohort: int,
@@ -134,17 +138,13 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
         "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "results": {},
     }
     for temperature in temperatures:
-        plain_out: list[list[int]] = []
-        for method in methods:
-            cells, outputs = _run_method(method, rows, temperature, seed, loaded.model)
-            if method.name == "plain":
-                plain_out = outputs
-            elif temperature == 0:
-                for (cohort, _, _), got, want in zip(rows, outputs, plain_out, strict=True):
+        outputs = _run_methods(methods, rows, temperature, seed, loaded.model)
+        if temperature == 0:  # greedy: every method must produce plain decoding's tokens
+            for method, outs in zip(methods[1:], outputs[1:], strict=True):
+                for (cohort, _, _), got, want in zip(rows, outs, outputs[0], strict=True):
                     if got != want:
-                        cells[cohort].mismatched_rows += 1
-                        cells["all"].mismatched_rows += 1
-            method.cells = cells
+                        method.cells[cohort].mismatched_rows += 1
+                        method.cells["all"].mismatched_rows += 1
         report["results"][str(temperature)] = _summarise(methods)
     text = format_report(report)
     print(text)

@@ -117,6 +117,9 @@ def test_fused_path_is_used_and_leaves_the_hf_model_unchanged(family: str) -> No
     assert torch.equal(before, after)
     layer = model.model.layers[0]
     assert layer.self_attn.k_proj.weight.untyped_storage().data_ptr() == runner.fused[0].qkv_weight.data_ptr()
+    again = TargetRunner(model, None)  # a second engine on the same target shares the fused matrices
+    assert all(a.qkv_weight is b.qkv_weight and a.gate_up_weight is b.gate_up_weight
+               for a, b in zip(runner.fused, again.fused, strict=True))
     fused = runner.forward(runner.new_cache(16), ids[0]).logits
     runner.fused = None  # the module-by-module path
     torch.testing.assert_close(runner.forward(runner.new_cache(16), ids[0]).logits, fused, atol=1e-5, rtol=0)
