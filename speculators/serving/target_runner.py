@@ -10,6 +10,11 @@ new tokens, exactly its tree ancestors and itself; positions = committed length 
 special case of a chain. The same forward captures the features a speculator asks for: the residual stream
 ENTERING the requested layers ("taps") and the post-norm last hidden state ("last_hidden").
 
+Fused path: when every layer is the plain layout (nn.Linear projections, HF RMSNorms, SiLU-gated MLP), q/k/v and
+gate/up each run as ONE matrix product over concatenated weights (the modules' parameters become views of them:
+no extra memory, HF `generate` unaffected) and RoPE is applied to all query and key heads in one pass — the same
+math, fewer operations (decoding is overhead- and memory-bound). Adapter-wrapped or MoE layers use the modules.
+
 Same code on CPU (fp32) and CUDA (bf16). Not here: sampling, verification, KV commits (kv_cache.py), batching,
 CUDA graphs, families with other layer structures (Gemma-style norms, MLA, soft-capping): those fail with one
 line naming the model type.
