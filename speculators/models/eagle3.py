@@ -170,14 +170,6 @@ class Eagle3Speculator(RecurrentSpeculator):
         return model
 
     # ---- identity -----------------------------------------------------------------------------------------------
-    @property
-    def num_steps(self) -> int:
-        return self._num_steps
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
     def required_features(self) -> FeatureRequest:
         return FeatureRequest(tap_layer_ids=tuple(self.layer_ids), last_hidden=False)
 

@@ -31,8 +31,9 @@ def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if any(p is None for p in parts) else torch.cat([p.detach() for p in parts]).contiguous()
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, heads, hd], cos/sin [B, S, 1, hd] -> x rotated (half-rotation layout, as `layers.apply_rope`)."""
+def rope_heads_last(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, heads, hd], cos/sin [B, S, 1, hd] -> x rotated (half-rotation layout, as `layers.apply_rope`): the
+    queries and keys of all heads in one pass when they sit side by side."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -115,12 +116,12 @@ class FusedStack:
             qkv = F.linear(a, layer.qkv_w, layer.qkv_b)  # [B, S, (nh + 2 nkv) hd]
             v = qkv[..., (nh + nkv) * hd:].view(b, s, nkv, hd)
             if layer.q_norm is None:
-                qk = _rope(qkv[..., :(nh + nkv) * hd].view(b, s, nh + nkv, hd), cos, sin)  # [B, S, nh + nkv, hd]
+                qk = rope_heads_last(qkv[..., :(nh + nkv) * hd].view(b, s, nh + nkv, hd), cos, sin)  # [B, S, nh + nkv, hd]
                 q, k = qk[:, :, :nh], qk[:, :, nh:]
             else:
                 q = F.rms_norm(qkv[..., :nh * hd].view(b, s, nh, hd), (hd,), layer.q_norm, layer.eps)
                 k = F.rms_norm(qkv[..., nh * hd:(nh + nkv) * hd].view(b, s, nkv, hd), (hd,), layer.k_norm, layer.eps)
-                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                q, k = rope_heads_last(q, cos, sin), rope_heads_last(k, cos, sin)
             o = attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, nh, S, hd]
             h = residual + F.linear(o.transpose(1, 2).reshape(b, s, nh * hd), layer.o_w, layer.o_b)
             gu = F.linear(F.rms_norm(h, size, layer.post_norm, layer.eps), layer.gate_up_w, layer.gate_up_b)

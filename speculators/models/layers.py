@@ -208,10 +208,12 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [..., S, hd]
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype, upto: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` read from a cached table (drafting: one gather instead of six operations per step); the table
-        grows to the next power of two past the largest position asked for."""
-        need = int(positions.max()) + 1
+        grows to the next power of two past `upto` (the caller's bound on the positions: no device sync), else past
+        the largest position asked for."""
+        need = int(upto) if upto is not None else int(positions.max()) + 1
         key = (str(positions.device), dtype)
         table = self._tables.get(key)
         if table is None or table[0].shape[0] < need:
@@ -480,11 +482,14 @@ class RecurrentState:
 class RecurrentSpeculator(Speculator):
     """A draft decoder stack run recurrently: step input = (embedding of the token at t+1+k, hidden), where hidden
     is the target's feature at t for step 0 and the draft's own pre-norm output of step k-1 afterwards; position
-    id t+k; attention = TTT pattern. Subclasses define `layers`, `rotary`, `embed_tokens` and the three hooks."""
+    id t+k; attention = TTT pattern. Subclasses define `layers`, `rotary`, `embed_tokens`, `_num_steps`,
+    `_vocab_size` and the three hooks."""
 
     layers: nn.ModuleList
     rotary: Rotary
     decoder: DecoderSpec
+    _num_steps: int
+    _vocab_size: int
 
     @abstractmethod
     def feature_hidden(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -533,7 +538,7 @@ class RecurrentSpeculator(Speculator):
         """One batched draft forward of S rows: tokens [S], hidden [S, H], positions [S]; keys/values written at
         slots start..start+S-1; mask [S, L] bool over slots [0, L). -> pre-norm output [S, H]"""
         dtype = self._param.dtype
-        cos, sin = self.rotary.lookup(positions[None], dtype)  # [1, S, hd]
+        cos, sin = self.rotary.lookup(positions[None], dtype, upto=state.max_len)  # [1, S, hd]
         x, fused = self.step_input(tokens[None], hidden[None].to(dtype))
         out = state.stack.run(x, fused, cos, sin, state.cache.attend_fn(start, mask))
         return out[0]
@@ -579,9 +584,13 @@ class RecurrentSpeculator(Speculator):
                             self.draft_to_target, self.vocab_size)
 
     @property
-    @abstractmethod
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    @property
     def vocab_size(self) -> int:
         """The target vocabulary size (tree tokens are target ids)."""
+        return self._vocab_size
 
 
 class RecurrentStepper:

@@ -133,14 +133,6 @@ class MTPSpeculator(RecurrentSpeculator):
         return model
 
     # ---- identity -----------------------------------------------------------------------------------------------
-    @property
-    def num_steps(self) -> int:
-        return self._num_steps
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
     def required_features(self) -> FeatureRequest:
         return FeatureRequest(tap_layer_ids=None, last_hidden=True)
 

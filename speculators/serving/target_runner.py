@@ -33,6 +33,8 @@ from torch import nn
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest
+from speculators.models.fused import rope_heads_last
+from speculators.models.layers import apply_rope
 from speculators.serving.kv_cache import StaticKVCache
 from speculators.target import base_model, text_config
 
@@ -62,9 +64,7 @@ def _share_storage(owner: nn.Module, linears: list[nn.Linear]) -> tuple[torch.Te
     if done is not None and done[0] == key:
         return done[1], done[2]
     weight = torch.cat([m.weight.data for m in linears])  # [sum(out), in]
-    bias = torch.cat([m.bias.data for m in linears]) if all(m.bias is not None for m in linears) else None
-    if bias is None and any(m.bias is not None for m in linears):
-        raise ValueError("mixed biases")
+    bias = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None  # all or none
     start = 0
     for m in linears:
         rows = m.weight.shape[0]
@@ -98,15 +98,9 @@ class ForwardOutput:
     features: dict[str, torch.Tensor]  # "taps" [T, n_taps*H], "last_hidden" [T, H] as requested
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _default_apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, D]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class TargetRunner:
@@ -195,8 +189,8 @@ class TargetRunner:
             qkv = F.linear(_rms_norm(h, f.input_norm, f.eps), f.qkv_weight, f.qkv_bias)  # [1, T, (Hq + 2 Hkv) D]
             if self.plain_rope and self.qk_norms[i] == (None, None):
                 # the standard half-rotation RoPE on the queries and keys of all heads in one pass (same math)
-                qk = qkv[..., :f.q_rows + f.kv_rows].view(1, n, -1, d)  # [1, T, Hq + Hkv, D]
-                qk = qk * cos[:, :, None] + torch.cat((-qk[..., d // 2:], qk[..., :d // 2]), dim=-1) * sin[:, :, None]
+                qk = rope_heads_last(qkv[..., :f.q_rows + f.kv_rows].view(1, n, -1, d), cos[:, :, None],
+                                     sin[:, :, None])  # [1, T, Hq + Hkv, D]
                 heads = f.q_rows // d
                 v = qkv[..., f.q_rows + f.kv_rows:].view(1, n, -1, d)
                 return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
