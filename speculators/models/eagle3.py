@@ -32,10 +32,10 @@ from speculators.models.layers import (
     RecurrentSpeculator,
     RMSNorm,
     Rotary,
-    check_target_weights,
     dtype_name,
     init_linear_weights,
     native_options,
+    target_dims,
     verifier_info,
 )
 
@@ -80,13 +80,11 @@ class Eagle3Speculator(RecurrentSpeculator):
     def from_target(cls, target_config: Any, spec: SpeculatorConfig, weights: TargetWeights,
                     layer_ids: list[int] | None = None, d2t: torch.Tensor | None = None) -> Eagle3Speculator:
         from speculators.models.io import tensor_digest
-        from speculators.target import default_tap_layers, text_config, validate_layer_ids
+        from speculators.target import default_tap_layers, validate_layer_ids
 
-        tc = text_config(target_config)
+        tc, vocab, _ = target_dims(target_config, weights)
         n_layers = int(tc.num_hidden_layers)
         ids = validate_layer_ids(list(layer_ids) if layer_ids else default_tap_layers(n_layers), n_layers)
-        vocab, hidden = int(tc.vocab_size), int(tc.hidden_size)
-        check_target_weights(weights, vocab, hidden)
         d2t = _check_d2t(d2t, spec.draft_vocab_size, vocab)
         decoder = DecoderSpec.from_target(tc, spec.draft_arch, spec.intermediate_size)
         model = cls(decoder, num_layers=spec.num_layers, num_steps=spec.num_steps, vocab_size=vocab,

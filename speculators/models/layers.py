@@ -18,7 +18,7 @@ What it does:
   protocol `new_state` / `absorb` / `propose` (tree policies in `drafting.py`), which see exactly the attention
   pattern TTT trained on; `RecurrentStepper` drafts one tree level per batched forward into speculative KV slots
   beyond the committed length.
-- Small construction helpers every family uses (`verifier_info`, `check_target_weights`,
+- Small construction helpers every family uses (`verifier_info`, `target_dims`,
   `check_full_vocab`, `native_options`).
 
 What it does not do: family-specific inputs/heads (eagle3.py, mtp.py), tree-building policies (drafting.py),
@@ -340,12 +340,18 @@ def verifier_info(target_config: Any) -> dict:
             "architectures": list(getattr(target_config, "architectures", None) or [])}
 
 
-def check_target_weights(weights: TargetWeights, vocab: int, hidden: int) -> None:
+def target_dims(target_config: Any, weights: TargetWeights) -> tuple[Any, int, int]:
+    """(text config, vocab size, hidden size) of a target, with its frozen weights checked against them."""
+    from speculators.target import text_config
+
+    tc = text_config(target_config)
+    vocab, hidden = int(tc.vocab_size), int(tc.hidden_size)
     for name in ("embed_tokens", "lm_head"):
         t = getattr(weights, name)
         if tuple(t.shape) != (vocab, hidden):
             raise SpeculatorsError(f"target {name} has shape {list(t.shape)}, expected [{vocab}, {hidden}] from the "
                                    "target config; the weights and the config come from different models")
+    return tc, vocab, hidden
 
 
 def check_full_vocab(family: str, draft_vocab_size: int | None, d2t: torch.Tensor | None, vocab: int) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, Speculator, TargetWeights
-from speculators.models.layers import check_full_vocab, check_target_weights, dtype_name, native_options, verifier_info
+from speculators.models.layers import check_full_vocab, dtype_name, native_options, target_dims, verifier_info
 
 if TYPE_CHECKING:
     from speculators.config import SpeculatorConfig, TreeConfig
@@ -90,11 +90,7 @@ class MedusaSpeculator(Speculator):
     @classmethod
     def from_target(cls, target_config: Any, spec: SpeculatorConfig, weights: TargetWeights,
                     layer_ids: list[int] | None = None, d2t: torch.Tensor | None = None) -> MedusaSpeculator:
-        from speculators.target import text_config
-
-        tc = text_config(target_config)
-        vocab, hidden = int(tc.vocab_size), int(tc.hidden_size)
-        check_target_weights(weights, vocab, hidden)
+        tc, vocab, hidden = target_dims(target_config, weights)
         check_full_vocab("medusa", spec.draft_vocab_size, d2t, vocab)
         model = cls(hidden_size=hidden, vocab_size=vocab, num_heads=spec.num_steps, num_layers=spec.num_layers,
                     verifier=verifier_info(target_config), options=native_options(spec))

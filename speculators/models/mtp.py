@@ -31,10 +31,10 @@ from speculators.models.layers import (
     RMSNorm,
     Rotary,
     check_full_vocab,
-    check_target_weights,
     dtype_name,
     init_linear_weights,
     native_options,
+    target_dims,
     verifier_info,
 )
 
@@ -79,11 +79,7 @@ class MTPSpeculator(RecurrentSpeculator):
     def from_target(cls, target_config: Any, spec: SpeculatorConfig, weights: TargetWeights,
                     layer_ids: list[int] | None = None, d2t: torch.Tensor | None = None) -> MTPSpeculator:
         from speculators.models.io import tensor_digest
-        from speculators.target import text_config
-
-        tc = text_config(target_config)
-        vocab, hidden = int(tc.vocab_size), int(tc.hidden_size)
-        check_target_weights(weights, vocab, hidden)
+        tc, vocab, hidden = target_dims(target_config, weights)
         check_full_vocab("mtp", spec.draft_vocab_size, d2t, vocab)
         if tuple(weights.final_norm.shape) != (hidden,):
             raise SpeculatorsError(f"target final norm has shape {list(weights.final_norm.shape)}, expected [{hidden}]")
