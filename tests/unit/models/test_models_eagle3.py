@@ -197,3 +197,15 @@ def test_equivalence_test_catches_a_training_attention_that_forgets_ancestors(mo
         bad = model.forward_train(batch)
     torch.testing.assert_close(run[1], bad[1][0, 4], atol=1e-5, rtol=1e-5)  # step 1 has one diagonal key anyway
     assert not torch.allclose(run[2], bad[2][0, 4], atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
+def test_weights_of_another_model_are_refused_with_one_line(family):
+    import dataclasses
+
+    _, cfg, target = build("eagle3")
+    w = target_weights(target)
+    other = dataclasses.replace(w, lm_head=w.lm_head[:, :-1])  # a narrower model's head
+    with pytest.raises(SpeculatorsError, match="come from different models") as err:
+        SPECULATORS[family].from_target(cfg, SpeculatorConfig(family=family), other)
+    assert "\n" not in str(err.value)
