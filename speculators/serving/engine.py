@@ -239,20 +239,22 @@ class Engine:
                  **kwargs: Any) -> GenerateOutput:
         """Generate for one prompt; keyword arguments build `SamplingParams` when `params` is not given."""
         out = None
-        for chunk in self.stream(prompt, params, **kwargs):
+        for chunk in self.stream(prompt, params, text_deltas=False, **kwargs):
             out = chunk.output
         assert out is not None
         return out
 
     def stream(self, prompt: str | list[dict] | list[int] | torch.Tensor, params: SamplingParams | None = None,
-               **kwargs: Any) -> Iterator[StreamChunk]:
-        """Like `generate`, yielding a `StreamChunk` per verification cycle; the last one carries the output."""
+               *, text_deltas: bool = True, **kwargs: Any) -> Iterator[StreamChunk]:
+        """Like `generate`, yielding a `StreamChunk` per verification cycle; the last one carries the output.
+        Without `text_deltas` the intermediate chunks carry token ids only (text ""), so the output is not
+        re-decoded every cycle (a cost that grows with the output's length; `generate` needs the final text only)."""
         params = params or SamplingParams(**kwargs)
         prompt_ids = self.encode(prompt)
         self.check_request(prompt_ids, params)
-        return self._stream(prompt_ids, params)
+        return self._stream(prompt_ids, params, text_deltas)
 
-    def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
+    def _stream(self, prompt_ids: list[int], params: SamplingParams, text_deltas: bool) -> Iterator[StreamChunk]:
         t_start = time.perf_counter()
         stops = list(params.stop or [])
         hold = max((len(s) for s in stops), default=1) - 1
@@ -261,6 +263,9 @@ class Engine:
         stats = GenerationStats(drafter=self.info.name, prompt_tokens=len(prompt_ids))
         for new_tokens, finish in self._cycles(prompt_ids, params, out, stats, stops):
             if finish is None:
+                if not text_deltas:
+                    yield StreamChunk(text="", token_ids=new_tokens)
+                    continue
                 text = self._decode(out).rstrip("\ufffd")
                 safe = len(text) - hold if stops else len(text)
                 delta = text[emitted_text:safe] if safe > emitted_text else ""

@@ -93,6 +93,10 @@ def test_stream_chunks_add_up(tiny_llama) -> None:
     assert final is not None and all(c.output is None for c in chunks[:-1])
     assert "".join(c.text for c in chunks) == final.text
     assert [t for c in chunks for t in c.token_ids] == final.token_ids
+    ids_only = list(engine.stream(PROMPTS[0], params, text_deltas=False))  # what `generate` consumes
+    assert all(c.text == "" for c in ids_only[:-1]) and ids_only[-1].text == final.text
+    assert ids_only[-1].output.token_ids == final.token_ids
+    assert [t for c in ids_only for t in c.token_ids] == final.token_ids
 
 
 def test_prefix_reuse_gives_identical_output(tiny_llama, references) -> None:
