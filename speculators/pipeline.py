@@ -60,12 +60,17 @@ def stage(name: str) -> Stage:
     raise SpeculatorsError(f"unknown stage {name!r}; stages: {', '.join(s.name for s in STAGES)}")
 
 
-def run_stage(name: str, recipe: Recipe, *, force: bool = False, log: Callable[[str], None] = print) -> dict:
-    run, _ = stage(name).load()
+def _timed(run: Callable[..., dict | None], recipe: Recipe, force: bool) -> dict:
+    """A stage's summary, with its wall seconds unless the stage reported its own."""
     t0 = time.time()
     summary = run(recipe, force=force) or {}
     summary.setdefault("seconds", round(time.time() - t0, 1))
     return summary
+
+
+def run_stage(name: str, recipe: Recipe, *, force: bool = False, log: Callable[[str], None] = print) -> dict:
+    run, _ = stage(name).load()
+    return _timed(run, recipe, force)
 
 
 def run_pipeline(recipe: Recipe, *, only: list[str] | None = None, force: bool = False,
@@ -85,9 +90,7 @@ def run_pipeline(recipe: Recipe, *, only: list[str] | None = None, force: bool =
             log(f"[{s.name}] outputs complete, skipping")
             continue
         log(f"[{s.name}] {s.summary}")
-        t0 = time.time()
-        summary = run(recipe, force=force) or {}
-        summary.setdefault("seconds", round(time.time() - t0, 1))
+        summary = _timed(run, recipe, force)
         summary.setdefault("status", "done")
         results[s.name] = summary
     return results
