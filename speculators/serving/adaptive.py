@@ -40,7 +40,7 @@ class CostModel:
     line fits badly."""
 
     points: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean nodes, mean seconds)
-    draft: dict[int, float] = field(default_factory=dict)  # depth -> drafting seconds per cycle (absorb included)
+    draft: dict[int, float] = field(default_factory=dict)  # depth -> proposing seconds per cycle (absorb: below)
     nodes: dict[int, float] = field(default_factory=dict)  # depth -> verified draft nodes per cycle
     absorb: float | None = None  # seconds the drafter takes to absorb one cycle's committed tokens
     smoothing: float = 0.2
