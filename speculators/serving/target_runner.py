@@ -152,7 +152,7 @@ class TargetRunner:
         """The fused path's operands, when every layer is the plain Llama layout (nn.Linear projections without
         adapters, HF RMSNorms, a SiLU-gated MLP); else None and the forward calls the HF modules one by one.
         Fewer, larger products matter at decoding sizes: on a CPU each operation has a fixed cost (measured on
-        the house target: a 1-token forward 12% faster), on a GPU each is a kernel launch."""
+        the house target, A/B in one process: a 1-token forward 4-9% faster), on a GPU each is a kernel launch."""
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             projections = [a.q_proj, a.k_proj, a.v_proj, getattr(m, "gate_proj", None), getattr(m, "up_proj", None)]
