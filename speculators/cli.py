@@ -146,8 +146,9 @@ def generate(
     depth: Annotated[int | None, typer.Option()] = None,
     topk: Annotated[int | None, typer.Option()] = None,
     budget: Annotated[int | None, typer.Option()] = None,
-    draft_dtype: Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16 (auto: float16 on CPU for a "
-                                                  "float32 target)")] = "auto",
+    draft_dtype: Annotated[str, typer.Option(help="weights of the draft: auto | float32 | float16 | bfloat16 (auto: "
+                                                  "float16 on CPU for a float32 target, run as packed float16 "
+                                                  "products with float32 activations)")] = "auto",
     allow_revision_mismatch: Annotated[bool, typer.Option(help="serve a speculator trained on another target "
                                                                 "revision (never another tokenizer)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object per generation")] = False,

@@ -31,6 +31,8 @@ def _engine(target: str, speculator: str | None, device: str, dtype: str, allow_
                                     draft_dtype=draft_dtype)
     for warning in engine.info.pairing_warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    if engine.info.precision:
+        print(f"drafting: {engine.info.family} in {engine.info.precision}", file=sys.stderr)
     overrides = {k: v for k, v in (("kind", tree), ("depth", depth), ("topk", topk), ("budget", budget))
                  if v is not None}
     if overrides:

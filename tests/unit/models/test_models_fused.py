@@ -11,7 +11,7 @@ from models_helpers import (
     tiny_target,
 )
 
-from speculators.models.fused import FusedStack
+from speculators.models.fused import FusedStack, PackedLinear, pack_linears, packed_float16_available
 from speculators.models.layers import DecoderLayer, DecoderSpec, KVCache, Rotary, run_layers
 
 
@@ -65,7 +65,7 @@ def test_fused_copy_follows_weight_changes():
     want, got = _run_both(spec, stack, True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     stack.to(torch.float64)
-    assert FusedStack.of(stack).layers[0].qkv_w.dtype == torch.float64
+    assert FusedStack.of(stack).layers[0].input_norm.dtype == torch.float64
     assert "_speculators_fused" not in str(list(stack.state_dict()))
 
 
@@ -78,3 +78,41 @@ def test_rotary_lookup_equals_forward_and_grows():
             got = rotary.lookup(pos, dtype)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert rotary._tables[("cpu", torch.float32)][0].shape[0] == 64  # next power of two past position 41
+
+
+needs_packed = pytest.mark.skipif(not packed_float16_available(), reason="no packed float16 CPU kernel in this build")
+
+
+@needs_packed
+def test_packed_linear_is_a_float16_weight_product_in_float32():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 80, bias=True)
+    packed = PackedLinear(lin)
+    x = torch.randn(3, 5, 48)  # any leading shape
+    want = torch.nn.functional.linear(x, lin.weight.half().float(), lin.bias)
+    got = packed(x)
+    assert got.dtype == torch.float32 and got.shape == (3, 5, 80)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed(x[0, 0]), want[0, 0], atol=1e-5, rtol=1e-5)  # one vector
+    assert not torch.equal(packed.weight, lin.weight) and torch.equal(packed.weight, lin.weight.half().float())
+    with torch.no_grad():
+        packed.weight.mul_(2.0)  # an in-place change re-packs
+    torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, packed.weight, packed.bias), atol=1e-5,
+                               rtol=1e-5)
+
+
+@needs_packed
+@pytest.mark.parametrize("arch,first_fused,bias", [("llama", True, False), ("qwen3", False, True)])
+def test_packed_stack_equals_run_layers_with_float16_weights(arch, first_fused, bias):
+    spec, stack = _stack(arch, first_fused, bias)
+    with torch.no_grad():  # the reference: the same float16-rounded weights in a plain float32 stack
+        for m in stack.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(m.weight.half().float())
+    want, _ = _run_both(spec, stack, first_fused)
+    assert pack_linears(stack) == 7 * len(stack)
+    assert all(layer.packed for layer in FusedStack.of(stack).layers)
+    _, got = _run_both(spec, stack, first_fused)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    plain, _ = _run_both(spec, stack, first_fused)  # run_layers through the PackedLinear modules agrees too
+    torch.testing.assert_close(plain, want, atol=1e-4, rtol=1e-4)

@@ -98,11 +98,20 @@ def test_draft_dtype_auto_is_float16_on_cpu_and_never_touches_the_target(tiny_ll
     import torch
 
     target = loaded_target(str(tiny_llama))
+    from speculators.models.fused import PackedLinear, packed_float16_available
+
     auto = Engine.from_pretrained(target, str(spec_dir))
-    assert next(auto.drafter.parameters()).dtype == torch.float16
+    linears = [m for m in auto.drafter.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    if packed_float16_available():  # float16 weights as packed products, float32 activations
+        assert all(isinstance(m, PackedLinear) for m in linears)
+        assert auto.info.precision == "float16 weights, float32 activations"
+        assert all(torch.equal(m.weight, m.weight.half().float()) for m in linears)
+    else:
+        assert next(auto.drafter.parameters()).dtype == torch.float16
     assert auto.runner.dtype == torch.float32 and target.model.dtype == torch.float32
     exact = Engine.from_pretrained(target, str(spec_dir), draft_dtype="float32")
-    assert next(exact.drafter.parameters()).dtype == torch.float32
+    assert next(exact.drafter.parameters()).dtype == torch.float32 and exact.info.precision == "float32"
+    assert not any(isinstance(m, PackedLinear) for m in exact.drafter.modules())
     with pytest.raises(SpeculatorsError, match="draft dtype must be auto") as err:
         Engine.from_pretrained(target, str(spec_dir), draft_dtype="fp8")
     assert "\n" not in str(err.value)
