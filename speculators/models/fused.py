@@ -8,16 +8,13 @@ What it does:
   on a GPU it means fewer kernel launches.
 - The copy is rebuilt when a parameter changes (a `.to()`, a weight load, an optimizer step): `of()` keys its cache
   on the parameters' storage, version, dtype and device.
-- `pack_linears(module)`: float16 weights with float32 activations on CPUs — every `nn.Linear` of a drafting copy
-  becomes a `PackedLinear` (FBGEMM's packed float16 kernel); a stack of packed layers packs its fused matrices too.
-  At drafting sizes this kernel is 2-3x faster than a float32 or float16 `F.linear` of the same shape (it reads
-  half the bytes of float32 and, unlike a float16 `F.linear` on CPU, has a fast few-row path), and the activations,
-  norms, attention and KV cache stay in float32 (float16 attention is 2.5x slower than float32 on CPU).
+- A stack whose linears are `packed.PackedLinear`s (float16 weights, float32 activations on CPU) packs its fused
+  matrices too, and `run_cached` then runs each layer through the TorchScript kernel `packed.packed_layer_kernel()`
+  (same operations, no Python per-operation overhead).
 
 What it does not do: training (no autograd: the copies are detached; a packed module is for inference only), the
-attention itself (the caller's `attend` owns keys and values), other layer layouts than `layers.DecoderLayer`,
-packing on GPUs or where the kernel is missing (`packed_float16_available()`). Outputs match `run_layers` up to
-float rounding (tests compare them).
+attention itself in `run` (the caller's `attend` owns keys and values), other layer layouts than
+`layers.DecoderLayer`. Outputs match `run_layers` up to float rounding (tests compare them).
 """
 
 from __future__ import annotations
@@ -31,72 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculators.models.packed import PackedLinear, PackedProduct, packed_layer_kernel
+
 if TYPE_CHECKING:
-    from speculators.models.layers import AttendFn, DecoderLayer
-
-
-@functools.cache
-def packed_float16_available() -> bool:
-    """Whether this torch build has the CPU packed float16 linear kernel (FBGEMM; x86 builds)."""
-    try:
-        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(2, 2), None)
-        return bool(torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 2), packed).shape == (1, 2))
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return False
-
-
-def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x [..., in] float32 -> x W^T + b [..., out] float32, W rounded to float16 (bias kept in float32)."""
-    packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(),
-                                                     None if bias is None else bias.detach().float())
-    return functools.partial(torch.ops.quantized.linear_dynamic_fp16, W_prepack=packed)
-
-
-class PackedLinear(nn.Module):
-    """An inference-only `nn.Linear` with float16 weights and float32 activations on CPU (FBGEMM's packed kernel).
-
-    `weight` / `bias` stay float32 parameters (the weight rounded to float16 values, so every path computes the same
-    product); the packed copy is rebuilt if the weight changes in place. Inputs on other devices fall back to
-    `F.linear`."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        with torch.no_grad():
-            self.weight = nn.Parameter(linear.weight.detach().half().float(), requires_grad=False)  # [out, in]
-            self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(),
-                                                                      requires_grad=False)  # [out]
-        self._packed: tuple[tuple, Callable[[torch.Tensor], torch.Tensor]] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if x.device.type != "cpu" or self.weight.device.type != "cpu":
-            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        key = (self.weight._version, self.weight.data_ptr(), None if self.bias is None else self.bias._version)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, _packed_linear(self.weight, self.bias))
-        if x.dim() == 1:  # the kernel wants a leading dimension
-            return self._packed[1](x.float()[None])[0]
-        return self._packed[1](x.float())
-
-
-def pack_linears(module: nn.Module) -> int:
-    """Replace every `nn.Linear` inside `module` (float32, on CPU) by a `PackedLinear`; returns how many. The module
-    is for drafting afterwards (inference only). Nothing is replaced where `packed_float16_available()` is false."""
-    if not packed_float16_available():
-        return 0
-    count = 0
-    for name, child in list(module.named_children()):
-        if type(child) is nn.Linear:
-            setattr(module, name, PackedLinear(child))
-            count += 1
-        else:
-            count += pack_linears(child)
-    return count
+    from speculators.models.layers import AttendFn, DecoderLayer, KVCache
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     if packed:
-        return _packed_linear(weight, bias)
+        return PackedProduct(weight, bias)
     return functools.partial(F.linear, weight=weight, bias=bias)
 
 
@@ -172,6 +112,23 @@ class FusedStack:
                 cached = (key, cls(layers))
             object.__setattr__(layers, "_speculators_fused", cached)  # not a submodule, not in the state dict
         return cached[1]
+
+    @torch.no_grad()
+    def run_cached(self, x: torch.Tensor, hidden: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache, start: int, mask: torch.Tensor) -> torch.Tensor:
+        """`run` with the attention over `cache` (`KVCache.attend_fn(start, mask)`): x [1, S, H] (+ hidden) ->
+        [1, S, H]. Packed stacks go through the compiled layer kernel."""
+        kernel = packed_layer_kernel() if all(layer.packed for layer in self.layers) else None
+        if kernel is None or x.shape[0] != 1:
+            return self.run(x, hidden, cos, sin, cache.attend_fn(start, mask))
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, S, 1, hd]
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = kernel(h, hidden if layer.fused_input else None, cos, sin, cache.k[i], cache.v[i], start, mask,
+                       layer.input_norm, layer.hidden_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+                       layer.qkv.params, layer.o.params, layer.gate_up.params, layer.down.params, layer.eps,
+                       self.num_heads, self.num_kv_heads, self.head_dim, layer.intermediate)
+        return h
 
     @torch.no_grad()
     def run(self, x: torch.Tensor, hidden: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,

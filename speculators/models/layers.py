@@ -546,7 +546,7 @@ class RecurrentSpeculator(Speculator):
         dtype = self._param.dtype
         cos, sin = self.rotary.lookup(positions[None], dtype, upto=state.max_len)  # [1, S, hd]
         x, fused = self.step_input(tokens[None], hidden[None].to(dtype))
-        out = state.stack.run(x, fused, cos, sin, state.cache.attend_fn(start, mask))
+        out = state.stack.run_cached(x, fused, cos, sin, state.cache, start, mask)  # [1, S, H]
         return out[0]
 
     @torch.no_grad()

@@ -244,7 +244,7 @@ def draft_dtype_for(target: LoadedTarget, draft_dtype: str | torch.dtype | None 
 def prepare_for_drafting(spec: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> str:
     """Move a loaded speculator to `device` for drafting with `dtype` weights; returns how it computes ("float16
     weights, float32 activations" on a CPU with the packed kernel, else the dtype's name). Inference only."""
-    from speculators.models.fused import pack_linears, packed_float16_available
+    from speculators.models.packed import pack_linears, packed_float16_available
 
     if dtype == torch.float16 and torch.device(device).type == "cpu" and packed_float16_available():
         spec.to(device=device, dtype=torch.float32)

@@ -11,8 +11,9 @@ from models_helpers import (
     tiny_target,
 )
 
-from speculators.models.fused import FusedStack, PackedLinear, pack_linears, packed_float16_available
+from speculators.models.fused import FusedStack
 from speculators.models.layers import DecoderLayer, DecoderSpec, KVCache, Rotary, run_layers
+from speculators.models.packed import PackedLinear, pack_linears, packed_float16_available, packed_layer_kernel
 
 
 def _stack(arch: str, first_fused: bool, bias: bool = False, layers: int = 2, seed: int = 0):
@@ -28,22 +29,29 @@ def _stack(arch: str, first_fused: bool, bias: bool = False, layers: int = 2, se
     return spec, stack
 
 
-def _run_both(spec, stack, first_fused: bool):
+def _run_both(spec, stack, first_fused: bool, cached: bool = False):
+    """(run_layers, FusedStack.run or .run_cached) on the same inputs over 3 committed slots; both caches agree."""
     rotary = Rotary(spec)
     g = torch.Generator().manual_seed(1)
     h = spec.hidden_size
     x, hidden = torch.randn(1, 7, h, generator=g), torch.randn(1, 7, h, generator=g)
-    pos = torch.arange(3, 10)
+    hidden = hidden if first_fused else None
+    cos, sin = rotary.lookup(torch.arange(3, 10)[None], torch.float32)
     mask = torch.ones(7, 10, dtype=torch.bool).tril(diagonal=3)  # [S, L]: 3 committed slots, then causal
-    out = []
-    for run in (lambda *a: run_layers(stack, *a), FusedStack.of(stack).run):
+    caches = []
+    for _ in range(2):
         cache = KVCache(len(stack), spec.num_key_value_heads, 16, spec.head_dim, "cpu", torch.float32)
         cache.k[:, :, :3] = 0.5
         cache.v[:, :, :3] = -0.25
-        cos, sin = rotary.lookup(pos[None], torch.float32)
-        with torch.no_grad():
-            out.append(run(x, hidden if first_fused else None, cos, sin, cache.attend_fn(3, mask)))
-    return out
+        caches.append(cache)
+    fused = FusedStack.of(stack)
+    with torch.no_grad():
+        want = run_layers(stack, x, hidden, cos, sin, caches[0].attend_fn(3, mask))
+        got = (fused.run_cached(x, hidden, cos, sin, caches[1], 3, mask) if cached
+               else fused.run(x, hidden, cos, sin, caches[1].attend_fn(3, mask)))
+    torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[1].v, caches[0].v, atol=1e-4, rtol=1e-4)
+    return want, got
 
 
 @pytest.mark.parametrize("arch,first_fused,bias", [("llama", True, False), ("llama", False, True),
@@ -51,6 +59,8 @@ def _run_both(spec, stack, first_fused: bool):
 def test_fused_stack_equals_run_layers(arch, first_fused, bias):
     spec, stack = _stack(arch, first_fused, bias)
     want, got = _run_both(spec, stack, first_fused)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    _, got = _run_both(spec, stack, first_fused, cached=True)  # dense weights: run_cached is `run` over the cache
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -102,7 +112,8 @@ def test_packed_linear_is_a_float16_weight_product_in_float32():
 
 
 @needs_packed
-@pytest.mark.parametrize("arch,first_fused,bias", [("llama", True, False), ("qwen3", False, True)])
+@pytest.mark.parametrize("arch,first_fused,bias", [("llama", True, False), ("qwen3", False, True),
+                                                   ("qwen3", True, False), ("llama", False, True)])
 def test_packed_stack_equals_run_layers_with_float16_weights(arch, first_fused, bias):
     spec, stack = _stack(arch, first_fused, bias)
     with torch.no_grad():  # the reference: the same float16-rounded weights in a plain float32 stack
@@ -114,5 +125,8 @@ def test_packed_stack_equals_run_layers_with_float16_weights(arch, first_fused, 
     assert all(layer.packed for layer in FusedStack.of(stack).layers)
     _, got = _run_both(spec, stack, first_fused)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert packed_layer_kernel() is not None
+    _, compiled = _run_both(spec, stack, first_fused, cached=True)  # the TorchScript layer kernel
+    torch.testing.assert_close(compiled, want, atol=1e-4, rtol=1e-4)
     plain, _ = _run_both(spec, stack, first_fused)  # run_layers through the PackedLinear modules agrees too
     torch.testing.assert_close(plain, want, atol=1e-4, rtol=1e-4)

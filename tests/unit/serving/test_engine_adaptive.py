@@ -47,6 +47,24 @@ def test_low_acceptance_goes_plain_then_probes() -> None:
     assert report["acceptance_estimate"][0] < 0.05 and report["mode"] == "adaptive"
 
 
+def test_a_depth_that_looked_poor_is_explored_again_and_recovers() -> None:
+    # depth 3 once looked poor (acceptance 0.1 there), so the best depth is 2; every 4th speculative cycle drafts
+    # depth 3, and when depth 3 is in fact accepted the estimate recovers and the controller moves there
+    ctrl = AdaptiveDepth(cost=_cost(per_node=0.002, draft=0.002), max_depth=3, max_new_tokens=1000,
+                         prior=[0.9, 0.9, 0.1], explore_every=4)
+    ctrl.acceptance = [0.9, 0.9, 0.1]
+    first = [ctrl.choose(1000) for _ in range(8)]
+    assert first == [2, 2, 2, 3, 2, 2, 2, 3] and ctrl.report()["explore_cycles"] == 2
+    for _ in range(30):
+        depth = ctrl.choose(1000)
+        ctrl.observe(drafted_depth=depth, accepted=depth)  # every drafted depth is accepted
+    assert ctrl.choose(1000) == 3 and ctrl.acceptance[2] > 0.5
+    never = AdaptiveDepth(cost=_cost(per_node=0.002, draft=0.002), max_depth=3, max_new_tokens=1000,
+                          explore_every=10**9)
+    never.acceptance = [0.9, 0.9, 0.1]
+    assert {never.choose(1000) for _ in range(16)} == {2}  # without exploring, depth 3 is never tried
+
+
 def test_cheap_verification_prefers_depth_over_plain() -> None:
     ctrl = AdaptiveDepth(cost=_cost(per_node=0.0001, draft=0.0001), max_depth=4, max_new_tokens=100,
                          prior=[0.5, 0.5, 0.5, 0.5])

@@ -98,7 +98,7 @@ def test_draft_dtype_auto_is_float16_on_cpu_and_never_touches_the_target(tiny_ll
     import torch
 
     target = loaded_target(str(tiny_llama))
-    from speculators.models.fused import PackedLinear, packed_float16_available
+    from speculators.models.packed import PackedLinear, packed_float16_available
 
     auto = Engine.from_pretrained(target, str(spec_dir))
     linears = [m for m in auto.drafter.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
