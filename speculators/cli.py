@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
+from speculators.config import DEFAULT_NGRAM_GRAFT as DEFAULT_GRAFT
 from speculators.errors import SpeculatorsError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -115,6 +116,8 @@ def _stage_line(summary: dict) -> str:
 
 ThreadsOpt = Annotated[int, typer.Option(help="CPU threads for torch (0 = torch's default, one per core); 1 is "
                                               "much faster when the cores are shared with other jobs")]
+GraftOpt = Annotated[int, typer.Option(help="graft at most this many prompt-lookup (n-gram) nodes onto a "
+                                            "speculator's trees (0: off)")]
 
 
 def _set_threads(threads: int) -> None:
@@ -151,6 +154,7 @@ def generate(
                                                   "products with float32 activations)")] = "auto",
     allow_revision_mismatch: Annotated[bool, typer.Option(help="serve a speculator trained on another target "
                                                                 "revision (never another tokenizer)")] = False,
+    ngram_graft: GraftOpt = DEFAULT_GRAFT,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object per generation")] = False,
     threads: ThreadsOpt = 0,
 ) -> None:
@@ -160,7 +164,8 @@ def generate(
     generate_command(target=target, speculator=speculator, prompt=prompt, chat=chat, workload=workload,
                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                      device=device, dtype=dtype, tree=tree, depth=depth, topk=topk, budget=budget,
-                     allow_revision_mismatch=allow_revision_mismatch, as_json=as_json, draft_dtype=draft_dtype)
+                     allow_revision_mismatch=allow_revision_mismatch, as_json=as_json, draft_dtype=draft_dtype,
+                     ngram_graft=ngram_graft)
 
 
 @app.command(help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics).")
@@ -177,6 +182,7 @@ def serve(
     device: Annotated[str, typer.Option()] = "auto",
     dtype: Annotated[str, typer.Option()] = "auto",
     allow_revision_mismatch: Annotated[bool, typer.Option()] = False,
+    ngram_graft: GraftOpt = DEFAULT_GRAFT,
     threads: ThreadsOpt = 0,
 ) -> None:
     from speculators.serving.commands import serve_command
@@ -185,7 +191,7 @@ def serve(
     serve_command(target=target, speculator=speculator, host=host, port=port, api_key_env=api_key_env,
                   max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                   max_concurrent_requests=max_concurrent_requests, device=device, dtype=dtype,
-                  allow_revision_mismatch=allow_revision_mismatch)
+                  allow_revision_mismatch=allow_revision_mismatch, ngram_graft=ngram_graft)
 
 
 @app.command(help="Speculative vs plain decoding vs Hugging Face generate (and assisted decoding), as ratios.")
@@ -201,6 +207,8 @@ def bench(
     dtype: Annotated[str, typer.Option()] = "auto",
     out: Annotated[Path | None, typer.Option(help="write the JSON + Markdown report here")] = None,
     seed: Annotated[int, typer.Option()] = 0,
+    ngram_graft: Annotated[int, typer.Option(help="also bench each speculator with this many prompt-lookup nodes "
+                                                  "grafted onto its trees (0: no such rows)")] = DEFAULT_GRAFT,
     threads: ThreadsOpt = 0,
 ) -> None:
     from speculators.serving.bench import bench_command
@@ -208,7 +216,7 @@ def bench(
     _set_threads(threads)
     bench_command(target=target, speculators=speculator or [], workloads=workloads,
                   rows_per_cohort=rows_per_cohort, temperatures=[float(t) for t in temperatures.split(",")],
-                  device=device, dtype=dtype, out=out, seed=seed)
+                  device=device, dtype=dtype, out=out, seed=seed, ngram_graft=ngram_graft)
 
 
 @app.command(name="train-bench", help="Training throughput (tokens/s per process) and peak memory of each family.")

@@ -68,8 +68,8 @@ def live_acceptance(target: Any, speculator_dir: str, rows: Sequence[WorkloadRow
     chosen = pick_rows(rows, per_cohort)
     out: dict[str, dict] = {str(float(t)): {"trees": {}} for t in temperatures}
     for label, drafter in (("speculator", speculator_dir), ("ngram", "ngram")):
-        engine = engine_cls.from_pretrained(target=target, speculator=drafter,
-                                            allow_revision_mismatch=allow_revision_mismatch)
+        engine = engine_cls.from_pretrained(target=target, speculator=drafter,  # the speculator alone: no graft
+                                            allow_revision_mismatch=allow_revision_mismatch, ngram_graft=0)
         for t in temperatures:
             out[str(float(t))][label] = run_engine(engine, chosen, float(t), seed,
                                                    desc=f"live {label} T={float(t)}", progress=progress)

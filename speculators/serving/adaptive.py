@@ -140,7 +140,9 @@ class AdaptiveDepth:
     short_output_tokens: int = 8
     probe_every: int = 8
     explore_every: int = 8
-    smoothing: float = 0.3
+    # per-depth acceptance EWMA step: 0.3 let one rejected draft at a depth drop its estimate by 30% and keep
+    # trees shallow (house target, code cohorts: 1.75x plain vs 1.80x with 0.1, tau 2.95 vs 3.31)
+    smoothing: float = 0.1
     default_acceptance: float = 0.6
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@ For every temperature, every method generates every row once after one unmeasure
   plain        this runtime without a drafter (root-only cycles)
   ngram        this runtime with prompt lookup
   <dir name>   this runtime with each speculator given (its pairing is checked)
+  +ngram       the same speculator with `ngram_graft` prompt-lookup nodes grafted onto its trees (graft.py)
   hf           Hugging Face `generate` (greedy, or do_sample with top_k=0 / top_p=1 at T > 0, seeded per row)
   hf-assisted  Hugging Face assisted decoding with prompt lookup (`prompt_lookup_num_tokens`)
 Runtime requests are unseeded (as served by default: adaptive depth). It reports generated tokens/s per cohort
@@ -108,7 +109,8 @@ def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]],
 
 
 def bench_command(*, target: str, speculators: list[str], workloads: str, rows_per_cohort: int,
-                  temperatures: list[float], device: str, dtype: str, out: Path | None, seed: int) -> dict:
+                  temperatures: list[float], device: str, dtype: str, out: Path | None, seed: int,
+                  ngram_graft: int = 0) -> dict:
     """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report."""
     from speculators.config import TargetConfig
     from speculators.data.workloads import load_workloads
@@ -125,8 +127,11 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
     methods = [_Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
                _Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
     for path in speculators:
-        engine = Engine.from_pretrained(loaded, path)
+        engine = Engine.from_pretrained(loaded, path, ngram_graft=0)  # the speculator alone
         methods.append(_Method(f"{engine.info.family}:{Path(path).name}", "runtime", engine))
+        if ngram_graft:  # the same speculator with prompt-lookup nodes grafted onto its trees
+            grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft)
+            methods.append(_Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
     methods += [_Method("hf", "hf"), _Method("hf-assisted", "hf-assisted")]
     encoder = methods[0].engine
     rows = [(r.cohort, encoder.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)

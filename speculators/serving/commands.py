@@ -17,18 +17,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from speculators.config import DEFAULT_NGRAM_GRAFT
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 
 
 def _engine(target: str, speculator: str | None, device: str, dtype: str, allow_revision_mismatch: bool,
             tree: str | None = None, depth: int | None = None, topk: int | None = None,
-            budget: int | None = None, draft_dtype: str = "auto") -> Any:
+            budget: int | None = None, draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> Any:
     from speculators.serving.engine import Engine
 
     engine = Engine.from_pretrained(target, None if speculator in (None, "", "none") else speculator, device=device,
                                     dtype=dtype, allow_revision_mismatch=allow_revision_mismatch,
-                                    draft_dtype=draft_dtype)
+                                    draft_dtype=draft_dtype, ngram_graft=ngram_graft)
     for warning in engine.info.pairing_warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if engine.info.precision:
@@ -53,7 +54,7 @@ def generate_command(*, target: str, speculator: str | None, prompt: str | None,
                      workload: Path | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                      seed: int | None, device: str, dtype: str, tree: str | None, depth: int | None,
                      topk: int | None, budget: int | None, allow_revision_mismatch: bool, as_json: bool,
-                     draft_dtype: str = "auto") -> None:
+                     draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> None:
     from speculators.serving.sampling import SamplingParams
 
     given = [name for name, v in (("--prompt", prompt), ("--chat", chat), ("--workload", workload)) if v is not None]
@@ -77,7 +78,7 @@ def generate_command(*, target: str, speculator: str | None, prompt: str | None,
         rows.append(("prompt", "-", prompt if prompt is not None else [{"role": "user", "content": chat}],
                      max_new_tokens))
     engine = _engine(target, speculator, device, dtype, allow_revision_mismatch, tree, depth, topk, budget,
-                     draft_dtype)
+                     draft_dtype, ngram_graft)
     per_cohort: dict[str, dict] = {}
     for rid, cohort, text_or_messages, mnt in rows:
         out = engine.generate(text_or_messages, dataclasses.replace(params, max_new_tokens=mnt))
@@ -116,7 +117,7 @@ def _print_cohorts(per_cohort: dict[str, dict], as_json: bool) -> None:
 
 def serve_command(*, target: str, speculator: str | None, host: str, port: int, api_key_env: str | None,
                   max_prompt_tokens: int, max_new_tokens: int, max_concurrent_requests: int, device: str,
-                  dtype: str, allow_revision_mismatch: bool) -> None:
+                  dtype: str, allow_revision_mismatch: bool, ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> None:
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -135,7 +136,7 @@ def serve_command(*, target: str, speculator: str | None, host: str, port: int, 
         if not api_key:
             raise SpeculatorsError(f"--api-key-env {api_key_env}: that environment variable is unset or empty; "
                                    f"export it, or drop the option to serve without a key")
-    engine = _engine(target, speculator, device, dtype, allow_revision_mismatch)
+    engine = _engine(target, speculator, device, dtype, allow_revision_mismatch, ngram_graft=ngram_graft)
     if max_prompt_tokens + max_new_tokens - 1 > engine.max_len:
         print(f"warning: max_prompt_tokens + max_new_tokens exceeds the KV cache ({engine.max_len} tokens); "
               f"longer requests will be refused", file=sys.stderr)

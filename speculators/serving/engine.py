@@ -35,11 +35,12 @@ from typing import Any
 
 import torch
 
-from speculators.config import TargetConfig, TreeConfig
+from speculators.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.adaptive import AdaptiveDepth, CostModel
 from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, load_drafter, prune_tree
+from speculators.serving.graft import NgramGraft
 from speculators.serving.sampling import SamplingParams, logits_to_probs
 from speculators.serving.target_runner import TargetRunner
 from speculators.serving.trees import DraftTree, ancestor_mask
@@ -168,17 +169,25 @@ class Engine:
     def from_pretrained(cls, target: str | Any, speculator: str | None = None, *, device: str = "auto",
                         dtype: str = "auto", tree: TreeConfig | None = None, max_len: int | None = None,
                         adaptive: bool | None = None, allow_revision_mismatch: bool = False,
-                        revision: str | None = None, draft_dtype: str = "auto") -> Engine:
+                        revision: str | None = None, draft_dtype: str = "auto",
+                        ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> Engine:
         """Load a target (dir / hub id, or an already loaded `LoadedTarget`) and a drafter: None or "none"
         (plain decoding), "ngram" (prompt lookup) or a speculator directory (its pairing.json is checked against
         the target: another tokenizer is always refused, another revision unless `allow_revision_mismatch`),
-        drafting in `draft_dtype` (see `drafters.draft_dtype_for`; the target's dtype is never changed)."""
+        drafting in `draft_dtype` (see `drafters.draft_dtype_for`; the target's dtype is never changed).
+        A speculator's trees also carry up to `ngram_graft` prompt-lookup nodes (`graft.NgramGraft`; 0 = the
+        speculator alone)."""
         from speculators.target import load_target
 
         loaded = target if hasattr(target, "model") and hasattr(target, "tokenizer") else load_target(
             TargetConfig(name_or_path=str(target), revision=revision, device=device, dtype=dtype))
         drafter, info = load_drafter(speculator, loaded, allow_revision_mismatch=allow_revision_mismatch,
                                      draft_dtype=draft_dtype)
+        if ngram_graft < 0:
+            raise SpeculatorsError(f"ngram_graft must be >= 0 (0 = off), got {ngram_graft}")
+        if ngram_graft and info.family not in ("none", "ngram"):
+            drafter = NgramGraft(drafter, max_new_nodes=ngram_graft)
+            info = dataclasses.replace(info, name=f"{info.name}+ngram")
         return cls(loaded, drafter, info=info, tree=tree, max_len=max_len, adaptive=adaptive)
 
     def set_tree(self, tree: TreeConfig, adaptive: bool | None = None) -> None:
@@ -343,7 +352,8 @@ class Engine:
                         self.cost.observe_absorb(time.perf_counter() - t_draft)
                 t_propose = time.perf_counter()
                 tree = drafter.propose(state, root, self._tree_for(depth), params, generator)
-                tree = prune_tree(tree, max_depth=min(depth, remaining - 1), max_nodes=self.cache.free)
+                # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
+                tree = prune_tree(tree, max_depth=remaining - 1, max_nodes=self.cache.free)
             else:
                 tree = DraftTree.root_only(root, root_mode)
             t_verify = time.perf_counter()
@@ -363,8 +373,8 @@ class Engine:
             acc.draft_seconds += t_verify - t_draft
             acc.verify_seconds += t_accept - t_verify
             acc.accept_seconds += t_done - t_accept
-            if drafted_depth > 0:
-                ctrl.observe(drafted_depth, len(accepted))
+            if drafted_depth > 0:  # the controller models the drafter's own depths (not a graft beyond them)
+                ctrl.observe(min(drafted_depth, depth), min(len(accepted), depth))
                 self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose)
             self.cost.observe_cycle(tree.size, t_done - t_verify)
             if not out:

@@ -3,8 +3,8 @@ generated tokens equals the exact target probabilities (computed by direct forwa
 temperature / top-k / top-p operator), by Pearson chi-square with family-wise alpha 1e-6 (Bonferroni).
 
 Covered: n-gram drafts (deterministic trees), a random EAGLE-3 sampled chain ("iid" with the draft's
-probabilities, i.e. min(1, p/q) and residual sampling) and a random Medusa top-k tree; each under temperature,
-top-k and top-p. Negative controls run through the SAME test and must be rejected: an engine that accepts every
+probabilities, i.e. min(1, p/q) and residual sampling), a random Medusa top-k tree and a random EAGLE-3 top-k tree
+with a prompt-lookup graft; each under temperature, top-k and top-p. Negative controls run through the SAME test and must be rejected: an engine that accepts every
 drafted token the target can produce (lossy "typical"-style acceptance) and one that verifies against the
 unfiltered target rows.
 """
@@ -30,6 +30,8 @@ CASES = [  # (drafter, tree, sampling)
     ("eagle3", TreeConfig(kind="chain", depth=2, adaptive=False), dict(temperature=1.2, top_k=0, top_p=0.8)),
     ("medusa", TreeConfig(kind="dynamic", depth=2, topk=3, budget=5, adaptive=False),
      dict(temperature=0.9, top_k=20, top_p=0.9)),
+    ("eagle3+ngram", TreeConfig(kind="dynamic", depth=2, topk=2, budget=3, adaptive=False),
+     dict(temperature=1.0, top_k=0, top_p=0.95)),
 ]
 NUM_TESTS = len(CASES) + 2  # Bonferroni over every chi-square this module runs (controls included)
 
@@ -92,7 +94,9 @@ def spec_dirs(house_target, tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_first_two_tokens_follow_the_target(house_target, spec_dirs, case: int) -> None:
     drafter, tree, sampling = CASES[case]
-    engine = Engine.from_pretrained(loaded_target(str(house_target)), spec_dirs.get(drafter, drafter), tree=tree)
+    family = drafter.removesuffix("+ngram")
+    engine = Engine.from_pretrained(loaded_target(str(house_target)), spec_dirs.get(family, family), tree=tree,
+                                    ngram_graft=3 if drafter.endswith("+ngram") else 0)
     prompt = _prompt(house_target)
     p_value = _chi_square(engine, house_target, prompt, sampling, seed=1000 * case)
     assert engine.totals.drafted_tokens > 0, "the drafter never proposed anything: the test would prove nothing"

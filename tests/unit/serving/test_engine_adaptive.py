@@ -51,7 +51,7 @@ def test_a_depth_that_looked_poor_is_explored_again_and_recovers() -> None:
     # depth 3 once looked poor (acceptance 0.1 there), so the best depth is 2; every 4th speculative cycle drafts
     # depth 3, and when depth 3 is in fact accepted the estimate recovers and the controller moves there
     ctrl = AdaptiveDepth(cost=_cost(per_node=0.002, draft=0.002), max_depth=3, max_new_tokens=1000,
-                         prior=[0.9, 0.9, 0.1], explore_every=4)
+                         prior=[0.9, 0.9, 0.1], explore_every=4, smoothing=0.3)
     ctrl.acceptance = [0.9, 0.9, 0.1]
     first = [ctrl.choose(1000) for _ in range(8)]
     assert first == [2, 2, 2, 3, 2, 2, 2, 3] and ctrl.report()["explore_cycles"] == 2

@@ -49,6 +49,24 @@ def test_greedy_parity_with_hf_generate(tiny_llama, spec_dirs, references, draft
             assert stats.target_calls == len(out.token_ids) and stats.acceptance.drafted_tokens == 0
 
 
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("drafter", FAMILIES)
+def test_greedy_parity_with_an_ngram_graft(tiny_llama, spec_dirs, references, drafter: str, tree: str,
+                                           monkeypatch) -> None:
+    from speculators.serving import graft
+
+    grown = []
+    real = graft.graft_chain
+    monkeypatch.setattr(graft, "graft_chain", lambda t, *a: grown.append(real(t, *a).size - t.size) or real(t, *a))
+    engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), spec_dirs[drafter], tree=TREES[tree],
+                                    ngram_graft=4)
+    assert engine.info.name.endswith("+ngram")
+    for prompt, ref in zip(PROMPTS, references, strict=True):
+        out = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW))
+        assert out.token_ids == ref, f"{drafter}+ngram/{tree} diverged on prompt {prompt}"
+    assert max(grown) > 0  # the repetitive prompts got grafted nodes
+
+
 def test_ngram_accepts_on_repetitive_output(tiny_llama, references) -> None:
     engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram", tree=TREES["chain"])
     out = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=MAX_NEW))

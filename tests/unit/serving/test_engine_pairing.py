@@ -100,7 +100,7 @@ def test_draft_dtype_auto_is_float16_on_cpu_and_never_touches_the_target(tiny_ll
     target = loaded_target(str(tiny_llama))
     from speculators.models.packed import PackedLinear, packed_float16_available
 
-    auto = Engine.from_pretrained(target, str(spec_dir))
+    auto = Engine.from_pretrained(target, str(spec_dir), ngram_graft=0)  # the speculator itself as the drafter
     linears = [m for m in auto.drafter.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     if packed_float16_available():  # float16 weights as packed products, float32 activations
         assert all(isinstance(m, PackedLinear) for m in linears)
@@ -109,7 +109,7 @@ def test_draft_dtype_auto_is_float16_on_cpu_and_never_touches_the_target(tiny_ll
     else:
         assert next(auto.drafter.parameters()).dtype == torch.float16
     assert auto.runner.dtype == torch.float32 and target.model.dtype == torch.float32
-    exact = Engine.from_pretrained(target, str(spec_dir), draft_dtype="float32")
+    exact = Engine.from_pretrained(target, str(spec_dir), draft_dtype="float32", ngram_graft=0)
     assert next(exact.drafter.parameters()).dtype == torch.float32 and exact.info.precision == "float32"
     assert not any(isinstance(m, PackedLinear) for m in exact.drafter.modules())
     with pytest.raises(SpeculatorsError, match="draft dtype must be auto") as err:
