@@ -34,7 +34,10 @@ if TYPE_CHECKING:
     from speculators.models.layers import AttendFn, DecoderLayer, KVCache
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+Linear = Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> [..., out]
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> Linear:
     if packed:
         return PackedProduct(weight, bias)
     return functools.partial(F.linear, weight=weight, bias=bias)
@@ -49,9 +52,6 @@ def rope_heads_last(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     queries and keys of all heads in one pass when they sit side by side."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass

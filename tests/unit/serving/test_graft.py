@@ -8,7 +8,7 @@ import torch
 
 from speculators.errors import SpeculatorsError
 from speculators.serving.graft import NgramGraft, graft_chain
-from speculators.serving.trees import DraftTree, depths_of
+from speculators.serving.trees import DraftTree, depths_of, path_to
 
 
 def _tree() -> DraftTree:
@@ -17,15 +17,8 @@ def _tree() -> DraftTree:
 
 
 def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
-    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
-    out = set()
-    for i in range(1, len(toks)):
-        path, j = [], i
-        while j > 0:
-            path.append(toks[j])
-            j = parents[j]
-        out.add(tuple(reversed(path)))
-    return out
+    """The token path from the root to every node."""
+    return {tuple(tree.tokens[path_to(tree.parents, i)].tolist()) for i in range(1, tree.size)}
 
 
 def test_graft_follows_existing_children_then_appends_a_chain() -> None:
