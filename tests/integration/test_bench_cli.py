@@ -24,14 +24,15 @@ def test_bench_table_and_report(house_target, tmp_path) -> None:
     assert "| cohort | method | tok/s | × plain | × HF generate | tau |" in proc.stdout
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.md").read_text().startswith("# speculators bench")
-    methods = {"plain", "ngram", "eagle3:eagle3", "hf", "hf-assisted"}
+    methods = {"plain", "ngram", "eagle3:eagle3", "eagle3+ngram:eagle3", "hf", "hf-assisted"}  # + the graft row
     for temperature in ("0.0", "1.0"):
         cohorts = report["results"][temperature]
         assert set(cohorts) == {"code-completion", "all"}
         assert set(cohorts["all"]) == methods
         for name, entry in cohorts["all"].items():
             assert entry["tokens"] > 0 and entry["tokens_per_second"] > 0 and entry["vs_plain"] > 0
-            if name in ("plain", "ngram", "eagle3:eagle3"):
+            if name in ("plain", "ngram", "eagle3:eagle3", "eagle3+ngram:eagle3"):
                 assert entry["tau"] >= 1.0
     greedy = report["results"]["0.0"]["all"]
-    assert all(greedy[m]["mismatched_rows"] == 0 for m in ("ngram", "eagle3:eagle3", "hf", "hf-assisted"))
+    assert all(greedy[m]["mismatched_rows"] == 0
+               for m in ("ngram", "eagle3:eagle3", "eagle3+ngram:eagle3", "hf", "hf-assisted"))
