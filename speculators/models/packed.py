@@ -8,20 +8,15 @@ What it does:
 - `PackedLinear` / `pack_linears(module)`: every `nn.Linear` of a drafting copy of a speculator becomes such a
   product (inference only); norms, attention and KV caches stay float32 (float16 attention is 2.5x slower than
   float32 on CPU).
-- `packed_layer_kernel()`: one decoder layer (fused q/k/v and gate/up products, RoPE, KV-cache write, attention,
-  MLP) compiled with TorchScript: the same operations as `fused.FusedStack.run`, without Python's per-operation
-  overhead (a 2-row draft step of the house speculator's layer: ~330 -> ~200 microseconds, bit-identical).
 
 What it does not do: GPUs (CUDA keeps dense float16/bfloat16 weights), training, other CPUs' kernels: where this
-torch build has no packed float16 kernel (`packed_float16_available()`) or TorchScript fails, callers keep the
-dense eager path.
+torch build has no packed float16 kernel (`packed_float16_available()`), callers keep the dense path. The compiled
+draft layer that runs these products is `fused.packed_layer_kernel`.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,54 +84,3 @@ def pack_linears(module: nn.Module) -> int:
         else:
             count += pack_linears(child)
     return count
-
-
-def _packed_decoder_layer(x: torch.Tensor, hidden: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, mask: torch.Tensor,
-                          input_norm: torch.Tensor, hidden_norm: torch.Tensor | None, post_norm: torch.Tensor,
-                          q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                          qkv: torch.classes.quantized.LinearPackedParamsBase,
-                          o: torch.classes.quantized.LinearPackedParamsBase,
-                          gate_up: torch.classes.quantized.LinearPackedParamsBase,
-                          down: torch.classes.quantized.LinearPackedParamsBase,
-                          eps: float, nh: int, nkv: int, hd: int, inter: int) -> torch.Tensor:
-    """`fused.FusedStack.run` for one layer with packed products. x/hidden [1, S, H], cos/sin [1, S, 1, hd],
-    k_cache/v_cache [nkv, max_len, hd] (this layer's; the S new keys/values go to slots start..start+S-1), mask
-    [S, L] bool over slots [0, L) -> [1, S, H] pre-norm output."""
-    b, s, width = x.shape[0], x.shape[1], x.shape[2]
-    if hidden_norm is not None and hidden is not None:  # EAGLE-3's first layer
-        a = torch.cat((F.rms_norm(x, [width], input_norm, eps), F.rms_norm(hidden, [width], hidden_norm, eps)), -1)
-        residual = hidden
-    else:
-        a = F.rms_norm(x, [width], input_norm, eps)
-        residual = x
-    proj = torch.ops.quantized.linear_dynamic_fp16(a, qkv)  # [1, S, (nh + 2 nkv) hd]
-    v = proj[:, :, (nh + nkv) * hd:].view(b, s, nkv, hd)
-    half = hd // 2
-    if q_norm is not None and k_norm is not None:  # Qwen3 layout: per-head norms before RoPE
-        qk = torch.cat((F.rms_norm(proj[:, :, :nh * hd].view(b, s, nh, hd), [hd], q_norm, eps),
-                        F.rms_norm(proj[:, :, nh * hd:(nh + nkv) * hd].view(b, s, nkv, hd), [hd], k_norm, eps)), 2)
-    else:
-        qk = proj[:, :, :(nh + nkv) * hd].view(b, s, nh + nkv, hd)
-    qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin  # [1, S, nh + nkv, hd]
-    k_cache[:, start:start + s] = qk[0, :, nh:].transpose(0, 1)
-    v_cache[:, start:start + s] = v[0].transpose(0, 1)
-    length = mask.shape[1]
-    att = F.scaled_dot_product_attention(qk[:, :, :nh].transpose(1, 2), k_cache[None, :, :length],
-                                         v_cache[None, :, :length], attn_mask=mask, enable_gqa=nh != nkv)
-    h = residual + torch.ops.quantized.linear_dynamic_fp16(att.transpose(1, 2).reshape(b, s, nh * hd), o)
-    gu = torch.ops.quantized.linear_dynamic_fp16(F.rms_norm(h, [width], post_norm, eps), gate_up)  # [1, S, 2I]
-    return h + torch.ops.quantized.linear_dynamic_fp16(F.silu(gu[:, :, :inter]) * gu[:, :, inter:], down)
-
-
-@functools.cache
-def packed_layer_kernel() -> Any:
-    """The TorchScript-compiled `_packed_decoder_layer`, or None where scripting fails (callers stay eager)."""
-    if not packed_float16_available():
-        return None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.jit.script is deprecated but still the lowest-overhead CPU path
-            return torch.jit.script(_packed_decoder_layer)
-    except Exception:  # noqa: BLE001 - any scripting failure means: use the eager path
-        return None

@@ -11,9 +11,9 @@ from models_helpers import (
     tiny_target,
 )
 
-from speculators.models.fused import FusedStack
+from speculators.models.fused import FusedStack, packed_layer_kernel
 from speculators.models.layers import DecoderLayer, DecoderSpec, KVCache, Rotary, run_layers
-from speculators.models.packed import PackedLinear, pack_linears, packed_float16_available, packed_layer_kernel
+from speculators.models.packed import PackedLinear, pack_linears, packed_float16_available
 
 
 def _stack(arch: str, first_fused: bool, bias: bool = False, layers: int = 2, seed: int = 0):
