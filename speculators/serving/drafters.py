@@ -16,6 +16,7 @@ positions). Not here: verification, the target forward, tree policies of model s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -246,21 +247,22 @@ def prepare_for_drafting(spec: torch.nn.Module, device: torch.device | str, dtyp
     weights, float32 activations" on a CPU with the packed kernel, else the dtype's name). Inference only."""
     from speculators.models.packed import pack_linears, packed_float16_available
 
-    if dtype == torch.float16 and torch.device(device).type == "cpu" and packed_float16_available():
-        spec.to(device=device, dtype=torch.float32)
+    packed = dtype == torch.float16 and torch.device(device).type == "cpu" and packed_float16_available()
+    spec.to(device=device, dtype=torch.float32 if packed else dtype)
+    if packed:
         pack_linears(spec)
-        spec.eval()
-        return "float16 weights, float32 activations"
-    spec.to(device=device, dtype=dtype)
     spec.eval()
-    return str(dtype).removeprefix("torch.")
+    return "float16 weights, float32 activations" if packed else str(dtype).removeprefix("torch.")
 
 
 def load_drafter(speculator: str | os.PathLike | None, target: LoadedTarget, *,
-                 allow_revision_mismatch: bool = False, draft_dtype: str | torch.dtype | None = "auto"
-                 ) -> tuple[Any, DrafterInfo]:
+                 allow_revision_mismatch: bool = False, draft_dtype: str | torch.dtype | None = "auto",
+                 ngram_graft: int = 0) -> tuple[Any, DrafterInfo]:
     """None / "none" -> NoDrafter, "ngram" -> NgramDrafter, a directory -> its speculator (pairing checked), in
-    `draft_dtype_for(target, draft_dtype)`."""
+    `draft_dtype_for(target, draft_dtype)`, with up to `ngram_graft` prompt-lookup nodes grafted onto its trees
+    (`graft.NgramGraft`; 0 = the speculator alone)."""
+    if ngram_graft < 0:
+        raise SpeculatorsError(f"ngram_graft must be >= 0 (0 = off), got {ngram_graft}")
     if speculator is None or str(speculator) in ("", "none"):
         return NoDrafter(), DrafterInfo("none", "none")
     if str(speculator) == "ngram":
@@ -279,4 +281,9 @@ def load_drafter(speculator: str | os.PathLike | None, target: LoadedTarget, *,
                                f"{list(taps)}; the directory is inconsistent, re-export it")
     precision = prepare_for_drafting(spec, target.device, draft_dtype_for(target, draft_dtype))
     family = getattr(spec, "family", record.get("draft", {}).get("family", "?"))
-    return spec, DrafterInfo(str(directory), family, str(directory), warnings, precision)
+    info = DrafterInfo(str(directory), family, str(directory), warnings, precision)
+    if ngram_graft:
+        from speculators.serving.graft import NgramGraft
+
+        return NgramGraft(spec, max_new_nodes=ngram_graft), dataclasses.replace(info, name=f"{info.name}+ngram")
+    return spec, info

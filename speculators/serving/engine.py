@@ -40,7 +40,6 @@ from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.adaptive import AdaptiveDepth, CostModel
 from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, load_drafter, prune_tree
-from speculators.serving.graft import NgramGraft
 from speculators.serving.sampling import SamplingParams, logits_to_probs
 from speculators.serving.target_runner import TargetRunner
 from speculators.serving.trees import DraftTree, ancestor_mask
@@ -182,12 +181,7 @@ class Engine:
         loaded = target if hasattr(target, "model") and hasattr(target, "tokenizer") else load_target(
             TargetConfig(name_or_path=str(target), revision=revision, device=device, dtype=dtype))
         drafter, info = load_drafter(speculator, loaded, allow_revision_mismatch=allow_revision_mismatch,
-                                     draft_dtype=draft_dtype)
-        if ngram_graft < 0:
-            raise SpeculatorsError(f"ngram_graft must be >= 0 (0 = off), got {ngram_graft}")
-        if ngram_graft and info.family not in ("none", "ngram"):
-            drafter = NgramGraft(drafter, max_new_nodes=ngram_graft)
-            info = dataclasses.replace(info, name=f"{info.name}+ngram")
+                                     draft_dtype=draft_dtype, ngram_graft=ngram_graft)
         return cls(loaded, drafter, info=info, tree=tree, max_len=max_len, adaptive=adaptive)
 
     def set_tree(self, tree: TreeConfig, adaptive: bool | None = None) -> None:

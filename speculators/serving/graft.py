@@ -2,26 +2,29 @@
 drafter's tree is only a few levels deep, so the continuation of the context's last n-gram is added as one more
 branch.
 
-`NgramGraft(drafter, max_new_nodes)` is itself a drafter (the `drafters.Drafter` protocol). Each proposal is the
-model drafter's tree plus the prompt-lookup continuation (`ngram.ngram_continuations`, longest recurring suffix, most
-recent match) walked from the root: while its tokens are already children in the tree the walk follows them, and
+`NgramGraft(drafter, max_new_nodes)` is itself a drafter (the `drafters.Drafter` protocol; `drafters.load_drafter`
+wraps a speculator in it). Each proposal is the model drafter's tree plus the prompt-lookup continuation (the
+`drafters.NgramDrafter`'s context and lookup rule: `ngram.ngram_continuations`, longest recurring suffix, most recent
+match) walked from the root: while its tokens are already children in the tree the walk follows them, and
 from the first token that is not, the rest of the continuation (at most `max_new_nodes` tokens) is appended as a
 chain. Siblings therefore stay distinct and parents precede children, so the tree is verified like any other:
 "greedy" at T = 0 and "deterministic" for top-k trees at T > 0 (the grafted tokens are deterministic proposals, as
 the n-gram drafter's are). Sampled chains ("iid": every node carries the law it was drawn from) are left as they
 are. The graft never changes the output's distribution, only how many tokens a cycle may commit.
 
-Not here: the model drafter's own tree policy (models/drafting.py), the lookup rule (ngram.py).
+Not here: the model drafter's own tree policy (models/drafting.py), the lookup rule (ngram.py), the n-gram
+drafter's context bookkeeping (drafters.NgramDrafter).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from speculators.errors import SpeculatorsError
+from speculators.serving.drafters import NgramDrafter, NgramState
 from speculators.serving.ngram import ngram_continuations
 from speculators.serving.trees import DraftTree
 
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 @dataclass
 class GraftState:
     inner: Any  # the model drafter's own state
-    tokens: list[int] = field(default_factory=list)  # the committed context, ending with the next root
+    lookup: NgramState  # the committed context, ending with the next root
 
 
 def graft_chain(tree: DraftTree, continuation: list[int], max_new_nodes: int) -> DraftTree:
@@ -67,13 +70,11 @@ class NgramGraft:
 
     needs_token_ids = True
 
-    def __init__(self, drafter: Any, max_new_nodes: int = 6, max_ngram: int = 3, min_ngram: int = 2) -> None:
+    def __init__(self, drafter: Any, max_new_nodes: int = 6, lookup: NgramDrafter | None = None) -> None:
         if max_new_nodes < 1:
             raise SpeculatorsError(f"n-gram graft needs max_new_nodes >= 1, got {max_new_nodes}")
-        if not 1 <= min_ngram <= max_ngram:
-            raise SpeculatorsError(f"n-gram graft needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.drafter, self.max_new_nodes = drafter, max_new_nodes
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.lookup = lookup or NgramDrafter()
         self.name = f"{getattr(drafter, 'name', type(drafter).__name__)}+ngram"
         self.family = getattr(drafter, "family", "?")
 
@@ -85,19 +86,18 @@ class NgramGraft:
         return own() if callable(own) else None
 
     def new_state(self, max_len: int, device: torch.device | str) -> GraftState:
-        return GraftState(self.drafter.new_state(max_len, device))
+        return GraftState(self.drafter.new_state(max_len, device), self.lookup.new_state(max_len, device))
 
     def absorb(self, state: GraftState, features: dict[str, torch.Tensor], next_tokens: torch.Tensor) -> None:
         self.drafter.absorb(state.inner, features, next_tokens)
-        if not state.tokens:
-            state.tokens.extend(int(t) for t in features["input_ids"][:1].tolist())
-        state.tokens.extend(int(t) for t in next_tokens.reshape(-1).tolist())
+        self.lookup.absorb(state.lookup, features, next_tokens)
 
     def propose(self, state: GraftState, root_token: int, tree: TreeConfig, sampling: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree:
         drafted = self.drafter.propose(state.inner, root_token, tree, sampling, generator)
-        if drafted.mode == "iid" or not state.tokens:
+        context = state.lookup.tokens
+        if drafted.mode == "iid" or not context:
             return drafted
-        found = ngram_continuations(state.tokens, drafted.max_depth + self.max_new_nodes, self.max_ngram,
-                                    self.min_ngram, num=1)
+        found = ngram_continuations(context, drafted.max_depth + self.max_new_nodes, self.lookup.max_ngram,
+                                    self.lookup.min_ngram, num=1)
         return graft_chain(drafted, found[0], self.max_new_nodes) if found else drafted

@@ -68,7 +68,7 @@ def test_wrapper_keeps_the_context_and_leaves_sampled_chains_alone() -> None:
     # context 9 1 2 4 6 | 9 1 : the suffix "9 1" recurs, followed by 2 4 6 9 1
     graft.absorb(state, {"input_ids": torch.tensor([9, 1, 2, 4, 6])}, torch.tensor([1, 2, 4, 6, 9]))
     graft.absorb(state, {"input_ids": torch.tensor([9])}, torch.tensor([1]))
-    assert state.tokens == [9, 1, 2, 4, 6, 9, 1] and inner.absorbed == [[1, 2, 4, 6, 9], [1]]
+    assert state.lookup.tokens == [9, 1, 2, 4, 6, 9, 1] and inner.absorbed == [[1, 2, 4, 6, 9], [1]]
     tree = graft.propose(state, 1, None, None, None)
     assert _paths(tree) == _paths(_tree()) | {(2, 4, 6), (2, 4, 6, 9), (2, 4, 6, 9, 1)}
     inner.tree = DraftTree.chain(1, [2, 4], mode="iid", draft_probs=torch.full((3, 10), 0.1))
