@@ -156,6 +156,7 @@ def generate(
                                                                 "revision (never another tokenizer)")] = False,
     ngram_graft: GraftOpt = DEFAULT_GRAFT,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object per generation")] = False,
+    batch: Annotated[int, typer.Option(help="workload rows sharing each target forward (1: one at a time)")] = 1,
     threads: ThreadsOpt = 0,
 ) -> None:
     from speculators.serving.commands import generate_command
@@ -165,7 +166,7 @@ def generate(
                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                      device=device, dtype=dtype, tree=tree, depth=depth, topk=topk, budget=budget,
                      allow_revision_mismatch=allow_revision_mismatch, as_json=as_json, draft_dtype=draft_dtype,
-                     ngram_graft=ngram_graft)
+                     ngram_graft=ngram_graft, batch=batch)
 
 
 @app.command(help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics).")
@@ -178,7 +179,8 @@ def serve(
     api_key_env: Annotated[str | None, typer.Option(help="env var holding the API key (off if unset)")] = None,
     max_prompt_tokens: Annotated[int, typer.Option()] = 2048,
     max_new_tokens: Annotated[int, typer.Option()] = 512,
-    max_concurrent_requests: Annotated[int, typer.Option()] = 4,
+    max_concurrent_requests: Annotated[int, typer.Option(help="requests running or waiting; more get 429")] = 4,
+    max_batch_size: Annotated[int, typer.Option(help="running requests that share each target forward")] = 4,
     device: Annotated[str, typer.Option()] = "auto",
     dtype: Annotated[str, typer.Option()] = "auto",
     allow_revision_mismatch: Annotated[bool, typer.Option()] = False,
@@ -191,7 +193,8 @@ def serve(
     serve_command(target=target, speculator=speculator, host=host, port=port, api_key_env=api_key_env,
                   max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
                   max_concurrent_requests=max_concurrent_requests, device=device, dtype=dtype,
-                  allow_revision_mismatch=allow_revision_mismatch, ngram_graft=ngram_graft)
+                  allow_revision_mismatch=allow_revision_mismatch, ngram_graft=ngram_graft,
+                  max_batch_size=max_batch_size)
 
 
 @app.command(help="Speculative vs plain decoding vs Hugging Face generate (and assisted decoding), as ratios.")
@@ -209,6 +212,8 @@ def bench(
     seed: Annotated[int, typer.Option()] = 0,
     ngram_graft: Annotated[int, typer.Option(help="also bench each speculator with this many prompt-lookup nodes "
                                                   "grafted onto its trees (0: no such rows)")] = DEFAULT_GRAFT,
+    batch: Annotated[int, typer.Option(help="also run every runtime method on all rows with this many requests "
+                                            "sharing each target forward (0: no such rows)")] = 0,
     threads: ThreadsOpt = 0,
 ) -> None:
     from speculators.serving.bench import bench_command
@@ -216,7 +221,7 @@ def bench(
     _set_threads(threads)
     bench_command(target=target, speculators=speculator or [], workloads=workloads,
                   rows_per_cohort=rows_per_cohort, temperatures=[float(t) for t in temperatures.split(",")],
-                  device=device, dtype=dtype, out=out, seed=seed, ngram_graft=ngram_graft)
+                  device=device, dtype=dtype, out=out, seed=seed, ngram_graft=ngram_graft, batch=batch)
 
 
 @app.command(name="train-bench", help="Training throughput (tokens/s per process) and peak memory of each family.")

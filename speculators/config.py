@@ -177,6 +177,7 @@ class ServeConfig:
     max_prompt_tokens: int = 2048
     max_new_tokens: int = 512
     max_concurrent_requests: int = 4
+    max_batch_size: int = 4
     allow_revision_mismatch: bool = False
     tree: TreeConfig = field(default_factory=TreeConfig)
 

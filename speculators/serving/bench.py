@@ -8,6 +8,9 @@ For every temperature, every method generates every row once after one unmeasure
   +ngram       the same speculator with `ngram_graft` prompt-lookup nodes grafted onto its trees (graft.py)
   hf           Hugging Face `generate` (greedy, or do_sample with top_k=0 / top_p=1 at T > 0, seeded per row)
   hf-assisted  Hugging Face assisted decoding with prompt lookup (`prompt_lookup_num_tokens`)
+With `batch` B > 1, every runtime method also generates all rows once more with up to B requests sharing each
+target forward (`<method>@batchB` rows, cohort "all" only: throughput of the whole set, as a server under
+concurrent load sees it; at T = 0 their tokens are checked against `plain` too).
 Runtime requests are unseeded (as served by default: adaptive depth). It reports generated tokens/s per cohort
 and overall (wall clock including prefill, generated tokens only),
 the ratios to `plain` and to `hf`, and for runtime methods tau and per-position acceptance
@@ -108,9 +111,30 @@ def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]],
     return outputs
 
 
+def _run_batched(methods: list[_Method], rows: list[tuple[str, list[int], int]], temperature: float,
+                 batch: int) -> list[tuple[_Method, list[list[int]]]]:
+    """Every runtime method on all rows at once, `batch` requests sharing each target forward; returns the new
+    `<method>@batchB` methods (cell "all") with their outputs in row order."""
+    from speculators.serving.sampling import SamplingParams
+
+    params = [SamplingParams(max_new_tokens=max_new, temperature=temperature) for _, _, max_new in rows]
+    done = []
+    for method in [m for m in methods if m.kind == "runtime"]:
+        t0 = time.perf_counter()
+        outs = method.engine.generate_batch([ids for _, ids, _ in rows], params, max_batch=batch)
+        seconds = time.perf_counter() - t0
+        cell = _Cell(tokens=sum(len(o.token_ids) for o in outs), seconds=seconds, rows=len(outs),
+                     acceptance=AcceptanceStats())
+        for o in outs:
+            cell.acceptance.merge(o.stats.acceptance)
+        batched = _Method(f"{method.name}@batch{batch}", "runtime", method.engine, cells={"all": cell})
+        done.append((batched, [o.token_ids for o in outs]))
+    return done
+
+
 def bench_command(*, target: str, speculators: list[str], workloads: str, rows_per_cohort: int,
                   temperatures: list[float], device: str, dtype: str, out: Path | None, seed: int,
-                  ngram_graft: int = 0) -> dict:
+                  ngram_graft: int = 0, batch: int = 0) -> dict:
     """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report."""
     from speculators.config import TargetConfig
     from speculators.data.workloads import load_workloads
@@ -119,6 +143,8 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
 
     if rows_per_cohort < 1:
         raise SpeculatorsError(f"--rows-per-cohort must be >= 1, got {rows_per_cohort}")
+    if batch < 0:
+        raise SpeculatorsError(f"--batch must be >= 0 (0 or 1: no batched rows), got {batch}")
     if not temperatures or any(t < 0 for t in temperatures):
         raise SpeculatorsError(f"--temperatures must be non-negative numbers, got {temperatures}")
     threads = torch.get_num_threads()  # set by the caller (`speculators bench --threads`); every method shares it
@@ -140,17 +166,21 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
         "target": target, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
         "threads": threads, "machine": platform.processor() or platform.machine(),
         "rows_per_cohort": rows_per_cohort, "rows": len(rows), "workloads": workloads, "seed": seed,
-        "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "results": {},
+        "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "batch": batch, "results": {},
     }
     for temperature in temperatures:
         outputs = _run_methods(methods, rows, temperature, seed, loaded.model)
+        batched = _run_batched(methods, rows, temperature, batch) if batch > 1 else []
         if temperature == 0:  # greedy: every method must produce plain decoding's tokens
             for method, outs in zip(methods[1:], outputs[1:], strict=True):
                 for (cohort, _, _), got, want in zip(rows, outs, outputs[0], strict=True):
                     if got != want:
                         method.cells[cohort].mismatched_rows += 1
                         method.cells["all"].mismatched_rows += 1
-        report["results"][str(temperature)] = _summarise(methods)
+            for method, outs in batched:
+                method.cells["all"].mismatched_rows = sum(got != want for got, want in zip(outs, outputs[0],
+                                                                                           strict=True))
+        report["results"][str(temperature)] = _summarise(methods + [m for m, _ in batched])
     text = format_report(report)
     print(text)
     if out is not None:

@@ -1,8 +1,9 @@
 """`speculators generate` and `speculators serve`: the runtime's command bodies (cli.py parses, these run).
 
 - `generate_command(...)`: one raw prompt (`--prompt`), one chat message (`--chat`) or every row of a workload
-  file (`--workload`, each row with its own max_new_tokens); prints the text and the stats (or one JSON object
-  per generation with `--json`), and for workloads a per-cohort summary (tau, per-position acceptance, tokens/s).
+  file (`--workload`, each row with its own max_new_tokens; with `--batch N` up to N rows share each target
+  forward); prints the text and the stats (or one JSON object per generation with `--json`), and for workloads a
+  per-cohort summary (tau, per-position acceptance, tokens/s; batched rows report their wall-clock total).
 - `serve_command(...)`: load the engine once and serve the OpenAI-compatible app (server.py) with uvicorn.
 
 Not here: argument parsing (cli.py), the generation loop (engine.py), HTTP handling (server.py).
@@ -54,7 +55,9 @@ def generate_command(*, target: str, speculator: str | None, prompt: str | None,
                      workload: Path | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                      seed: int | None, device: str, dtype: str, tree: str | None, depth: int | None,
                      topk: int | None, budget: int | None, allow_revision_mismatch: bool, as_json: bool,
-                     draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> None:
+                     draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT, batch: int = 1) -> None:
+    import time
+
     from speculators.serving.sampling import SamplingParams
 
     given = [name for name, v in (("--prompt", prompt), ("--chat", chat), ("--workload", workload)) if v is not None]
@@ -67,6 +70,8 @@ def generate_command(*, target: str, speculator: str | None, prompt: str | None,
         params.validate()
     except ValueError as exc:
         raise SpeculatorsError(str(exc)) from None
+    if batch < 1:
+        raise SpeculatorsError(f"--batch must be >= 1, got {batch}")
     rows: list[tuple[str, str, Any, int]] = []  # (id, cohort, prompt, max_new_tokens)
     if workload is not None:
         from speculators.data.workloads import load_workloads
@@ -80,8 +85,14 @@ def generate_command(*, target: str, speculator: str | None, prompt: str | None,
     engine = _engine(target, speculator, device, dtype, allow_revision_mismatch, tree, depth, topk, budget,
                      draft_dtype, ngram_graft)
     per_cohort: dict[str, dict] = {}
-    for rid, cohort, text_or_messages, mnt in rows:
-        out = engine.generate(text_or_messages, dataclasses.replace(params, max_new_tokens=mnt))
+    requests = [dataclasses.replace(params, max_new_tokens=mnt) for _, _, _, mnt in rows]
+    if batch > 1:
+        t0 = time.perf_counter()
+        outs = engine.generate_batch([r[2] for r in rows], requests, max_batch=batch)
+        print(f"batch of up to {batch}: {len(outs)} requests in {time.perf_counter() - t0:.3f}s", file=sys.stderr)
+    else:
+        outs = (engine.generate(r[2], p) for r, p in zip(rows, requests, strict=True))
+    for (rid, cohort, _, _), out in zip(rows, outs, strict=True):
         if as_json:
             print(json.dumps({"id": rid, "cohort": cohort, "text": out.text, "token_ids": out.token_ids,
                               "stats": out.stats.to_dict()}), flush=True)
@@ -117,7 +128,8 @@ def _print_cohorts(per_cohort: dict[str, dict], as_json: bool) -> None:
 
 def serve_command(*, target: str, speculator: str | None, host: str, port: int, api_key_env: str | None,
                   max_prompt_tokens: int, max_new_tokens: int, max_concurrent_requests: int, device: str,
-                  dtype: str, allow_revision_mismatch: bool, ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> None:
+                  dtype: str, allow_revision_mismatch: bool, ngram_graft: int = DEFAULT_NGRAM_GRAFT,
+                  max_batch_size: int = 4) -> None:
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -127,7 +139,7 @@ def serve_command(*, target: str, speculator: str | None, host: str, port: int, 
     from speculators.serving.server import ServerLimits, create_app, run_server
 
     for name, value in (("max_prompt_tokens", max_prompt_tokens), ("max_new_tokens", max_new_tokens),
-                        ("max_concurrent_requests", max_concurrent_requests)):
+                        ("max_concurrent_requests", max_concurrent_requests), ("max_batch_size", max_batch_size)):
         if value < 1:
             raise SpeculatorsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     api_key = None
@@ -141,7 +153,8 @@ def serve_command(*, target: str, speculator: str | None, host: str, port: int, 
         print(f"warning: max_prompt_tokens + max_new_tokens exceeds the KV cache ({engine.max_len} tokens); "
               f"longer requests will be refused", file=sys.stderr)
     app = create_app(engine, ServerLimits(max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
-                                          max_concurrent_requests=max_concurrent_requests), api_key=api_key)
+                                          max_concurrent_requests=max_concurrent_requests,
+                                          max_batch_size=max_batch_size), api_key=api_key)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"warning: serving on {host} without an API key", file=sys.stderr)
     print(f"serving {engine.target.cfg.name_or_path} with drafter {engine.info.name} on http://{host}:{port}/v1",

@@ -4,15 +4,16 @@
     out = engine.generate("def f(x):", SamplingParams(max_new_tokens=64, temperature=0))
     out.token_ids, out.text, out.stats.tau, out.stats.per_position_acceptance, out.stats.target_calls
 
-One request at a time (batch 1), one code path on CPU (fp32) and CUDA (bf16):
+Per request (batch 1 here; batching.py runs several in lockstep), one code path on CPU (fp32) and CUDA (bf16):
 1. Prefill: the prompt minus its last token goes through `TargetRunner` into the static KV cache (a shared
    prefix with the previous request is reused, features included); the drafter absorbs those positions.
 2. Each cycle: the root is the last committed token (not yet in the cache). The drafter proposes a tree
    (depth chosen by `AdaptiveDepth`; the root alone = plain decoding), the target runs ONE forward over it with
-   the ancestor mask at positions committed + depth, `sampling.logits_to_probs` turns every node's logits into
-   the filtered target law (the same operator plain decoding uses), `verify_tree` picks the accepted path and
-   the next token, the cache keeps only the root + accepted path, and the drafter absorbs those positions with
-   their features (next tokens = the accepted tokens + the corrected / bonus token).
+   the ancestor mask at positions committed + depth, `verify_tree_lazy` picks the accepted path and the next
+   token, reading the filtered target law (`sampling.logits_to_probs`, the operator plain decoding uses) of
+   only the nodes it visits (`TargetRows` runs the output head for those), the cache keeps only the root +
+   accepted path, and the drafter absorbs those positions with their features (next tokens = the accepted
+   tokens + the corrected / bonus token).
 3. EOS or a stop string inside the committed tokens truncates the output there; `max_new_tokens` caps it.
 
 Greedy (temperature 0) output equals the target's own greedy decoding token for token, whatever the drafter;
@@ -21,7 +22,9 @@ seeded sampled request is reproducible (same engine settings, same seed -> same 
 fixed instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in
 distribution, not per sample path).
 
-Not here: batching several requests, CUDA graphs, paged KV, penalties / grammars, HTTP (server.py).
+Several requests share each target forward through `generate_batch` / `batching.BatchRunner`, which drive the same
+per-request coroutine (`request`) that `stream` drives alone. Not here: CUDA graphs, paged KV, penalties /
+grammars, HTTP (server.py).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,12 +43,15 @@ from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.adaptive import AdaptiveDepth, CostModel
 from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, load_drafter, prune_tree
+from speculators.serving.kv_cache import StaticKVCache
 from speculators.serving.sampling import SamplingParams, logits_to_probs
-from speculators.serving.target_runner import TargetRunner
+from speculators.serving.target_rows import TargetRows
+from speculators.serving.target_runner import ForwardOutput, Segment, TargetRunner
 from speculators.serving.trees import DraftTree, ancestor_mask
-from speculators.serving.verify import verify_tree
+from speculators.serving.verify import verify_tree, verify_tree_lazy
 
 DEFAULT_MAX_LEN = 8192
+_NO_ROWS = torch.empty(0, dtype=torch.long)  # forward without the output head (TargetRows makes the rows needed)
 
 
 @dataclass
@@ -138,6 +144,25 @@ def _is_chain(parents: torch.Tensor) -> bool:
     return parents.tolist() == list(range(-1, parents.shape[0] - 1))
 
 
+@dataclass
+class Slot:
+    """One sequence's KV cache and what its committed prefix holds (reused by the next request it serves)."""
+
+    cache: StaticKVCache
+    prefix_ids: list[int] = field(default_factory=list)
+    prefix_features: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class VerifyForward:
+    """A request's verification forward, yielded by its cycle loop to whoever runs the target: the engine alone
+    (`Engine.stream`) or `batching.BatchRunner` together with other requests' forwards. `shared` tells the loop
+    whether the forward's time was shared (then it does not feed the cost model)."""
+
+    segment: Segment
+    shared: bool = False
+
+
 class Engine:
     """A target + a drafter + a static KV cache. Not thread-safe: one `generate` at a time."""
 
@@ -154,11 +179,9 @@ class Engine:
         self.set_tree(tree or default_tree(self.drafter, self.runner.device), adaptive)
         limit = int(getattr(self.target.config, "max_position_embeddings", 0) or DEFAULT_MAX_LEN)
         self.max_len = int(max_len or min(limit, DEFAULT_MAX_LEN))
-        self.cache = self.runner.new_cache(self.max_len)
+        self.slot = Slot(self.runner.new_cache(self.max_len))  # batch-1 requests run here
         self.eos_ids = _eos_ids(target.model, self.tokenizer)
         self.prefix_caching = prefix_caching
-        self._prefix_ids: list[int] = []
-        self._prefix_features: dict[str, torch.Tensor] = {}
         self.cost = CostModel()
         self._acceptance_prior: list[float] = []
         self.totals = AcceptanceStats()  # over every request served (the server's /metrics reads it)
@@ -197,6 +220,14 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.runner.device
+
+    @property
+    def cache(self) -> StaticKVCache:
+        return self.slot.cache
+
+    def new_slot(self) -> Slot:
+        """Another KV cache of this engine's size (a batch runs each request in its own slot)."""
+        return Slot(self.runner.new_cache(self.max_len))
 
     # ---- input ----------------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict] | list[int] | torch.Tensor) -> list[int]:
@@ -247,6 +278,14 @@ class Engine:
         assert out is not None
         return out
 
+    def generate_batch(self, prompts: list[str | list[dict] | list[int]], params: SamplingParams | list[SamplingParams],
+                       max_batch: int = 8) -> list[GenerateOutput]:
+        """Generate for several prompts with up to `max_batch` requests sharing each target forward
+        (`batching.BatchRunner`); outputs in prompt order. A bad prompt fails before anything runs."""
+        from speculators.serving.batching import generate_batch
+
+        return generate_batch(self, prompts, params, max_batch)
+
     def stream(self, prompt: str | list[dict] | list[int] | torch.Tensor, params: SamplingParams | None = None,
                *, text_deltas: bool = True, **kwargs: Any) -> Iterator[StreamChunk]:
         """Like `generate`, yielding a `StreamChunk` per verification cycle; the last one carries the output.
@@ -255,16 +294,43 @@ class Engine:
         params = params or SamplingParams(**kwargs)
         prompt_ids = self.encode(prompt)
         self.check_request(prompt_ids, params)
-        return self._stream(prompt_ids, params, text_deltas)
+        return self._alone(self.request(prompt_ids, params, self.slot, text_deltas))
 
-    def _stream(self, prompt_ids: list[int], params: SamplingParams, text_deltas: bool) -> Iterator[StreamChunk]:
+    def _alone(self, request: Generator[VerifyForward | StreamChunk, ForwardOutput | None, None]
+               ) -> Iterator[StreamChunk]:
+        """Drive one request: run each verification forward it asks for, pass its chunks on."""
+        reply: ForwardOutput | None = None
+        while True:
+            try:
+                item = request.send(reply)
+            except StopIteration:
+                return
+            if isinstance(item, VerifyForward):
+                reply = self.runner.forward_batch([item.segment], capture=self.speculative)[0]
+                continue
+            reply = None
+            yield item
+
+    def request(self, prompt_ids: list[int], params: SamplingParams, slot: Slot, text_deltas: bool = True
+                ) -> Generator[VerifyForward | StreamChunk, ForwardOutput | None, None]:
+        """One checked request (`check_request`) in `slot`, as a coroutine: it yields a `VerifyForward` per
+        cycle and must be sent that forward's `ForwardOutput`, and yields a `StreamChunk` per cycle (the last
+        one carries the output). Prefill and drafting run inside it."""
         t_start = time.perf_counter()
         stops = list(params.stop or [])
         hold = max((len(s) for s in stops), default=1) - 1
         out: list[int] = []
         emitted_text = 0
         stats = GenerationStats(drafter=self.info.name, prompt_tokens=len(prompt_ids))
-        for new_tokens, finish in self._cycles(prompt_ids, params, out, stats, stops):
+        cycles = self._cycles(prompt_ids, params, out, stats, stops, slot)
+        reply: ForwardOutput | None = None
+        while True:
+            item = cycles.send(reply)
+            if isinstance(item, VerifyForward):
+                reply = yield item
+                continue
+            reply = None
+            new_tokens, finish = item
             if finish is None:
                 if not text_deltas:
                     yield StreamChunk(text="", token_ids=new_tokens)
@@ -299,8 +365,10 @@ class Engine:
         return any(s in tail for s in stops)
 
     def _cycles(self, prompt_ids: list[int], params: SamplingParams, out: list[int], stats: GenerationStats,
-                stops: list[str]) -> Iterator[tuple[list[int], str | None]]:
-        """The generation loop; appends to `out` and yields (new tokens, finish reason or None) per cycle."""
+                stops: list[str], slot: Slot
+                ) -> Generator[VerifyForward | tuple[list[int], str | None], ForwardOutput | None, None]:
+        """The generation loop; appends to `out` and yields (new tokens, finish reason or None) per cycle, and a
+        `VerifyForward` before that (answered with its output)."""
         t0 = time.perf_counter()
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
@@ -309,7 +377,8 @@ class Engine:
         t = self.tree
         state = drafter.new_state(self.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8, self.device)
         wants_ids = getattr(drafter, "needs_token_ids", False)
-        features, stats.reused_prefix_tokens = self._prefill(prompt_ids)
+        cache = slot.cache
+        features, stats.reused_prefix_tokens = self._prefill(prompt_ids, slot)
         # committed positions the drafter has not absorbed yet: absorbed in one batch right before the next
         # proposal, so plain cycles (speculation off) cost what plain decoding costs
         pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
@@ -319,7 +388,7 @@ class Engine:
                 features = {**features, "input_ids": ids[:-1]}
             pending.append((features, ids[1:].to(self.device)))
         if self.speculative and self.adaptive and not self.cost.calibrated:
-            self._calibrate(prompt_ids[-1])
+            self._calibrate(prompt_ids[-1], cache)
             if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)
                 self._absorb(drafter, state, pending)
             self._calibrate_drafting(drafter, state, prompt_ids[-1])
@@ -333,7 +402,6 @@ class Engine:
             ctrl.mode += " (seeded sampled request: reproducible)"
         root = prompt_ids[-1]
         root_mode = "greedy" if params.greedy else "deterministic"
-        capture = self.speculative
         while True:
             remaining = params.max_new_tokens - len(out)
             t_draft = time.perf_counter()
@@ -347,20 +415,22 @@ class Engine:
                 t_propose = time.perf_counter()
                 tree = drafter.propose(state, root, self._tree_for(depth), params, generator)
                 # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
-                tree = prune_tree(tree, max_depth=remaining - 1, max_nodes=self.cache.free)
+                tree = prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free)
             else:
                 tree = DraftTree.root_only(root, root_mode)
             t_verify = time.perf_counter()
             if tree.size == 1 or _is_chain(tree.parents):
-                fwd = self.runner.forward(self.cache, tree.tokens, capture=capture)
+                call = VerifyForward(Segment(cache, tree.tokens, logit_rows=_NO_ROWS))
             else:
-                fwd = self.runner.forward(self.cache, tree.tokens, tree.depths, ancestor_mask(tree.parents),
-                                          capture=capture)
+                call = VerifyForward(Segment(cache, tree.tokens, tree.depths, ancestor_mask(tree.parents),
+                                             logit_rows=_NO_ROWS))
+            fwd = yield call
             t_accept = time.perf_counter()
-            accepted, next_token = self._verify(tree, self._target_probs(fwd.logits, params, tree), params,
-                                                generator)
+            rows = TargetRows(fwd.hidden, tree.parents, self.runner.logits,
+                              lambda logits, tree=tree: self._target_probs(logits, params, tree))
+            accepted, next_token = self._verify(tree, rows, params, generator)
             path = [0, *accepted]
-            self.cache.commit(path)
+            cache.commit(path)
             t_done = time.perf_counter()
             drafted_depth = tree.max_depth
             acc.record(len(accepted), drafted_depth=drafted_depth, verified_nodes=tree.size - 1)
@@ -370,7 +440,8 @@ class Engine:
             if drafted_depth > 0:  # the controller models the drafter's own depths (not a graft beyond them)
                 ctrl.observe(min(drafted_depth, depth), min(len(accepted), depth))
                 self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose)
-            self.cost.observe_cycle(tree.size, t_done - t_verify)
+            if not call.shared:  # a forward shared with other requests says little about this tree's cost
+                self.cost.observe_cycle(tree.size, t_done - t_verify)
             if not out:
                 stats.first_token_seconds = t_done - t0
             committed = [int(t) for t in tree.tokens[accepted].tolist()] + [int(next_token)]
@@ -420,34 +491,37 @@ class Engine:
         pending.clear()
 
     def _target_probs(self, logits: torch.Tensor, params: SamplingParams, tree: DraftTree) -> torch.Tensor:
-        """The filtered target law at every node: [N, V] (the one sampling operator, as plain decoding uses)."""
+        """The filtered target law at some of the tree's nodes: logits [R, V] -> [R, V] (the one sampling
+        operator, as plain decoding uses)."""
         return logits_to_probs(logits, params)
 
-    def _verify(self, tree: DraftTree, target_probs: torch.Tensor, params: SamplingParams,
+    def _verify(self, tree: DraftTree, target_row: Callable[[int], torch.Tensor], params: SamplingParams,
                 generator: torch.Generator) -> tuple[list[int], int]:
-        """(accepted node indices, next token): `verify_tree` in the tree's mode ("greedy" at temperature 0)."""
-        return verify_tree(tree.tokens, tree.parents, target_probs, tree.draft_probs,
-                           mode="greedy" if params.greedy else tree.mode, generator=generator)
+        """(accepted node indices, next token): `verify_tree_lazy` in the tree's mode ("greedy" at temperature
+        0), reading the target law of node i as target_row(i)."""
+        return verify_tree_lazy(tree.tokens, tree.parents, target_row, tree.draft_probs,
+                                vocab_size=self.runner.vocab_size, mode="greedy" if params.greedy else tree.mode,
+                                generator=generator)
 
-    def _prefill(self, prompt_ids: list[int]) -> tuple[dict[str, torch.Tensor], int]:
-        """Put the prompt minus its last token into the cache; return its features and the reused length."""
+    def _prefill(self, prompt_ids: list[int], slot: Slot) -> tuple[dict[str, torch.Tensor], int]:
+        """Put the prompt minus its last token into the slot's cache; return its features and the reused length."""
         body = prompt_ids[:-1]
-        reuse = _common_prefix(self._prefix_ids, body) if self.prefix_caching else 0
-        self.cache.reset(reuse)
+        reuse = _common_prefix(slot.prefix_ids, body) if self.prefix_caching else 0
+        slot.cache.reset(reuse)
         new = body[reuse:]
-        features = {k: v[:reuse] for k, v in self._prefix_features.items()} if reuse else {}
+        features = {k: v[:reuse] for k, v in slot.prefix_features.items()} if reuse else {}
         if new:
-            fwd = self.runner.forward(self.cache, torch.tensor(new, dtype=torch.long),
-                                      logit_rows=torch.empty(0, dtype=torch.long), capture=self.speculative)
-            self.cache.commit(list(range(len(new))))
+            fwd = self.runner.forward(slot.cache, torch.tensor(new, dtype=torch.long), logit_rows=_NO_ROWS,
+                                      capture=self.speculative)
+            slot.cache.commit(list(range(len(new))))
             features = {k: torch.cat([features[k], v]) if k in features else v for k, v in fwd.features.items()}
-        self._prefix_ids, self._prefix_features = list(body), features
+        slot.prefix_ids, slot.prefix_features = list(body), features
         return features, reuse
 
-    def _calibrate(self, token: int) -> None:
+    def _calibrate(self, token: int, cache: StaticKVCache) -> None:
         """Measure cycles of 1, 2, 4, 8, ... and budget + 1 nodes (best of 3 after a warm-up) in the scratch slots
         past the committed ones, so the first request's depth choices already rest on this machine's costs."""
-        top = min(self.tree.budget + 1, self.cache.free)
+        top = min(self.tree.budget + 1, cache.free)
         sizes = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s < top} | {top})
         if top < 2:
             return
@@ -457,7 +531,7 @@ class Engine:
             for size in sizes:
                 ids = torch.full((size,), int(token), dtype=torch.long)
                 t = time.perf_counter()
-                fwd = self.runner.forward(self.cache, ids, capture=self.speculative)
+                fwd = self.runner.forward(cache, ids, capture=self.speculative)
                 probs = logits_to_probs(fwd.logits, params)
                 verify_tree(ids, torch.arange(-1, size - 1), probs, mode="greedy", generator=None)
                 if rep > 0:  # rep 0 warms up

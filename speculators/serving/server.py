@@ -2,14 +2,16 @@
 streaming), `/v1/models`, `/health` and Prometheus `/metrics`.
 
 `create_app(engine, limits, api_key=None)` returns a FastAPI app (testable in-process with httpx);
-`run_server(app, host, port)` serves it with uvicorn (127.0.0.1 by default). The engine is batch 1: requests run
-one at a time in a worker thread behind a lock, so the event loop keeps answering health checks, metrics and
-rejections meanwhile. More than `max_concurrent_requests` requests in flight (running + waiting) get 429. Bad
+`run_server(app, host, port)` serves it with uvicorn (127.0.0.1 by default). Requests run in a
+`batching.BatchWorker` thread: up to `max_batch_size` of them share each target forward (continuous batching: a
+request joins at the next step and leaves when done), so the event loop keeps answering health checks, metrics and
+rejections meanwhile. More than `max_concurrent_requests` requests in flight (running + waiting) get 429; a client
+that disconnects stops its request. Bad
 requests get a 4xx JSON error `{"error": {"message", "type", "param", "code"}}` with one clear line and never
 disturb the server; an unexpected failure inside generation is a 500 for that request only.
 
 With an API key, `/v1/*` needs `Authorization: Bearer <key>` (401 otherwise); `/health` and `/metrics` stay
-open, as in vLLM. Not here: batching, n > 1, logprobs, tools / function calling, penalties.
+open, as in vLLM. Not here: n > 1, logprobs, tools / function calling, penalties.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 from pydantic import BaseModel, ConfigDict, Field
 
 from speculators.errors import SpeculatorsError
+from speculators.serving.batching import BatchWorker
 from speculators.serving.engine import Engine, GenerateOutput, StreamChunk
 from speculators.serving.sampling import SamplingParams
 
@@ -37,6 +40,7 @@ class ServerLimits:
     max_prompt_tokens: int = 2048
     max_new_tokens: int = 512
     max_concurrent_requests: int = 4
+    max_batch_size: int = 4  # running requests that share one target forward (the rest wait)
 
 
 class _Message(BaseModel):
@@ -139,9 +143,10 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, api_key: str 
     name = model_name or engine.target.cfg.name_or_path.rstrip("/").split("/")[-1]
     accepted_names = {name, engine.target.cfg.name_or_path}
     metrics = _Metrics()
-    lock = threading.Lock()
+    worker = BatchWorker(engine, limits.max_batch_size)
     state = {"in_flight": 0}
     app = FastAPI(title="speculators runtime", docs_url=None, redoc_url=None)
+    app.state.batch_worker = worker  # `worker.close()` stops it (tests; the thread is a daemon otherwise)
 
     def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
               endpoint: str = "other") -> JSONResponse:
@@ -211,32 +216,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, api_key: str 
         state["in_flight"] -= 1
         metrics.in_flight.set(state["in_flight"])
 
-    def run_blocking(ids: list[int], params: SamplingParams) -> GenerateOutput:
-        with lock:
-            return engine.generate(ids, params)
-
-    async def respond(kind: str, endpoint: str, ids: list[int], params: SamplingParams, stream: bool,
-                      include_usage: bool) -> Any:
-        admit()
-        t0 = time.perf_counter()
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        if not stream:
-            try:
-                out = await asyncio.to_thread(run_blocking, ids, params)
-            except Exception as exc:  # noqa: BLE001 - one failed request must not take the server down
-                raise _HTTPError(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server_error") \
-                    from None
-            finally:
-                release()
-            metrics.observe(out, engine, time.perf_counter() - t0)
-            metrics.requests.labels(endpoint=endpoint, status="200").inc()
-            return JSONResponse(_final_body(kind, rid, created, name, out))
-        return StreamingResponse(_sse(kind, endpoint, rid, created, ids, params, include_usage, t0),
-                                 media_type="text/event-stream")
-
-    async def _sse(kind: str, endpoint: str, rid: str, created: int, ids: list[int], params: SamplingParams,
-                   include_usage: bool, t0: float) -> AsyncIterator[str]:
+    def submit(ids: list[int], params: SamplingParams, text_deltas: bool) -> tuple[asyncio.Queue, threading.Event]:
+        """Hand a request to the batch worker; its chunks, then None (done) or an exception, arrive on the queue."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -247,20 +228,38 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, api_key: str 
             except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
                 cancel.set()
 
-        def worker() -> None:
-            try:
-                with lock:
-                    for chunk in engine.stream(ids, params):
-                        put(chunk)
-                        if cancel.is_set():  # the client went away: stop generating
-                            break
-            except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
-                put(exc)
-            finally:
-                put(None)
+        worker.submit(ids, params, put, cancel, text_deltas=text_deltas)
+        return queue, cancel
 
-        thread = threading.Thread(target=worker, daemon=True)
-        thread.start()
+    async def respond(kind: str, endpoint: str, ids: list[int], params: SamplingParams, stream: bool,
+                      include_usage: bool) -> Any:
+        admit()
+        t0 = time.perf_counter()
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if not stream:
+            queue, cancel = submit(ids, params, text_deltas=False)
+            out: GenerateOutput | None = None
+            try:
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):  # one failed request must not take the server down
+                        raise _HTTPError(500, f"generation failed: {type(item).__name__}: {item}",
+                                         kind="server_error")
+                    out = item.output or out
+            finally:
+                cancel.set()  # a client that went away stops its request
+                release()
+            if out is None:
+                raise _HTTPError(500, "generation ended without an output", kind="server_error")
+            metrics.observe(out, engine, time.perf_counter() - t0)
+            metrics.requests.labels(endpoint=endpoint, status="200").inc()
+            return JSONResponse(_final_body(kind, rid, created, name, out))
+        return StreamingResponse(_sse(kind, endpoint, rid, created, ids, params, include_usage, t0),
+                                 media_type="text/event-stream")
+
+    async def _sse(kind: str, endpoint: str, rid: str, created: int, ids: list[int], params: SamplingParams,
+                   include_usage: bool, t0: float) -> AsyncIterator[str]:
+        queue, cancel = submit(ids, params, text_deltas=True)
         status = "200"
         try:
             if kind == "chat":
@@ -269,7 +268,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, api_key: str 
                 item = await queue.get()
                 if item is None:
                     break
-                if isinstance(item, Exception):
+                if isinstance(item, BaseException):
                     status = "500"
                     yield _sse_line(_error_body(f"generation failed: {type(item).__name__}: {item}",
                                                 "server_error", None, 500))
@@ -294,7 +293,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, api_key: str 
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": name, "drafter": engine.info.name, "in_flight": state["in_flight"]}
+        return {"status": "ok", "model": name, "drafter": engine.info.name, "in_flight": state["in_flight"],
+                "running": len(worker.runner.running), "max_batch_size": limits.max_batch_size}
 
     @app.get("/metrics")
     async def prometheus() -> Any:

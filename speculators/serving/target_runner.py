@@ -15,16 +15,19 @@ gate/up each run as ONE matrix product over concatenated weights (the modules' p
 no extra memory, HF `generate` unaffected) and RoPE is applied to all query and key heads in one pass — the same
 math, fewer operations (decoding is overhead- and memory-bound). Adapter-wrapped or MoE layers use the modules.
 
-Same code on CPU (fp32) and CUDA (bf16). Not here: sampling, verification, KV commits (kv_cache.py), batching,
-CUDA graphs, families with other layer structures (Gemma-style norms, MLA, soft-capping): those fail with one
-line naming the model type.
+`forward_batch` runs several sequences (each with its own cache, tree and mask) in one pass: their rows are stacked
+for every matrix product and attention runs per sequence.
+
+Same code on CPU (fp32) and CUDA (bf16). Not here: sampling, verification, KV commits (kv_cache.py), scheduling
+several requests (batching.py), CUDA graphs, families with other layer structures (Gemma-style norms, MLA,
+soft-capping): those fail with one line naming the model type.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -96,6 +99,31 @@ class _FusedLayer:
 class ForwardOutput:
     logits: torch.Tensor  # [R, V] for the requested rows (all rows unless `logit_rows` was given)
     features: dict[str, torch.Tensor]  # "taps" [T, n_taps*H], "last_hidden" [T, H] as requested
+    hidden: torch.Tensor  # [T, H] the final-norm output of every row: `TargetRunner.logits` of any of its rows
+
+
+@dataclass
+class Segment:
+    """One sequence's new tokens for `TargetRunner.forward_batch` (see `TargetRunner.forward` for the fields)."""
+
+    cache: StaticKVCache
+    input_ids: torch.Tensor  # [T]
+    depths: torch.Tensor | None = None  # [T]; None = a chain
+    tree_mask: torch.Tensor | None = None  # [T, T] bool; None = causal chain
+    logit_rows: torch.Tensor | None = None  # [R]; None = every row, empty = none
+
+
+@dataclass
+class _Plan:
+    cache: StaticKVCache
+    input_ids: torch.Tensor  # [T_s]
+    positions: torch.Tensor  # [T_s]
+    start: int  # first cache slot
+    rows: slice  # this segment's rows in the stacked block
+    mask: torch.Tensor | None  # [1, 1, T_s, S] bool
+    causal: bool
+    logit_rows: torch.Tensor | None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _default_apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -236,67 +264,97 @@ class TargetRunner:
     def new_cache(self, max_len: int) -> StaticKVCache:
         return StaticKVCache(self.num_layers, self.num_kv_heads, self.head_dim, max_len, self.device, self.dtype)
 
-    @torch.no_grad()
     def forward(self, cache: StaticKVCache, input_ids: torch.Tensor, depths: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None,
                 capture: bool = True) -> ForwardOutput:
         """Run T new tokens placed at cache slots [cache.length, cache.length + T).
 
         input_ids [T]; depths [T] (None = a chain: 0..T-1); tree_mask [T, T] bool (None = causal chain):
-        mask[i, j] = token j is token i or one of its ancestors. logit_rows [R] (None = every row).
+        mask[i, j] = token j is token i or one of its ancestors. logit_rows [R] (None = every row; an empty tensor
+        skips the output head: `logits(out.hidden[rows])` computes any rows later).
         Does NOT advance cache.length: the caller commits what it keeps.
         """
-        start = cache.length
-        n = int(input_ids.shape[0])
-        dev = self.device
-        input_ids = input_ids.to(dev)
-        chain = depths is None
-        depths = torch.arange(n, device=dev) if chain else depths.to(dev)  # [T]
-        positions = start + depths  # [T]
-        if not chain:
-            mask = self._mask(start, positions, tree_mask.to(dev))  # [1, 1, T, S] bool
-        elif n > 1 and start > 0:
-            mask = self._mask(start, positions, None)
-        else:
-            mask = None  # one query token sees everything, or a causal prompt from slot 0
-        causal = chain and start == 0 and n > 1
-        window_masks: dict[int, torch.Tensor] = {}
-        want_taps = capture and bool(self.tap_layers)
+        return self.forward_batch([Segment(cache, input_ids, depths, tree_mask, logit_rows)], capture)[0]
 
-        h = self.embed(input_ids[None])  # [1, T, H]
+    @torch.no_grad()
+    def forward_batch(self, segments: list[Segment], capture: bool = True) -> list[ForwardOutput]:
+        """`forward` for several sequences (each with its own cache) in ONE pass: their tokens are stacked into
+        one row block for every matrix product (embeddings, q/k/v, o, MLP), attention runs per sequence against
+        its own cache and mask. On hardware where a decoding step is bound by reading the weights, B sequences
+        cost little more than one. Rows never mix: each sequence's outputs are those of its own `forward`."""
+        dev = self.device
+        plans: list[_Plan] = []
+        for seg in segments:
+            plans.append(self._plan(seg, plans[-1].rows.stop if plans else 0))
+        want_taps = capture and bool(self.tap_layers)
+        ids = torch.cat([p.input_ids for p in plans]) if len(plans) > 1 else plans[0].input_ids  # [T]
+        positions = torch.cat([p.positions for p in plans]) if len(plans) > 1 else plans[0].positions  # [T]
+        total = int(ids.shape[0])
+        h = self.embed(ids[None])  # [1, T, H]
         cos, sin = self.rotary(h, positions[None])  # [1, T, D] each
         taps: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if want_taps and i in self.tap_layers:
                 taps.append(h[0])
-            attn = layer.self_attn
             q, k, v = self._attention_inputs(i, layer, h, cos, sin)  # [1, Hq | Hkv, T, D], RoPE applied
-            cache.write(i, k[0], v[0], start)
-            keys, values = cache.keys_values(i, start + n)  # [Hkv, S, D]
-            layer_mask, layer_causal = mask, causal
-            if self.windows[i] is not None and start + n > self.windows[i]:
-                win = self.windows[i]
-                if win not in window_masks:
-                    window_masks[win] = self._window_mask(start, positions, mask, win)
-                layer_mask, layer_causal = window_masks[win], False
-            out = F.scaled_dot_product_attention(
-                q, keys[None], values[None], attn_mask=layer_mask, is_causal=layer_causal, scale=self.scaling,
-                enable_gqa=self.num_kv_heads != self.num_heads)  # [1, Hq, T, D]
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            outs = [self._attend(i, p, q[:, :, p.rows], k[0, :, p.rows], v[0, :, p.rows]) for p in plans]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, T, D]
+            h = h + layer.self_attn.o_proj(out.transpose(1, 2).reshape(1, total, -1))
             h = h + self._mlp(i, layer, h)  # [1, T, H]
         last = self.norm(h)[0]  # [T, H]
-        rows = last if logit_rows is None else last[logit_rows.to(dev)]
-        logits = self._lm_head(rows)  # [R, V]
-        features: dict[str, torch.Tensor] = {}
-        if capture and self.tap_layers:
-            features["taps"] = torch.cat(taps, dim=-1)  # [T, n_taps*H]
-        if capture and self.want_last_hidden:
-            features["last_hidden"] = last
-        return ForwardOutput(logits=logits, features=features)
+        results = []
+        for p in plans:
+            rows = last[p.rows]  # [T_s, H]
+            logits = self.logits(rows if p.logit_rows is None else rows[p.logit_rows.to(dev)])  # [R, V]
+            features: dict[str, torch.Tensor] = {}
+            if want_taps:
+                features["taps"] = torch.cat([t[p.rows] for t in taps], dim=-1)  # [T_s, n_taps*H]
+            if capture and self.want_last_hidden:
+                features["last_hidden"] = rows
+            results.append(ForwardOutput(logits=logits, features=features, hidden=rows))
+        return results
 
-    def _lm_head(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [R, H] -> logits [R, V]. On CPU a few rows times a wide vocabulary run ~1.5x faster as
-        W @ rows^T (a tall-skinny product) than as rows @ W^T; same dot products."""
+    def _plan(self, seg: Segment, offset: int) -> _Plan:
+        """Where a segment's rows go (from `offset` in the stacked block), its positions and its attention mask
+        (None when plain causal or full)."""
+        start = seg.cache.length
+        n = int(seg.input_ids.shape[0])
+        dev = self.device
+        chain = seg.depths is None
+        depths = torch.arange(n, device=dev) if chain else seg.depths.to(dev)  # [T_s]
+        positions = start + depths  # [T_s]
+        if not chain:
+            mask = self._mask(start, positions, seg.tree_mask.to(dev))  # [1, 1, T_s, S] bool
+        elif n > 1 and start > 0:
+            mask = self._mask(start, positions, None)
+        else:
+            mask = None  # one query token sees everything, or a causal prompt from slot 0
+        return _Plan(cache=seg.cache, input_ids=seg.input_ids.to(dev), positions=positions, start=start,
+                     rows=slice(offset, offset + n), mask=mask, causal=chain and start == 0 and n > 1,
+                     logit_rows=seg.logit_rows)
+
+    def _attend(self, i: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One segment's attention in layer i: q [1, Hq, T_s, D]; k, v [Hkv, T_s, D] are written to its cache
+        first. -> [1, Hq, T_s, D]"""
+        n = q.shape[2]
+        plan.cache.write(i, k, v, plan.start)
+        keys, values = plan.cache.keys_values(i, plan.start + n)  # [Hkv, S, D]
+        mask, causal = plan.mask, plan.causal
+        win = self.windows[i]
+        if win is not None and plan.start + n > win:
+            if win not in plan.window_masks:
+                plan.window_masks[win] = self._window_mask(plan.start, plan.positions, plan.mask, win)
+            mask, causal = plan.window_masks[win], False
+        return F.scaled_dot_product_attention(
+            q, keys[None], values[None], attn_mask=mask, is_causal=causal, scale=self.scaling,
+            enable_gqa=self.num_kv_heads != self.num_heads)  # [1, Hq, T_s, D]
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden rows [R, H] (from `ForwardOutput.hidden`) -> logits [R, V]. On CPU a few rows times
+        a wide vocabulary run ~1.5x faster as W @ rows^T (a tall-skinny product) than as rows @ W^T; same dot
+        products."""
+        if rows.shape[0] == 0:
+            return rows.new_empty(0, self.vocab_size)
         head = self.lm_head
         if (self.device.type == "cpu" and 2 <= rows.shape[0] <= 16 and type(head) is torch.nn.Linear
                 and head.bias is None):

@@ -22,9 +22,10 @@ Randomness injection: the decision logic (`walk_tree`) never touches a generator
 through a `RowOps` (arithmetic on rows: probability of a token, argmax, residuals) and makes every random
 decision through a `RandomSource` (`accept(prob)`: one fresh Bernoulli coin; `draw(row)`: one categorical
 draw). `verify_tree` plugs in `TorchRowOps` (float64 tensors) and `TorchRandomness` (float64 uniforms from
-the caller's torch.Generator). The tests plug in exact rational arithmetic and a source that enumerates
-every outcome of every coin and draw with its exact probability, so the very same decision code is proved
-lossless by enumeration (tests/unit/serving/test_verify_exact.py).
+the caller's torch.Generator); `verify_tree_lazy` does the same with target rows made on demand (the engine
+then runs the target's output head only for the nodes the walk visits). The tests plug in exact rational
+arithmetic and a source that enumerates every outcome of every coin and draw with its exact probability, so the
+very same decision code is proved lossless by enumeration (tests/unit/serving/test_verify_exact.py).
 
 Not here: computing or filtering probabilities (`sampling.logits_to_probs` makes the target rows), drafting
 or building trees, KV-cache commits, EOS/stop handling, batching several requests, acceptance statistics.
@@ -52,6 +53,7 @@ __all__ = [
     "remove_token",
     "residual",
     "verify_tree",
+    "verify_tree_lazy",
     "walk_tree",
 ]
 
@@ -283,26 +285,51 @@ def verify_tree(
     rows of nodes with children are read. generator may be None only in greedy mode.
     Raises ValueError on malformed input.
     """
-    tree = _check_inputs(tokens, parents, target_probs, draft_probs, mode, generator)
+    tree = _check_tree(tokens, parents, mode, generator)
+    vocab = _check_rows("target_probs", target_probs, len(tree.tokens), None, None)
+    return _walk(tree, parents, target_probs.__getitem__, vocab, draft_probs, mode, generator)  # row i: [V]
+
+
+def verify_tree_lazy(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_row: Callable[[int], torch.Tensor],
+    draft_probs: torch.Tensor | None = None,
+    *,
+    vocab_size: int,
+    mode: str,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """`verify_tree` with the target rows made on demand: target_row(i) -> the filtered target law [V] after the
+    path to node i. The walk asks only for the nodes it visits — the accepted path and the node the next token
+    comes from, root first, each once — so a caller can skip the output head of every other node. The same
+    decisions and random draws as `verify_tree` on the same rows; the rows themselves are not checked (they
+    must come from `sampling.logits_to_probs`), the tree and draft_probs are."""
+    tree = _check_tree(tokens, parents, mode, generator)
+    return _walk(tree, parents, target_row, vocab_size, draft_probs, mode, generator)
+
+
+def _walk(tree: Tree, parents: torch.Tensor, target_row: Callable[[int], torch.Tensor], vocab: int,
+          draft_probs: torch.Tensor | None, mode: str, generator: torch.Generator | None) -> tuple[list[int], int]:
+    bad = [i for i, t in enumerate(tree.tokens) if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(
+            f"verify_tree: tokens[{bad[0]}] = {tree.tokens[bad[0]]} is outside the vocabulary [0, {vocab})"
+        )
     sampled = mode in _SAMPLED_MODES
+    if sampled:
+        _check_draft(tree, parents, draft_probs, mode, vocab)
     return walk_tree(
         tree,
         mode=mode,
-        target_row=target_probs.__getitem__,  # row i: [V]
+        target_row=target_row,
         draft_row=draft_probs.__getitem__ if sampled and draft_probs is not None else None,
         ops=_TORCH_OPS,
         rng=TorchRandomness(generator) if generator is not None else _NoRandomness(),
     )
 
 
-def _check_inputs(
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    mode: str,
-    generator: torch.Generator | None,
-) -> Tree:
+def _check_tree(tokens: torch.Tensor, parents: torch.Tensor, mode: str, generator: torch.Generator | None) -> Tree:
     if mode not in MODES:
         raise ValueError(f"verify_tree: mode must be one of {MODES}, got {mode!r}")
     if mode != "greedy" and not isinstance(generator, torch.Generator):
@@ -310,17 +337,7 @@ def _check_inputs(
     for name, t in (("tokens", tokens), ("parents", parents)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
             raise ValueError(f"verify_tree: {name} must be a 1-D integer tensor [N], got {_describe(t)}")
-    tree = Tree.from_parents(tokens.tolist(), parents.tolist())
-    n = len(tree.tokens)
-    vocab = _check_rows("target_probs", target_probs, n, None, None)
-    bad = [i for i, t in enumerate(tree.tokens) if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(
-            f"verify_tree: tokens[{bad[0]}] = {tree.tokens[bad[0]]} is outside the vocabulary [0, {vocab})"
-        )
-    if mode in _SAMPLED_MODES:
-        _check_draft(tree, parents, draft_probs, mode, vocab)
-    return tree
+    return Tree.from_parents(tokens.tolist(), parents.tolist())
 
 
 def _check_draft(tree: Tree, parents: torch.Tensor, draft_probs: torch.Tensor | None, mode: str, vocab: int) -> None:

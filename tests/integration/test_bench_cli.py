@@ -1,6 +1,6 @@
 """`speculators bench` on the house target prints its table and writes JSON + Markdown, with every cohort of
-methods (plain, n-gram, a speculator, HF generate, HF assisted) at T=0 and T=1; at T=0 every runtime method
-reproduces plain decoding token for token."""
+methods (plain, n-gram, a speculator, HF generate, HF assisted, and each runtime method batched) at T=0 and T=1;
+at T=0 every runtime method, batched or not, reproduces plain decoding token for token."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.integration.cli_helpers import cli
+from tests.integration.cli_helpers import cli, error_line
 from tests.unit.serving.runtime_helpers import make_speculator_dir
 
 pytestmark = pytest.mark.integration
@@ -18,21 +18,31 @@ def test_bench_table_and_report(house_target, tmp_path) -> None:
     spec = make_speculator_dir(house_target, "eagle3", tmp_path / "eagle3")
     out = tmp_path / "bench"
     proc = cli("bench", "--target", str(house_target), "--speculator", str(spec), "--workloads",
-               "data/workloads/code-completion.jsonl", "--rows-per-cohort", "1", "--temperatures", "0,1", "--device", "cpu",
-               "--out", str(out))
+               "data/workloads/code-completion.jsonl", "--rows-per-cohort", "2", "--temperatures", "0,1", "--device", "cpu",
+               "--batch", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| cohort | method | tok/s | × plain | × HF generate | tau |" in proc.stdout
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.md").read_text().startswith("# speculators bench")
-    methods = {"plain", "ngram", "eagle3:eagle3", "eagle3+ngram:eagle3", "hf", "hf-assisted"}  # + the graft row
+    runtime = ("plain", "ngram", "eagle3:eagle3", "eagle3+ngram:eagle3")  # + the graft row
+    batched = tuple(f"{m}@batch2" for m in runtime)
+    methods = {*runtime, *batched, "hf", "hf-assisted"}
     for temperature in ("0.0", "1.0"):
         cohorts = report["results"][temperature]
         assert set(cohorts) == {"code-completion", "all"}
         assert set(cohorts["all"]) == methods
+        assert not set(cohorts["code-completion"]) & set(batched)  # batched rows: the whole set only
         for name, entry in cohorts["all"].items():
             assert entry["tokens"] > 0 and entry["tokens_per_second"] > 0 and entry["vs_plain"] > 0
-            if name in ("plain", "ngram", "eagle3:eagle3", "eagle3+ngram:eagle3"):
+            if name in runtime + batched:
                 assert entry["tau"] >= 1.0
     greedy = report["results"]["0.0"]["all"]
-    assert all(greedy[m]["mismatched_rows"] == 0
-               for m in ("ngram", "eagle3:eagle3", "eagle3+ngram:eagle3", "hf", "hf-assisted"))
+    assert all(greedy[m]["mismatched_rows"] == 0 for m in (*runtime[1:], *batched, "hf", "hf-assisted"))
+    assert "plain@batch2" in proc.stdout
+
+
+def test_bench_bad_inputs_fail_with_one_line(house_target) -> None:
+    base = ["bench", "--target", str(house_target), "--device", "cpu"]
+    assert "--rows-per-cohort must be >= 1" in error_line(cli(*base, "--rows-per-cohort", "0"))
+    assert "--batch must be >= 0" in error_line(cli(*base, "--batch", "-1"))
+    assert "--temperatures must be non-negative" in error_line(cli(*base, "--temperatures", "-1"))

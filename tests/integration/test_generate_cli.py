@@ -45,6 +45,12 @@ def test_chat_and_workload(house_target, tmp_path) -> None:
     assert [line["id"] for line in lines[:2]] == [r["id"] for r in rows]
     assert set(lines[2]["summary"]) == {"code-completion", "short-output"}
     assert lines[1]["stats"]["generated_tokens"] <= rows[1]["max_new_tokens"]
+    batched = cli("generate", "--target", str(house_target), "--speculator", "ngram", "--workload", str(workload),
+                  "--device", "cpu", "--json", "--batch", "2")
+    assert batched.returncode == 0, batched.stderr[-2000:]
+    assert "batch of up to 2: 2 requests" in batched.stderr
+    together = [json.loads(line) for line in batched.stdout.strip().splitlines()]
+    assert [t["token_ids"] for t in together[:2]] == [line["token_ids"] for line in lines[:2]]
 
 
 def test_bad_inputs_fail_with_one_line(house_target, tmp_path) -> None:
@@ -52,6 +58,7 @@ def test_bad_inputs_fail_with_one_line(house_target, tmp_path) -> None:
     assert "max_new_tokens must be >= 1" in error_line(cli(*base, "--prompt", "x", "--max-new-tokens", "0"))
     assert "top_p must be in (0, 1]" in error_line(cli(*base, "--prompt", "x", "--top-p", "1.5"))
     assert "exactly one of" in error_line(cli(*base))
+    assert "--batch must be >= 1" in error_line(cli(*base, "--prompt", "x", "--batch", "0"))
     assert "the prompt has" in error_line(cli(*base, "--prompt", "word " * 1500))
     # a speculator trained for another revision of the target (same shapes and tokenizer, other content)
     other = tmp_path / "other-target"

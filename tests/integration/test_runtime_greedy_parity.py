@@ -4,7 +4,8 @@ on held-out workload rows, for every drafter and tree shape.
 Budget (CI on 2 CPU cores): the n-gram drafter (adaptive chain, the default) runs EVERY held-out row
 (data/workloads/*.jsonl, 288 rows) with max_new_tokens cut to 16; every other drafter x tree shape (none; n-gram
 dynamic / static; random-init EAGLE-3 / Medusa / MTP x chain / dynamic / static) runs the first 2 rows of each
-cohort with up to 32 new tokens. Random speculators are fine: parity must hold for any draft.
+cohort with up to 32 new tokens; the same subset once more with 4 requests sharing each target forward (batching.py,
+random EAGLE-3 dynamic trees + prompt-lookup graft). Random speculators are fine: parity must hold for any draft.
 fp32 numerics may flip an exact near-tie: at a divergence the baseline's top-2 logit margin there must be
 < 1e-4 (such rows are counted and reported; expected zero).
 """
@@ -103,3 +104,16 @@ def test_every_drafter_and_tree_on_a_cohort_subset(house_target, rows, spec_dirs
     speculator = spec_dirs.get(drafter, drafter)
     engine = Engine.from_pretrained(loaded_target(str(house_target)), speculator, tree=TREES[tree])
     _run(house_target, engine, [r for r in rows if r["subset"]], None, record_property)
+
+
+def test_batched_requests_on_a_cohort_subset(house_target, rows, spec_dirs, record_property) -> None:
+    engine = Engine.from_pretrained(loaded_target(str(house_target)), spec_dirs["eagle3"], tree=TREES["dynamic"],
+                                    ngram_graft=3)
+    subset = [r for r in rows if r["subset"]]
+    outs = engine.generate_batch([r["ids"] for r in subset],
+                                 [SamplingParams(max_new_tokens=r["max_new"]) for r in subset], max_batch=4)
+    verdicts = [_compare(house_target, r, o.token_ids, r["max_new"]) for r, o in zip(subset, outs, strict=True)]
+    failures = [v for v in verdicts if v not in ("equal", "near-tie")]
+    record_property("batched", f"{len(subset)} rows, {verdicts.count('near-tie')} near-ties, {len(failures)} failures")
+    assert not failures, failures[:3]
+    assert engine.totals.accepted_tokens > 0

@@ -4,9 +4,10 @@ temperature / top-k / top-p operator), by Pearson chi-square with family-wise al
 
 Covered: n-gram drafts (deterministic trees), a random EAGLE-3 sampled chain ("iid" with the draft's
 probabilities, i.e. min(1, p/q) and residual sampling), a random Medusa top-k tree and a random EAGLE-3 top-k tree
-with a prompt-lookup graft; each under temperature, top-k and top-p. Negative controls run through the SAME test and must be rejected: an engine that accepts every
-drafted token the target can produce (lossy "typical"-style acceptance) and one that verifies against the
-unfiltered target rows.
+with a prompt-lookup graft; each under temperature, top-k and top-p; the Medusa case once more with 8 requests
+sharing each target forward (batching.py). Negative controls run through the SAME test and must be rejected: an
+engine that accepts every drafted token the target can produce (lossy "typical"-style acceptance) and one that
+verifies against the unfiltered target rows.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ CASES = [  # (drafter, tree, sampling)
     ("eagle3+ngram", TreeConfig(kind="dynamic", depth=2, topk=2, budget=3, adaptive=False),
      dict(temperature=1.0, top_k=0, top_p=0.95)),
 ]
-NUM_TESTS = len(CASES) + 2  # Bonferroni over every chi-square this module runs (controls included)
+NUM_TESTS = len(CASES) + 3  # Bonferroni over every chi-square this module runs (controls, batched case included)
+BATCHED_CASE = 3  # also run with 8 requests sharing each target forward (batching.py)
 
 
 def _prompt(house_target) -> list[int]:
@@ -61,14 +63,19 @@ def _exact_pairs(house_target, prompt: list[int], params: SamplingParams, min_ma
     return {"pairs": pairs, "support_1": support_1}
 
 
-def _chi_square(engine: Engine, house_target, prompt: list[int], sampling: dict, seed: int) -> float:
+def _chi_square(engine: Engine, house_target, prompt: list[int], sampling: dict, seed: int,
+                max_batch: int = 0) -> float:
+    """p-value of the first two tokens of SAMPLES seeded requests (one at a time, or `max_batch` sharing each
+    target forward) against the exact target law."""
     from scipy.stats import chi2
 
     params = SamplingParams(max_new_tokens=3, **sampling)
     exact = _exact_pairs(house_target, prompt, params, min_mass=5.0 / SAMPLES, eos=engine.eos_ids)
     counts: dict = {}
-    for i in range(SAMPLES):
-        out = engine.generate(prompt, SamplingParams(max_new_tokens=3, seed=seed + i, **sampling))
+    requests = [SamplingParams(max_new_tokens=3, seed=seed + i, **sampling) for i in range(SAMPLES)]
+    outs = (engine.generate_batch([prompt] * SAMPLES, requests, max_batch=max_batch) if max_batch
+            else (engine.generate(prompt, r) for r in requests))
+    for out in outs:
         key = tuple(out.token_ids[:2])
         assert key[0] in exact["support_1"], f"token {key[0]} has probability 0 under the filtered target"
         counts[key] = counts.get(key, 0) + 1
@@ -103,21 +110,29 @@ def test_first_two_tokens_follow_the_target(house_target, spec_dirs, case: int) 
     assert p_value > FAMILY_ALPHA / NUM_TESTS, f"{drafter} {tree.kind} {sampling}: p = {p_value:.3g}"
 
 
+def test_batched_first_two_tokens_follow_the_target(house_target, spec_dirs) -> None:
+    drafter, tree, sampling = CASES[BATCHED_CASE]
+    engine = Engine.from_pretrained(loaded_target(str(house_target)), spec_dirs[drafter], tree=tree)
+    p_value = _chi_square(engine, house_target, _prompt(house_target), sampling, seed=31337, max_batch=8)
+    assert engine.totals.drafted_tokens > 0
+    assert p_value > FAMILY_ALPHA / NUM_TESTS, f"batched {drafter} {tree.kind} {sampling}: p = {p_value:.3g}"
+
+
 class _AcceptAnyDraft(Engine):
     """BROKEN on purpose: accepts every drafted child the filtered target can produce (lossy)."""
 
-    def _verify(self, tree, target_probs, params, generator):
+    def _verify(self, tree, target_row, params, generator):
         children = {}
         for i, p in enumerate(tree.parents.tolist()[1:], 1):
             children.setdefault(p, []).append(i)
         node, accepted = 0, []
         while children.get(node):
             child = children[node][0]
-            if float(target_probs[node, int(tree.tokens[child])]) <= 0:
+            if float(target_row(node)[int(tree.tokens[child])]) <= 0:
                 break
             accepted.append(child)
             node = child
-        return accepted, sample(target_probs[node], generator)
+        return accepted, sample(target_row(node), generator)
 
 
 class _UnfilteredVerify(Engine):

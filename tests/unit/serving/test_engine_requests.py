@@ -64,13 +64,13 @@ def test_sampled_chain_is_verified_with_draft_probabilities(tiny_llama, tmp_path
     from speculators.serving import engine as engine_module
 
     seen: list[tuple[str, bool]] = []
-    real = engine_module.verify_tree
+    real = engine_module.verify_tree_lazy
 
-    def spy(tokens, parents, target_probs, draft_probs=None, *, mode, generator):
+    def spy(tokens, parents, target_row, draft_probs=None, *, vocab_size, mode, generator):
         seen.append((mode, draft_probs is not None))
-        return real(tokens, parents, target_probs, draft_probs, mode=mode, generator=generator)
+        return real(tokens, parents, target_row, draft_probs, vocab_size=vocab_size, mode=mode, generator=generator)
 
-    monkeypatch.setattr(engine_module, "verify_tree", spy)
+    monkeypatch.setattr(engine_module, "verify_tree_lazy", spy)
     spec = make_speculator_dir(tiny_llama, "eagle3", tmp_path / "eagle3")
     eng = Engine.from_pretrained(loaded_target(str(tiny_llama)), str(spec),
                                  tree=TreeConfig(kind="chain", depth=3, adaptive=False))

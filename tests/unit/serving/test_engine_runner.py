@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest
-from speculators.serving.target_runner import TargetRunner
+from speculators.serving.target_runner import Segment, TargetRunner
 from speculators.serving.trees import ancestor_mask, depths_of
 from tests.unit.serving.runtime_helpers import single_thread  # noqa: F401
 
@@ -54,6 +54,10 @@ def _check_against_hf(model: torch.nn.Module, taps: tuple[int, ...] = (1, 2)) ->
     parents = torch.tensor([-1, 0, 0, 1, 3, 2])
     tree = runner.forward(cache, tokens, depths_of(parents), ancestor_mask(parents))
     torch.testing.assert_close(tree.logits[[0, 1, 3, 4]], logits[10:14], atol=ATOL, rtol=0)
+    # the output head run later on some rows of `hidden` (what TargetRows does) gives the same logits
+    torch.testing.assert_close(runner.logits(tree.hidden[[4, 1]]), tree.logits[[4, 1]], atol=1e-6, rtol=0)
+    torch.testing.assert_close(runner.logits(tree.hidden[[3]]), logits[12:13], atol=ATOL, rtol=0)
+    assert runner.logits(tree.hidden[:0]).shape == (0, VOCAB)
     torch.testing.assert_close(tree.features["taps"][[0, 1, 3, 4]],
                                torch.cat([hidden[t][0, 10:14] for t in taps], -1), atol=ATOL, rtol=0)
     cache.commit([0, 1, 3, 4])
@@ -131,3 +135,43 @@ def test_adapters_and_moe_keep_the_module_path() -> None:
     assert TargetRunner(_model("qwen3_moe"), None).fused is None
     lora = get_peft_model(_model("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     assert TargetRunner(lora, None).fused is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_forward_batch_equals_one_forward_per_sequence(family: str) -> None:
+    """Three sequences in one pass — a prompt from slot 0, a tree after a prefix, one token — give each the
+    logits, features and cache entries of its own forward."""
+    model = _model(family)
+    runner = TargetRunner(model, FeatureRequest(tap_layer_ids=(1, 2), last_hidden=True))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (30,), generator=g)
+    parents = torch.tensor([-1, 0, 0, 1, 3, 2])
+    tree_tokens = torch.randint(0, VOCAB, (6,), generator=g)
+
+    def fresh() -> list:
+        caches = [runner.new_cache(64) for _ in range(3)]
+        runner.forward(caches[1], ids[:9])
+        caches[1].commit(list(range(9)))
+        runner.forward(caches[2], ids[10:22])
+        caches[2].commit(list(range(12)))
+        return caches
+
+    alone_caches, batch_caches = fresh(), fresh()
+    segments = [lambda c: Segment(c[0], ids[:7]),
+                lambda c: Segment(c[1], tree_tokens, depths_of(parents), ancestor_mask(parents)),
+                lambda c: Segment(c[2], ids[22:23], logit_rows=torch.tensor([0]))]
+    alone = [runner.forward_batch([make(alone_caches)])[0] for make in segments]
+    together = runner.forward_batch([make(batch_caches) for make in segments])
+    for a, b in zip(alone, together, strict=True):
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(b.hidden, a.hidden, atol=1e-5, rtol=0)
+        assert b.features.keys() == a.features.keys() == {"taps", "last_hidden"}
+        for key in a.features:
+            torch.testing.assert_close(b.features[key], a.features[key], atol=1e-5, rtol=0)
+    for ca, cb in zip(alone_caches, batch_caches, strict=True):
+        torch.testing.assert_close(cb.kv, ca.kv, atol=1e-5, rtol=0)
+    assert [o.logits.shape[0] for o in together] == [7, 6, 1]
+    # and the batch agrees with Hugging Face for the prompt sequence
+    with torch.no_grad():
+        ref = model(ids[None, :7]).logits[0]
+    torch.testing.assert_close(together[0].logits, ref, atol=ATOL, rtol=0)

@@ -146,17 +146,18 @@ def test_api_key(engine: Engine) -> None:
 def test_concurrency_limit_and_failures_do_not_take_the_server_down(engine: Engine, monkeypatch) -> None:
     app = create_app(engine, ServerLimits(max_concurrent_requests=1))
     release = threading.Event()
-    real = engine.generate
+    real = engine.request
     calls_seen = []
 
-    def slow_then_fail(prompt, params=None, **kw):
+    def slow_then_fail(*args, **kw):  # the request coroutine the batch worker drives
         calls_seen.append(1)
         if len(calls_seen) == 1:
             release.wait(timeout=30)
-            return real(prompt, params, **kw)
+            yield from real(*args, **kw)
+            return
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine, "generate", slow_then_fail)
+    monkeypatch.setattr(engine, "request", slow_then_fail)
 
     async def calls(c):
         first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}))
@@ -195,3 +196,43 @@ def test_metrics_exposition(engine: Engine) -> None:
     tau = float(next(line.split()[-1] for line in text.splitlines()
                      if line.startswith("speculators_acceptance_length ")))
     assert tau >= 1.0
+
+
+def test_concurrent_requests_share_target_forwards(engine: Engine, monkeypatch) -> None:
+    app = create_app(engine, ServerLimits(max_concurrent_requests=4, max_batch_size=4))
+    prompts = ["def f(x):", "a b c a b c a b", "import os\n", "x = 1\ny ="]
+    want = [engine.generate(p, SamplingParams(max_new_tokens=10)).text for p in prompts]
+    release = threading.Event()
+    real = engine.request
+    started = []
+
+    def held_first(*args, **kw):  # the first request waits until all four are in flight
+        started.append(1)
+        if len(started) == 1:
+            release.wait(timeout=30)
+        yield from real(*args, **kw)
+
+    monkeypatch.setattr(engine, "request", held_first)
+
+    async def calls(c):
+        tasks = [asyncio.create_task(c.post("/v1/completions", json={"prompt": p, "max_tokens": 10,
+                                                                     "temperature": 0, "stream": i % 2 == 1}))
+                 for i, p in enumerate(prompts)]
+        for _ in range(500):
+            if (await c.get("/health")).json()["in_flight"] == 4:
+                break
+            await asyncio.sleep(0.01)
+        release.set()
+        return await asyncio.gather(*tasks)
+
+    answers = _run(app, calls)
+    app.state.batch_worker.close()
+    for i, (answer, text) in enumerate(zip(answers, want, strict=True)):
+        assert answer.status_code == 200
+        if i % 2:
+            events = _events(answer.text)
+            got = "".join(e["choices"][0]["text"] for e in events[:-1])
+        else:
+            got = answer.json()["choices"][0]["text"]
+        assert got == text, f"request {i}"
+    assert app.state.batch_worker.runner.largest_batch >= 2

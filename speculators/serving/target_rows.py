@@ -1,0 +1,54 @@
+"""The target's filtered next-token law at the nodes of a draft tree, made on demand for `verify_tree_lazy`.
+
+Verification walks one root->leaf path, so it reads only the rows of the nodes it visits (tau of them on
+average). `TargetRows` runs the target's output head and the sampling filter for those alone: asked for a node it
+has not made yet, it makes that node and the node's first-child chain in ONE product. Drafters order siblings
+best-first (top-k by draft score, Medusa rank 0 first, a chain is all first children), so that chain is the
+drafter's own guess of the path the walk takes, and one product usually covers the whole walk. On the house target
+the head (8192 x 256) is the widest product of a step: at 14 tree nodes it costs as much as two decoder layers.
+
+Every row is the same function of the same hidden state as when all rows are made at once; which rows get made
+depends only on the tree and on rows already made, never on a random draw.
+
+Not here: the target forward (target_runner.py), the filter (`sampling.logits_to_probs`), verification (verify.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class TargetRows:
+    """node -> the filtered target law [V] after the path to that node, made in first-child-chain blocks."""
+
+    def __init__(self, hidden: torch.Tensor, parents: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                 law: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """hidden [N, H]: every node's final-norm target output; head: hidden rows [R, H] -> logits [R, V];
+        law: logits [R, V] -> filtered probabilities [R, V]."""
+        self.hidden, self.head, self.law = hidden, head, law
+        n = int(parents.shape[0])
+        self.first_child = [-1] * n
+        for child, parent in enumerate(parents.tolist()[1:], 1):
+            if self.first_child[parent] < 0:
+                self.first_child[parent] = child
+        self.rows: dict[int, torch.Tensor] = {}  # node -> [V]
+        self.products = 0  # output-head products run (one per block)
+
+    def __call__(self, node: int) -> torch.Tensor:  # [V]
+        if node not in self.rows:
+            block, i = [], node
+            while i >= 0 and i not in self.rows:  # children have larger indices: this ends
+                block.append(i)
+                i = self.first_child[i]
+            index = torch.tensor(block, device=self.hidden.device)  # [R]
+            probs = self.law(self.head(self.hidden[index]))  # [R, V]
+            self.rows.update(zip(block, probs, strict=True))
+            self.products += 1
+        return self.rows[node]
+
+    @property
+    def made(self) -> int:
+        """Rows made so far."""
+        return len(self.rows)
