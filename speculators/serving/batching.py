@@ -170,10 +170,14 @@ def generate_batch(engine: Engine, prompts: list[Any], params: SamplingParams | 
     tickets = [runner.add(engine.encode(prompt), p, text_deltas=False)
                for prompt, p in zip(prompts, per_request, strict=True)]
     runner.run()
+    outputs = []
     for ticket in tickets:
         if ticket.error is not None:
             raise ticket.error
-    return [t.output for t in tickets if t.output is not None]
+        if ticket.output is None:
+            raise SpeculatorsError("a batched request ended without an output")
+        outputs.append(ticket.output)
+    return outputs
 
 
 class BatchWorker:

@@ -6,9 +6,9 @@ streaming), `/v1/models`, `/health` and Prometheus `/metrics`.
 `batching.BatchWorker` thread: up to `max_batch_size` of them share each target forward (continuous batching: a
 request joins at the next step and leaves when done), so the event loop keeps answering health checks, metrics and
 rejections meanwhile. More than `max_concurrent_requests` requests in flight (running + waiting) get 429; a client
-that disconnects stops its request. Bad
-requests get a 4xx JSON error `{"error": {"message", "type", "param", "code"}}` with one clear line and never
-disturb the server; an unexpected failure inside generation is a 500 for that request only.
+that disconnects stops its request. Bad requests get a 4xx JSON error `{"error": {"message", "type", "param",
+"code"}}` with one clear line and never disturb the server; an unexpected failure inside generation is a 500 for
+that request only.
 
 With an API key, `/v1/*` needs `Authorization: Bearer <key>` (401 otherwise); `/health` and `/metrics` stay
 open, as in vLLM. Not here: n > 1, logprobs, tools / function calling, penalties.
