@@ -96,7 +96,12 @@ class BatchRunner:
             self._end(ticket)
         while self.waiting and len(self.running) < self.max_batch:
             ticket = self.waiting.popleft()
-            ticket.slot = self._free_slots.pop() if self._free_slots else self.engine.new_slot()
+            try:
+                ticket.slot = self._free_slots.pop() if self._free_slots else self.engine.new_slot()
+            except Exception as exc:  # noqa: BLE001 - e.g. no memory for another KV cache: this request fails
+                ticket.error = exc
+                self._end(ticket)
+                continue
             ticket.coroutine = self.engine.request(ticket.prompt_ids, ticket.params, ticket.slot, ticket.text_deltas)
             self.running.append(ticket)
         calls: list[tuple[Ticket, VerifyForward]] = []
@@ -123,6 +128,14 @@ class BatchRunner:
             return
         for (ticket, _), out in zip(calls, outputs, strict=True):
             ticket.reply = out
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every running and waiting request with `error` (the runner itself stays usable)."""
+        for ticket in [*self.running, *self.waiting]:
+            ticket.error = error
+            self._end(ticket)
+        self.running.clear()
+        self.waiting.clear()
 
     def _advance(self, ticket: Ticket) -> VerifyForward | None:
         """Run a request until it asks for its next forward (returned) or ends (None), handing out its chunks."""
@@ -207,7 +220,10 @@ class BatchWorker:
             for ticket, cancel in self._tickets:
                 if cancel.is_set() and not ticket.done:
                     self.runner.cancel(ticket)
-            self.runner.step()
+            try:
+                self.runner.step()
+            except Exception as exc:  # noqa: BLE001 - e.g. no memory for a new slot: fail what is queued, go on
+                self.runner.fail_all(exc)
             self._tickets = [(t, c) for t, c in self._tickets if not t.done]
 
     def _take(self, block: bool) -> None:

@@ -108,3 +108,19 @@ def test_bad_requests_are_refused_before_anything_runs(tiny_llama) -> None:
     with pytest.raises(SpeculatorsError, match="max_batch must be >= 1"):
         BatchRunner(engine, max_batch=0)
     assert engine.totals.target_calls == calls_before
+
+
+def test_no_memory_for_another_slot_fails_that_request_only(tiny_llama, monkeypatch) -> None:
+    engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), "none", max_len=128)
+    want = engine.generate(PROMPTS[0], _params(2))
+
+    def out_of_memory():
+        raise MemoryError("no room for another KV cache")
+
+    monkeypatch.setattr(engine, "new_slot", out_of_memory)
+    runner = BatchRunner(engine, max_batch=2)
+    first = runner.add(engine.encode(PROMPTS[0]), _params(2))  # takes the engine's own slot
+    second = runner.add(engine.encode(PROMPTS[1]), _params(2))
+    runner.run()
+    assert first.output.token_ids == want.token_ids
+    assert isinstance(second.error, MemoryError) and second.done and second.output is None
