@@ -3,7 +3,8 @@
 - `generate_command(...)`: one raw prompt (`--prompt`), one chat message (`--chat`) or every row of a workload
   file (`--workload`, each row with its own max_new_tokens; with `--batch N` up to N rows share each target
   forward); prints the text and the stats (or one JSON object per generation with `--json`), and for workloads a
-  per-cohort summary (tau, per-position acceptance, tokens/s; batched rows report their wall-clock total).
+  per-cohort summary (tau, per-position acceptance, tokens/s; a batched request's seconds overlap the others', so
+  its tokens/s is per request, and the batch's own wall-clock total is printed once).
 - `serve_command(...)`: load the engine once and serve the OpenAI-compatible app (server.py) with uvicorn.
 
 Not here: argument parsing (cli.py), the generation loop (engine.py), HTTP handling (server.py).
