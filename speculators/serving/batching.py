@@ -65,7 +65,8 @@ class BatchRunner:
         self.waiting: deque[Ticket] = deque()
         self.running: list[Ticket] = []
         self._free_slots: list[Slot] = [engine.slot]
-        self.steps = 0
+        self.steps = 0  # target forwards run
+        self.batched_requests = 0  # requests over all of them (/ steps = mean batch size)
         self.largest_batch = 0  # the most requests that shared one forward
 
     @property
@@ -117,6 +118,7 @@ class BatchRunner:
         for _, call in calls:
             call.shared = len(calls) > 1
         self.steps += 1
+        self.batched_requests += len(calls)
         self.largest_batch = max(self.largest_batch, len(calls))
         try:
             outputs = self.engine.runner.forward_batch([c.segment for _, c in calls], capture=self.engine.speculative)

@@ -107,6 +107,8 @@ class _Metrics:
         self.per_position = Gauge(p + "per_position_acceptance", "a_k: P(depth k accepted | depths < k accepted)",
                                   ["position"], registry=r)
         self.in_flight = Gauge(p + "requests_in_flight", "Requests running or waiting", registry=r)
+        self.running = Gauge(p + "requests_running", "Requests in the running batch", registry=r)
+        self.batch_size = Gauge(p + "mean_batch_size", "Requests per target forward, mean since start", registry=r)
         buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
         self.latency = Histogram(p + "request_latency_seconds", "End-to-end request latency", registry=r,
                                  buckets=buckets)
@@ -298,6 +300,9 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, api_key: str 
 
     @app.get("/metrics")
     async def prometheus() -> Any:
+        runner = worker.runner
+        metrics.running.set(len(runner.running))
+        metrics.batch_size.set(runner.batched_requests / runner.steps if runner.steps else 0.0)
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -225,7 +225,11 @@ def test_concurrent_requests_share_target_forwards(engine: Engine, monkeypatch) 
         release.set()
         return await asyncio.gather(*tasks)
 
+    async def scrape(c):
+        return await c.get("/metrics")
+
     answers = _run(app, calls)
+    metrics = _run(app, scrape).text
     app.state.batch_worker.close()
     for i, (answer, text) in enumerate(zip(answers, want, strict=True)):
         assert answer.status_code == 200
@@ -236,3 +240,6 @@ def test_concurrent_requests_share_target_forwards(engine: Engine, monkeypatch) 
             got = answer.json()["choices"][0]["text"]
         assert got == text, f"request {i}"
     assert app.state.batch_worker.runner.largest_batch >= 2
+    mean = float(next(line.split()[-1] for line in metrics.splitlines()
+                      if line.startswith("speculators_mean_batch_size ")))
+    assert mean > 1.0 and "speculators_requests_running 0.0" in metrics
