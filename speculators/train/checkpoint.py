@@ -27,6 +27,7 @@ from typing import Any
 from speculators.errors import SpeculatorsError
 
 STEP_RE = re.compile(r"^step-(\d{7,})$")
+POINTER_TMP_RE = re.compile(r"^\..+\.tmp\d+$")  # `write_text_atomic`'s temp of a file such as `best`
 STATE_DIR = "training_state"
 TRAINER_STATE = "trainer_state.json"
 SUMMARY_FILE = "train-summary.json"
@@ -88,12 +89,14 @@ def remove_dir(path: Path) -> None:
 
 
 def clean_partial(root: Path) -> None:
-    """Remove temp / trash dirs left by a crash."""
+    """Remove temp / trash dirs and half-written pointer files (`write_text_atomic` temps) left by a crash."""
     root = Path(root)
     if root.is_dir():
         for p in root.iterdir():
             if p.name.startswith((".tmp-step-", ".trash-")):
                 shutil.rmtree(p, ignore_errors=True)
+            elif p.is_file() and POINTER_TMP_RE.match(p.name):
+                p.unlink(missing_ok=True)
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:

@@ -104,8 +104,10 @@ def test_crash_mid_write_leaves_last_good_checkpoint(tmp_path: Path, rig, monkey
     assert ck.find_resume("auto", tmp_path).name == "step-0000001"
     assert (tmp_path / "step-0000001" / "model.safetensors").read_bytes() == before
     assert (tmp_path / ".tmp-step-0000002").exists()
+    (tmp_path / ".best.tmp4242").write_text("step-0000002")  # a pointer write killed before its rename
     ck.clean_partial(tmp_path)
-    assert not (tmp_path / ".tmp-step-0000002").exists()
+    assert not (tmp_path / ".tmp-step-0000002").exists() and not (tmp_path / ".best.tmp4242").exists()
+    assert (tmp_path / "step-0000001").is_dir()
 
 
 def test_resume_state_round_trip(tmp_path: Path, rig, tiny_llama: Path) -> None:
