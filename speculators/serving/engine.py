@@ -48,7 +48,7 @@ from speculators.serving.sampling import SamplingParams, logits_to_probs
 from speculators.serving.target_rows import TargetRows
 from speculators.serving.target_runner import ForwardOutput, Segment, TargetRunner
 from speculators.serving.trees import DraftTree, ancestor_mask
-from speculators.serving.verify import verify_tree, verify_tree_lazy
+from speculators.serving.verify import verify_tree_lazy
 
 DEFAULT_MAX_LEN = 8192
 _NO_ROWS = torch.empty(0, dtype=torch.long)  # forward without the output head (TargetRows makes the rows needed)
@@ -426,9 +426,7 @@ class Engine:
                                              logit_rows=_NO_ROWS))
             fwd = yield call
             t_accept = time.perf_counter()
-            rows = TargetRows(fwd.hidden, tree.parents, self.runner.logits,
-                              lambda logits, tree=tree: self._target_probs(logits, params, tree))
-            accepted, next_token = self._verify(tree, rows, params, generator)
+            accepted, next_token = self._accept(tree, fwd, params, generator)
             path = [0, *accepted]
             cache.commit(path)
             t_done = time.perf_counter()
@@ -490,6 +488,13 @@ class Engine:
         drafter.absorb(state, features, next_tokens)
         pending.clear()
 
+    def _accept(self, tree: DraftTree, fwd: ForwardOutput, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], int]:
+        """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits."""
+        rows = TargetRows(fwd.hidden, tree.parents, self.runner.logits,
+                          lambda logits: self._target_probs(logits, params, tree))
+        return self._verify(tree, rows, params, generator)
+
     def _target_probs(self, logits: torch.Tensor, params: SamplingParams, tree: DraftTree) -> torch.Tensor:
         """The filtered target law at some of the tree's nodes: logits [R, V] -> [R, V] (the one sampling
         operator, as plain decoding uses)."""
@@ -520,7 +525,8 @@ class Engine:
 
     def _calibrate(self, token: int, cache: StaticKVCache) -> None:
         """Measure cycles of 1, 2, 4, 8, ... and budget + 1 nodes (best of 3 after a warm-up) in the scratch slots
-        past the committed ones, so the first request's depth choices already rest on this machine's costs."""
+        past the committed ones, so the first request's depth choices already rest on this machine's costs. Each is
+        timed through the cycle's own forward and verification (`_accept`) on a greedy chain."""
         top = min(self.tree.budget + 1, cache.free)
         sizes = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s < top} | {top})
         if top < 2:
@@ -529,11 +535,10 @@ class Engine:
         best: dict[int, float] = {}
         for rep in range(4):
             for size in sizes:
-                ids = torch.full((size,), int(token), dtype=torch.long)
+                chain = DraftTree.chain(int(token), [int(token)] * (size - 1), mode="greedy")
                 t = time.perf_counter()
-                fwd = self.runner.forward(cache, ids, capture=self.speculative)
-                probs = logits_to_probs(fwd.logits, params)
-                verify_tree(ids, torch.arange(-1, size - 1), probs, mode="greedy", generator=None)
+                fwd = self.runner.forward(cache, chain.tokens, logit_rows=_NO_ROWS, capture=self.speculative)
+                self._accept(chain, fwd, params, None)
                 if rep > 0:  # rep 0 warms up
                     best[size] = min(best.get(size, float("inf")), time.perf_counter() - t)
         for size, seconds in best.items():

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from speculators.config import DEFAULT_NGRAM_GRAFT
 from speculators.errors import SpeculatorsError
 from speculators.serving.drafters import NgramDrafter, NgramState
 from speculators.serving.ngram import ngram_continuations
@@ -70,7 +71,8 @@ class NgramGraft:
 
     needs_token_ids = True
 
-    def __init__(self, drafter: Any, max_new_nodes: int = 6, lookup: NgramDrafter | None = None) -> None:
+    def __init__(self, drafter: Any, max_new_nodes: int = DEFAULT_NGRAM_GRAFT, lookup: NgramDrafter | None = None
+                 ) -> None:
         if max_new_nodes < 1:
             raise SpeculatorsError(f"n-gram graft needs max_new_nodes >= 1, got {max_new_nodes}")
         self.drafter, self.max_new_nodes = drafter, max_new_nodes
