@@ -95,15 +95,19 @@ def verifier_name(recipe: Recipe) -> str:
 
 
 def export_tensors(spec: Any, weights: Any, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """state_dict -> exported tensors: floats cast to `dtype`; frozen target copies (TARGET_TENSORS) dropped when
-    they equal the target's. Returns (tensors, target_tensor records for speculators_native)."""
+    """state_dict -> exported tensors: floats cast to `dtype`; frozen target copies (`TARGET_TENSORS`) dropped when
+    they equal the target's unless the family's consumers need them (`EXPORT_TARGET_TENSORS`); buffers the config
+    determines (`derived_tensors()`) left out. Returns (tensors, target_tensor records for speculators_native)."""
     from speculators.models.io import digests_match, tensor_digest
 
     state = spec.state_dict()
-    frozen: dict[str, str] = getattr(spec, "TARGET_TENSORS", {})
+    frozen: dict[str, str] = spec.TARGET_TENSORS
+    derived = spec.derived_tensors()
     records: dict[str, dict] = {}
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
+        if name in derived:
+            continue
         if name in frozen:
             source = frozen[name]
             ref = getattr(weights, source)
@@ -111,8 +115,9 @@ def export_tensors(spec: Any, weights: Any, dtype: torch.dtype) -> tuple[dict[st
             same = tuple(ref.shape) == tuple(t.shape) and (
                 torch.equal(ref.detach().cpu().float(), t.detach().cpu().float())
                 or digests_match(digest, tensor_digest(ref)))
-            records[name] = {"source": source, **tensor_digest(ref), "saved": not same}
-            if same:
+            keep = not same or name in spec.EXPORT_TARGET_TENSORS
+            records[name] = {"source": source, **tensor_digest(ref), "saved": keep}
+            if not keep:
                 continue
         t = t.detach().to("cpu")
         out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
