@@ -130,10 +130,14 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+TargetOpt = Annotated[str | None, typer.Option(help="target checkpoint dir or hub id (default: the target the "
+                                                   "speculator's pairing.json names, else the house target)")]
+
+
 @app.command(help="Generate from one prompt (or a workload file) with the bundled runtime and print stats.")
 @_user_errors
 def generate(
-    target: Annotated[str, typer.Option(help="target checkpoint dir or hub id")] = "data/targets/stdlib-lm",
+    target: TargetOpt = None,
     speculator: Annotated[str, typer.Option(help="speculator dir, 'ngram', or 'none'")] = "none",
     prompt: Annotated[str | None, typer.Option(help="raw text prompt")] = None,
     chat: Annotated[str | None, typer.Option(help="a user message, sent through the chat template")] = None,
@@ -172,7 +176,7 @@ def generate(
 @app.command(help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics).")
 @_user_errors
 def serve(
-    target: Annotated[str, typer.Option()] = "data/targets/stdlib-lm",
+    target: TargetOpt = None,
     speculator: Annotated[str, typer.Option(help="speculator dir, 'ngram', or 'none'")] = "none",
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,

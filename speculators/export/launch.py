@@ -16,7 +16,6 @@ This module does not write the checkpoint (see vllm.py) and never imports vLLM.
 
 from __future__ import annotations
 
-import inspect
 import json
 import platform
 import shlex
@@ -24,6 +23,8 @@ import time
 from typing import Any
 
 import torch
+
+from speculators.target import cache_kwarg
 
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
 
@@ -52,8 +53,7 @@ def measure_verify_cost(model: Any, max_k: int, concurrencies: tuple[int, ...] |
     # do not inflate (wall time on a loaded CPU measures the scheduler, not the forward).
     clock = time.perf_counter if device.type == "cuda" else time.process_time
     clock_name = "wall time" if device.type == "cuda" else "process CPU time"
-    params = inspect.signature(model.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x renamed it
+    cache_kw = cache_kwarg(model)
     table: dict[str, dict[str, float]] = {}
     seconds: dict[str, dict[str, float]] = {}
     for c in concurrencies:
