@@ -81,6 +81,7 @@ for _name, _help in (
     ("train", "Train the speculator (1 CPU process up to N GPUs x M nodes, via accelerate)."),
     ("evaluate", "Per-position acceptance on held-out workloads; choose the best checkpoint."),
     ("export", "Write a vLLM-loadable checkpoint with pairing.json and a launch command."),
+    ("vllm-check", "Serve the export with the real vLLM: lossless check + its acceptance vs the prediction."),
 ):
     _stage_command(_name, _help)
 

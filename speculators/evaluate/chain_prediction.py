@@ -74,7 +74,7 @@ def live_chain_counts(engine: Any, prompt_ids: list[int], max_new_tokens: int, k
     The runtime prunes drafts past the request's end, so its last step may draft fewer than k tokens."""
     engine.set_tree(TreeConfig(kind="chain", depth=k, topk=1, budget=k, adaptive=False), adaptive=False)
     out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
-    s = out.stats
+    s = out.stats.acceptance
     counts = ChainCounts(k=k, drafts=int(s.attempts[0]) if s.attempts else 0, draft_tokens=int(s.drafted_tokens),
                          accepted=[int(a) for a in (list(s.accepts) + [0] * k)[:k]])
     return list(out.token_ids), counts

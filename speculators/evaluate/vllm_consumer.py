@@ -156,9 +156,13 @@ def served_model(url: str) -> str:
 
 
 def spec_counters(url: str) -> dict[str, Any]:
-    """vLLM's speculative-decoding counters: {"drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos"}."""
+    """vLLM's speculative-decoding counters, read from its /metrics (see `parse_spec_counters`)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
+        return parse_spec_counters(resp.read().decode())
+
+
+def parse_spec_counters(text: str) -> dict[str, Any]:
+    """{"drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos": {position: count}} from Prometheus text."""
     out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_pos": {}}
     names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
              "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
