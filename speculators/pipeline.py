@@ -41,7 +41,7 @@ class Stage:
         if self.name == "capture":
             return recipe.capture.mode == "offline"
         if self.name == "vllm-check":
-            from speculators.evaluate.vllm_check import enabled
+            from speculators.export.vllm_check import enabled
 
             return enabled(recipe)
         return True
@@ -54,7 +54,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("train", "speculators.train.loop", "train the speculator (accelerate)"),
     Stage("evaluate", "speculators.evaluate.acceptance", "per-position acceptance on held-out workloads"),
     Stage("export", "speculators.export.vllm", "vLLM-loadable checkpoint + pairing.json"),
-    Stage("vllm-check", "speculators.evaluate.vllm_check", "serve the export with real vLLM: lossless + "
+    Stage("vllm-check", "speculators.export.vllm_check", "serve the export with real vLLM: lossless + "
           "acceptance vs prediction"),
 )
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from speculators.evaluate.report import VLLM_SECTION_HEADING, with_vllm_section
-from speculators.evaluate.vllm_consumer import _COUNTER, counts_between, last_error_line, parse_spec_counters
+from speculators.export.vllm_consumer import _COUNTER, counts_between, last_error_line, parse_spec_counters
 from speculators.metrics import ChainCounts, walk_chain
 
 

@@ -1,4 +1,4 @@
-"""The `vllm-check` stage: serve the export with the real vLLM and hold what it measures against our prediction.
+"""The `vllm-check` stage (after export): serve the export with the real vLLM and hold what it measures against our prediction.
 
 On `recipe.vllm.rows_per_cohort` held-out rows per cohort (outputs capped at `recipe.vllm.max_new_tokens`), at T=0:
   1. vLLM without a speculator (the target alone, same dtype) generates every row: the reference output;
@@ -33,7 +33,10 @@ from speculators.evaluate.chain_prediction import (
     predict_rows,
 )
 from speculators.evaluate.report import VLLM_SECTION_HEADING, with_vllm_section
-from speculators.evaluate.vllm_consumer import (
+from speculators.export.atomic import write_json_atomic, write_text_atomic
+from speculators.export.pairing import draft_revision, read_pairing
+from speculators.export.vllm import require_valid_export, verifier_name
+from speculators.export.vllm_consumer import (
     VllmServer,
     complete_ids,
     counts_between,
@@ -43,9 +46,10 @@ from speculators.evaluate.vllm_consumer import (
     server_env,
     spec_counters,
 )
-from speculators.export.atomic import write_json_atomic, write_text_atomic
-from speculators.export.pairing import draft_revision, read_pairing
 from speculators.metrics import ChainCounts
+from speculators.models.io import load_speculator, target_weights
+from speculators.serving import Engine
+from speculators.target import load_target
 
 CHECK_FORMAT = "speculators.vllm-check/v1"
 
@@ -97,11 +101,6 @@ def _vllm_outputs(server: VllmServer, rows: list[WorkloadRow], prompts: list[lis
 
 
 def run(recipe: Recipe, *, force: bool = False) -> dict:
-    from speculators.export.vllm import require_valid_export, verifier_name
-    from speculators.models.io import load_speculator, target_weights
-    from speculators.serving import Engine
-    from speculators.target import load_target
-
     python = vllm_python(recipe)
     if python is None or not python.is_file():
         raise SpeculatorsError("no vLLM environment: build it with `make vllm-env` (or set vllm.python / "
@@ -155,7 +154,8 @@ def build_report(key: str, k: int, rows: list[WorkloadRow], predicted: list, liv
                         "vllm_equals_ours_fp32": served[i] == predicted[i].output_ids,
                         "runtime_equals_ours_fp32": live[i][0] == predicted[i].output_ids,
                         "first_difference_vs_ours": _first_difference(served[i], predicted[i].output_ids),
-                        "tokens": len(served[i]), "predicted": predicted[i].counts.to_dict(),
+                        "tokens": len(served[i]), "vllm_plain_output": plain[i],
+                        "predicted": predicted[i].counts.to_dict(),
                         "vllm": counts[i].to_dict(), "live": live[i][1].to_dict()})
     return {"format": CHECK_FORMAT, "key": key, "servable": True, "k": k, "temperature": 0.0,
             "draft_revision": record["draft"]["revision"], "vllm": record["export"].get("vllm_served"),
