@@ -45,7 +45,7 @@ from speculators.serving.adaptive import AdaptiveDepth, CostModel
 from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, load_drafter, prune_tree
 from speculators.serving.kv_cache import StaticKVCache
 from speculators.serving.sampling import SamplingParams, logits_to_probs
-from speculators.serving.target_rows import TargetRows
+from speculators.serving.target_rows import TargetRows, TokenLogprob
 from speculators.serving.target_runner import ForwardOutput, Segment, TargetRunner
 from speculators.serving.trees import DraftTree, ancestor_mask
 from speculators.serving.verify import verify_tree_lazy
@@ -108,6 +108,7 @@ class GenerateOutput:
     text: str  # decoded without special tokens, cut before a matched stop string
     stats: GenerationStats
     prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when SamplingParams.logprobs asked for them
 
     @property
     def finish_reason(self) -> str:
@@ -119,6 +120,7 @@ class StreamChunk:
     text: str  # new text since the previous chunk (held back while it could still become a stop string)
     token_ids: list[int]  # new committed token ids since the previous chunk
     output: GenerateOutput | None = None  # set on the last chunk only
+    logprobs: list[TokenLogprob] | None = None  # of `token_ids`, when the request asked for them
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -322,7 +324,8 @@ class Engine:
         out: list[int] = []
         emitted_text = 0
         stats = GenerationStats(drafter=self.info.name, prompt_tokens=len(prompt_ids))
-        cycles = self._cycles(prompt_ids, params, out, stats, stops, slot)
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        cycles = self._cycles(prompt_ids, params, out, stats, stops, slot, logprobs)
         reply: ForwardOutput | None = None
         while True:
             item = cycles.send(reply)
@@ -331,15 +334,16 @@ class Engine:
                 continue
             reply = None
             new_tokens, finish = item
+            new_logprobs = logprobs[len(out) - len(new_tokens):] if logprobs is not None else None
             if finish is None:
                 if not text_deltas:
-                    yield StreamChunk(text="", token_ids=new_tokens)
+                    yield StreamChunk(text="", token_ids=new_tokens, logprobs=new_logprobs)
                     continue
                 text = self._decode(out).rstrip("\ufffd")
                 safe = len(text) - hold if stops else len(text)
                 delta = text[emitted_text:safe] if safe > emitted_text else ""
                 emitted_text += len(delta)
-                yield StreamChunk(text=delta, token_ids=new_tokens)
+                yield StreamChunk(text=delta, token_ids=new_tokens, logprobs=new_logprobs)
                 continue
             text = self._final_text(out, stops)
             stats.generated_tokens = len(out)
@@ -347,8 +351,9 @@ class Engine:
             stats.total_seconds = time.perf_counter() - t_start
             stats.decode_seconds = stats.total_seconds - stats.prefill_seconds
             self.totals.merge(stats.acceptance)
-            output = GenerateOutput(token_ids=list(out), text=text, stats=stats, prompt_token_ids=list(prompt_ids))
-            yield StreamChunk(text=text[emitted_text:], token_ids=new_tokens, output=output)
+            output = GenerateOutput(token_ids=list(out), text=text, stats=stats, prompt_token_ids=list(prompt_ids),
+                                    logprobs=list(logprobs) if logprobs is not None else None)
+            yield StreamChunk(text=text[emitted_text:], token_ids=new_tokens, output=output, logprobs=new_logprobs)
             return
 
     def _decode(self, ids: list[int]) -> str:
@@ -365,10 +370,11 @@ class Engine:
         return any(s in tail for s in stops)
 
     def _cycles(self, prompt_ids: list[int], params: SamplingParams, out: list[int], stats: GenerationStats,
-                stops: list[str], slot: Slot
+                stops: list[str], slot: Slot, logprobs: list[TokenLogprob] | None = None
                 ) -> Generator[VerifyForward | tuple[list[int], str | None], ForwardOutput | None, None]:
-        """The generation loop; appends to `out` and yields (new tokens, finish reason or None) per cycle, and a
-        `VerifyForward` before that (answered with its output)."""
+        """The generation loop; appends to `out` (and each token's log-probabilities to `logprobs`, when given) and
+        yields (new tokens, finish reason or None) per cycle, and a `VerifyForward` before that (answered with its
+        output)."""
         t0 = time.perf_counter()
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
@@ -426,7 +432,7 @@ class Engine:
                                              logit_rows=_NO_ROWS))
             fwd = yield call
             t_accept = time.perf_counter()
-            accepted, next_token = self._accept(tree, fwd, params, generator)
+            accepted, next_token, rows = self._accept(tree, fwd, params, generator)
             path = [0, *accepted]
             cache.commit(path)
             t_done = time.perf_counter()
@@ -454,6 +460,8 @@ class Engine:
                     finish = "length"
                 if finish:
                     break
+            if logprobs is not None:  # committed token j was drawn from the target's law at node path[j]
+                logprobs.extend(rows.token_logprobs(path[:len(new)], new, int(params.logprobs or 0)))
             if finish:
                 stats.adaptive = ctrl.report()
                 if ctrl.mode == "adaptive":
@@ -489,11 +497,14 @@ class Engine:
         pending.clear()
 
     def _accept(self, tree: DraftTree, fwd: ForwardOutput, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[list[int], int]:
-        """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits."""
+                generator: torch.Generator | None) -> tuple[list[int], int, TargetRows]:
+        """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits (and kept
+        with their raw logits when the request asked for log-probabilities)."""
         rows = TargetRows(fwd.hidden, tree.parents, self.runner.logits,
-                          lambda logits: self._target_probs(logits, params, tree))
-        return self._verify(tree, rows, params, generator)
+                          lambda logits: self._target_probs(logits, params, tree),
+                          keep_logits=params.logprobs is not None)
+        accepted, next_token = self._verify(tree, rows, params, generator)
+        return accepted, next_token, rows
 
     def _target_probs(self, logits: torch.Tensor, params: SamplingParams, tree: DraftTree) -> torch.Tensor:
         """The filtered target law at some of the tree's nodes: logits [R, V] -> [R, V] (the one sampling
