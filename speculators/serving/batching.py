@@ -171,7 +171,9 @@ class BatchRunner:
             ticket.coroutine.close()
             ticket.coroutine = None
         if ticket.slot is not None:
-            if ticket.error is not None or ticket.cancelled:  # its cache may hold a half-written cycle
+            # a failed request may have stopped inside its prefill; a cancelled one stops between cycles, so its
+            # prompt's cache is whole (a client that retries after a disconnect reuses it)
+            if ticket.error is not None:
                 ticket.slot.prefix_ids, ticket.slot.prefix_features = [], {}
             self._free_slots.append(ticket.slot)
             ticket.slot = None
