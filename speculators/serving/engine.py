@@ -16,11 +16,21 @@ Per request (batch 1 here; batching.py runs several in lockstep), one code path 
    tokens + the corrected / bonus token).
 3. EOS or a stop string inside the committed tokens truncates the output there; `max_new_tokens` caps it.
 
-Greedy (temperature 0) output equals the target's own greedy decoding token for token, whatever the drafter;
-sampled output is distributed exactly as sampling the target with the same temperature / top-k / top-p. A
-seeded sampled request is reproducible (same engine settings, same seed -> same tokens): its draft depth is
-fixed instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in
-distribution, not per sample path).
+What holds, in which dtype (DESIGN §7):
+- Every dtype: lossless in distribution. The output is distributed exactly as sampling the target rows the verify
+  forward computed, with the same temperature / top-k / top-p, whatever the drafter (verification is exact; tested
+  by chi-square through deep trees in float32 and bfloat16).
+- float32 (CPU): at temperature 0 the output equals the target's own greedy decoding token for token, whatever the
+  drafter — a tree-shaped verify forward rounds like the one-token forward here, up to exact near-ties (top-2 logit
+  margin < 1e-4; tested on every held-out row).
+- bfloat16 (the CUDA default): NOT token for token. A tree-shaped forward rounds differently from a one-token forward
+  (logits move by ~1-2 bf16 ulps, up to 0.125 on the house target), so a near-tie can flip and the rest of the
+  output follows the other branch. Measured on the house target (tests/integration/test_runtime_dtypes.py): a few
+  percent of 24-token greedy runs diverge from HF bf16 greedy decoding, every first divergence at a top-2 margin
+  within a few times the rounding noise between forward shapes. Compare fp32 with fp32 when you need equality.
+A seeded sampled request is reproducible (same engine settings, same seed -> same tokens): its draft depth is fixed
+instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in distribution,
+not per sample path).
 
 Several requests share each target forward through `generate_batch` / `batching.BatchRunner`, which drive the same
 per-request coroutine (`request`) that `stream` drives alone. Not here: CUDA graphs, paged KV, penalties /
