@@ -65,6 +65,7 @@ class RegenerateConfig:
     concurrency: int = 8
     max_retries: int = 3  # openai backend: attempts per request beyond the first (timeouts, 429, 5xx)
     request_timeout: float = 300.0  # openai backend: seconds per request
+    max_failed_fraction: float = 0.01  # more rows failed than this (after retries): the stage fails, nothing written
 
 
 @dataclass

