@@ -272,6 +272,9 @@ def train_bench(
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
+    from speculators.logs import configure
+
+    configure()
     try:
         app(args=argv, prog_name="speculators")
     except SpeculatorsError as exc:  # raised outside a command (should not happen, but never a traceback)

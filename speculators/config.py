@@ -127,6 +127,9 @@ class TrainConfig:
     resume: Literal["auto", "never"] | str = "auto"  # auto: latest checkpoint in run_dir; or a checkpoint path
     trackers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard", "wandb"])
     wandb_project: str = "speculators"
+    wandb_entity: str | None = None  # W&B team / user (None: the credentials' default entity)
+    wandb_group: str | None = None  # groups related runs in the W&B UI
+    wandb_tags: list[str] = field(default_factory=list)
     log_every: int = 10
     num_workers: int = 0
 

@@ -161,8 +161,10 @@ def launch(recipe: Recipe, *, force: bool = False) -> dict:
 def worker_main(argv: list[str]) -> int:
     """Entry point of every launched rank: `python -m speculators.train.launch RECIPE [overrides ...]`."""
     from speculators.config import load_recipe
+    from speculators.logs import configure
     from speculators.train.loop import train
 
+    configure()
     os.environ[WORKER_ENV] = "1"
     if not argv:
         print("usage: python -m speculators.train.launch RECIPE.yaml [section.key=value ...]", file=sys.stderr)

@@ -38,8 +38,8 @@ from typing import Any
 from speculators.config import Recipe, to_dict
 from speculators.errors import SpeculatorsError
 
-_NOT_IN_SIGNATURE = {"resume", "trackers", "wandb_project", "log_every", "num_workers", "eval_every", "keep_last",
-                     "accelerate_config", "num_processes", "save_every"}
+_NOT_IN_SIGNATURE = {"resume", "trackers", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "log_every",
+                     "num_workers", "eval_every", "keep_last", "accelerate_config", "num_processes", "save_every"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -560,7 +560,7 @@ def train(recipe: Recipe, *, force: bool = False) -> dict:
     from speculators.train import checkpoint as ck
     from speculators.train.batches import BatchPlan, OfflineFeatures, OnlineFeatures, micro_batch_loader
     from speculators.train.loss import VocabMap, speculator_loss
-    from speculators.train.tracking import Tracker
+    from speculators.train.tracking import Tracker, wandb_options
 
     t = recipe.train
     family = recipe.speculator.family
@@ -630,7 +630,7 @@ def train(recipe: Recipe, *, force: bool = False) -> dict:
     recipe_dict = to_dict(recipe)
     versions = _versions()
     tracker = Tracker(recipe.paths.logs, t.trackers, run_name=recipe.name, enabled=main,
-                      resume_step=start_step if resume_dir is not None else None, project=t.wandb_project,
+                      resume_step=start_step if resume_dir is not None else None, wandb=wandb_options(t),
                       config={**recipe_dict, "world_size": world, "mode": setup.mode})
     sharded = (deepspeed and int(acc.state.deepspeed_plugin.zero_stage) == 3) or \
         acc.distributed_type == DistributedType.FSDP
