@@ -8,11 +8,13 @@
   checkpoint) in THIS process, so bad input fails with one line before any worker starts; then runs
   `python -m accelerate.commands.launch [--config_file X] [--num_processes N] ... -m speculators.train.launch
   RECIPE.yaml` with the resolved recipe in a temp file. Workers report a `SpeculatorsError` through an error file
-  (one line for the user, not one per rank); rank 0's summary comes back through a result file.
+  (one line for the user, not one per rank); rank 0's summary comes back through a result file (on every node).
   Without a config file, N > 1 processes use accelerate's multi-GPU launcher (torchrun), which on a machine
   without CUDA gives CPU DDP over gloo (`Accelerator(cpu=True)` in the worker).
 - `python -m speculators.train.launch RECIPE [section.key=value ...]` is the worker: what `accelerate launch`
-  (or torchrun, or a multi-node scheduler) runs on every rank.
+  (or torchrun, or a multi-node scheduler) runs on every rank. On M nodes, every node runs its own launcher with its
+  accelerate config (`num_machines`, `machine_rank`, `main_process_ip` / `_port`); every rank ends with rank 0's
+  summary and each node's first process hands it to that node's launcher, so every node reports the same result.
 
 What it does not do: parse command-line options (cli.py does; the worker only forwards its arguments to
 `load_recipe`), or train (loop.py).
@@ -181,8 +183,8 @@ def worker_main(argv: list[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     out = os.environ.get(RESULT_ENV)
-    if out and rank == "0":
-        Path(out).write_text(json.dumps(summary, default=str))
+    if out and os.environ.get("LOCAL_RANK", rank) == "0":  # the first process of every node: each node's launcher
+        Path(out).write_text(json.dumps(summary, default=str))  # gets rank 0's summary (train() shares it)
     return 0
 
 

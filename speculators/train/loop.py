@@ -796,5 +796,9 @@ def train(recipe: Recipe, *, force: bool = False) -> dict:
     tracker.close()
     if main:
         ck.write_text_atomic(root / ck.SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    if world > 1:  # every rank returns rank 0's summary (each node's launcher reports it, shared storage or not)
+        from accelerate.utils import broadcast_object_list
+
+        summary = broadcast_object_list([summary if main else None], from_process=0)[0]
     acc.wait_for_everyone()
     return summary
