@@ -83,6 +83,25 @@ def try_manifest(directory: Path, fmt: str) -> dict | None:
         return None
 
 
+def partial_dir(directory: Path, inputs_hash: str, inputs: dict, force: bool) -> bool:
+    """Keep `directory` (a stage's resumable work dir) when it was made for the same inputs, else start it over
+    (also when forced); returns True when it was (re)created empty."""
+    directory = Path(directory)
+    marker = directory / "inputs.json"
+    if directory.exists():
+        try:
+            same = json.loads(marker.read_text()).get("inputs_hash") == inputs_hash
+        except (OSError, json.JSONDecodeError):
+            same = False
+        if force or not same:
+            shutil.rmtree(directory)
+    if directory.exists():
+        return False
+    directory.mkdir(parents=True)
+    write_json_atomic(marker, {"inputs_hash": inputs_hash, "inputs": inputs})
+    return True
+
+
 def replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished temp dir into place; the previous output is removed only once the new one is complete."""
     final = Path(final)

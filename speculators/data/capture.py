@@ -225,17 +225,7 @@ def _valid_shard(directory: Path, i: int, job: Job, check_sha: bool = True) -> d
 
 def setup_partial(job: Job, force: bool) -> None:
     """Create (or keep, for resume) `features.partial/`; reuse valid shards of an earlier `features/` output."""
-    marker = job.partial / "inputs.json"
-    if job.partial.exists():
-        try:
-            same = json.loads(marker.read_text()).get("inputs_hash") == job.inputs_hash
-        except (OSError, json.JSONDecodeError):
-            same = False
-        if force or not same:
-            shutil.rmtree(job.partial)
-    if not job.partial.exists():
-        job.partial.mkdir(parents=True)
-        artifacts.write_json_atomic(marker, {"inputs_hash": job.inputs_hash, "inputs": job.inputs})
+    if artifacts.partial_dir(job.partial, job.inputs_hash, job.inputs, force):
         if not force and job.final.is_dir():  # an earlier output with the same inputs: keep its valid shards
             for i in range(len(job.plan)):
                 if _valid_shard(job.final, i, job) is not None:

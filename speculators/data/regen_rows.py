@@ -160,17 +160,7 @@ class PartialStore:
     def __init__(self, out_dir: Path, inputs_hash: str, inputs: dict, n_rows: int, chunk: int, force: bool) -> None:
         self.dir = Path(out_dir).with_name(Path(out_dir).name + ".partial")
         self.chunks = chunks(n_rows, chunk)
-        marker = self.dir / "inputs.json"
-        if self.dir.exists():
-            try:
-                same = json.loads(marker.read_text()).get("inputs_hash") == inputs_hash
-            except (OSError, json.JSONDecodeError):
-                same = False
-            if force or not same:
-                shutil.rmtree(self.dir)
-        if not self.dir.exists():
-            self.dir.mkdir(parents=True)
-            artifacts.write_json_atomic(marker, {"inputs_hash": inputs_hash, "inputs": inputs})
+        artifacts.partial_dir(self.dir, inputs_hash, inputs, force)
         self.results: dict[int, RowResult] = {}
         for a, b in self.chunks:
             self.results.update(self._read(a, b))

@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.cli_helpers import REPO_ENV
+from tests.integration.cli_helpers import serve_process
 from tests.integration.serve_probes import run_probes
 
 pytestmark = pytest.mark.integration
@@ -40,12 +38,6 @@ RSS_BOUND_MB = 300  # growth allowed over the warmed-up server (measured: see th
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(top):\n", "class Stack:\n    def __init__(self):\n",
            "def read_config(path):\n"]
 STREAM_TOKENS = 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rss_mb(pid: int) -> float:
@@ -80,33 +72,10 @@ class HealthPoller(threading.Thread):
 
 @pytest.fixture(scope="module")
 def server(house_target):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "speculators.cli", "serve", "--target", str(house_target), "--speculator", "ngram",
-         "--port", str(port), "--device", "cpu", "--threads", "1", "--api-key-env", "ABUSE_KEY",
-         "--max-concurrent-requests", "32", "--max-batch-size", "4", "--max-new-tokens", "900"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**REPO_ENV, "ABUSE_KEY": KEY})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise AssertionError("server did not come up in time")
-        time.sleep(0.5)
-    yield base, proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    with serve_process("--target", str(house_target), "--speculator", "ngram", "--device", "cpu", "--threads", "1",
+                       "--api-key-env", "ABUSE_KEY", "--max-concurrent-requests", "32", "--max-batch-size", "4",
+                       "--max-new-tokens", "900", env={"ABUSE_KEY": KEY}) as running:
+        yield running
 
 
 def _oversized(base: str) -> list[int]:

@@ -5,58 +5,24 @@ contradict the model's context fail with one line."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 
-from tests.integration.cli_helpers import REPO_ENV, cli, error_line
+from tests.integration.cli_helpers import cli, error_line, serve_process
 
 pytestmark = pytest.mark.integration
 
 KEY = "test-key-123"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(house_target, tmp_path_factory):
-    port = _free_port()
     recipe = tmp_path_factory.mktemp("serve-recipe") / "serve.yaml"
     recipe.write_text(f"target: {{name_or_path: {house_target}, device: cpu}}\n"
                       "serve: {max_new_tokens: 64, api_key_env: SPEC_TEST_KEY, port: 1, max_concurrent_requests: 2}\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "speculators.cli", "serve", "--recipe", str(recipe), "--speculator", "ngram",
-         "--port", str(port), "--max-concurrent-requests", "4"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**REPO_ENV, "SPEC_TEST_KEY": KEY})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise AssertionError("server did not come up in time")
-        time.sleep(0.5)
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    with serve_process("--recipe", str(recipe), "--speculator", "ngram", "--max-concurrent-requests", "4",
+                       env={"SPEC_TEST_KEY": KEY}) as (base, _):
+        yield base
 
 
 def test_openai_client_streaming_chat(server: str) -> None:
