@@ -22,6 +22,7 @@ Not here: generation itself (engine.py), evaluation of checkpoints (speculators.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 
@@ -52,7 +54,7 @@ class _Cell:
 
 
 @dataclass
-class _Method:
+class Method:
     name: str
     kind: str  # "runtime" | "hf" | "hf-assisted"
     engine: Any = None
@@ -75,13 +77,13 @@ def _hf_generate(model: Any, ids: list[int], max_new: int, temperature: float, s
     return out[0, len(ids):].tolist()
 
 
-def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]], temperature: float, seed: int,
-                 model: Any) -> list[list[list[int]]]:
+def run_methods(methods: list[Method], rows: list[tuple[str, list[int], int]], temperature: float, seed: int,
+                model: Any) -> list[list[list[int]]]:
     """Every method on every row, row by row (each row runs all methods back to back, so a machine whose speed
     drifts during the run slows every method alike); fills `method.cells`; returns outputs[method][row]."""
     from speculators.serving.sampling import SamplingParams
 
-    def one(method: _Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], AcceptanceStats | None]:
+    def one(method: Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], AcceptanceStats | None]:
         if method.kind == "runtime":
             # unseeded: a seeded sampled request drafts at a fixed depth (reproducibility), and the bench
             # measures what serving does by default (adaptive depth)
@@ -111,8 +113,8 @@ def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]],
     return outputs
 
 
-def _run_batched(methods: list[_Method], rows: list[tuple[str, list[int], int]], temperature: float,
-                 batch: int) -> list[tuple[_Method, list[list[int]]]]:
+def _run_batched(methods: list[Method], rows: list[tuple[str, list[int], int]], temperature: float,
+                 batch: int) -> list[tuple[Method, list[list[int]]]]:
     """Every runtime method on all rows at once, `batch` requests sharing each target forward; returns the new
     `<method>@batchB` methods (cell "all") with their outputs in row order."""
     from speculators.serving.sampling import SamplingParams
@@ -127,17 +129,27 @@ def _run_batched(methods: list[_Method], rows: list[tuple[str, list[int], int]],
                      acceptance=AcceptanceStats())
         for o in outs:
             cell.acceptance.merge(o.stats.acceptance)
-        batched = _Method(f"{method.name}@batch{batch}", "runtime", method.engine, cells={"all": cell})
+        batched = Method(f"{method.name}@batch{batch}", "runtime", method.engine, cells={"all": cell})
         done.append((batched, [o.token_ids for o in outs]))
     return done
 
 
+def bench_rows(engine: Any, workloads: str, rows_per_cohort: int) -> list[tuple[str, list[int], int]]:
+    """(cohort, prompt token ids, max_new_tokens) of the first `rows_per_cohort` rows of every cohort."""
+    from speculators.data.workloads import load_workloads
+
+    return [(r.cohort, engine.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
+            for r in load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)]
+
+
 def bench_command(*, target: str, speculators: list[str], workloads: str, rows_per_cohort: int,
                   temperatures: list[float], device: str, dtype: str, out: Path | None, seed: int,
-                  ngram_graft: int = 0, batch: int = 0) -> dict:
-    """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report."""
+                  ngram_graft: int = 0, batch: int = 0, tree: TreeConfig | None = None,
+                  include_hf: bool = True) -> dict:
+    """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report.
+    `tree` replaces each speculator's default drafting settings (e.g. a fixed-depth chain with adaptive off, as
+    `speculators profile` predicts); `include_hf=False` leaves out the Hugging Face rows."""
     from speculators.config import TargetConfig
-    from speculators.data.workloads import load_workloads
     from speculators.serving.engine import Engine
     from speculators.target import load_target
 
@@ -149,27 +161,26 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
         raise SpeculatorsError(f"--temperatures must be non-negative numbers, got {temperatures}")
     threads = torch.get_num_threads()  # set by the caller (`speculators bench --threads`); every method shares it
     loaded = load_target(TargetConfig(name_or_path=target, device=device, dtype=dtype))
-    rows_raw = load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)
-    methods = [_Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
-               _Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
+    methods = [Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
+               Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
     for path in speculators:
-        engine = Engine.from_pretrained(loaded, path, ngram_graft=0)  # the speculator alone
-        methods.append(_Method(f"{engine.info.family}:{Path(path).name}", "runtime", engine))
+        engine = Engine.from_pretrained(loaded, path, ngram_graft=0, tree=tree)  # the speculator alone
+        methods.append(Method(f"{engine.info.family}:{Path(path).name}", "runtime", engine))
         if ngram_graft:  # the same speculator with prompt-lookup nodes grafted onto its trees
-            grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft)
-            methods.append(_Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
-    methods += [_Method("hf", "hf"), _Method("hf-assisted", "hf-assisted")]
-    encoder = methods[0].engine
-    rows = [(r.cohort, encoder.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
-            for r in rows_raw]
+            grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft, tree=tree)
+            methods.append(Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
+    if include_hf:
+        methods += [Method("hf", "hf"), Method("hf-assisted", "hf-assisted")]
+    rows = bench_rows(methods[0].engine, workloads, rows_per_cohort)
     report: dict[str, Any] = {
         "target": target, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
         "threads": threads, "machine": platform.processor() or platform.machine(),
         "rows_per_cohort": rows_per_cohort, "rows": len(rows), "workloads": workloads, "seed": seed,
         "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "batch": batch, "results": {},
+        "speculator_tree": None if tree is None else dataclasses.asdict(tree),
     }
     for temperature in temperatures:
-        outputs = _run_methods(methods, rows, temperature, seed, loaded.model)
+        outputs = run_methods(methods, rows, temperature, seed, loaded.model)
         batched = _run_batched(methods, rows, temperature, batch) if batch > 1 else []
         if temperature == 0:  # greedy: every method must produce plain decoding's tokens
             for method, outs in zip(methods[1:], outputs[1:], strict=True):
@@ -188,13 +199,13 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
     return report
 
 
-def _summarise(methods: list[_Method]) -> dict:
+def _summarise(methods: list[Method]) -> dict:
     base = {m.name: m for m in methods}
     out: dict[str, dict] = {}
     for m in methods:
         for cohort, cell in m.cells.items():
             plain = base["plain"].cells[cohort].tokens_per_second
-            hf = base["hf"].cells[cohort].tokens_per_second
+            hf = base["hf"].cells[cohort].tokens_per_second if "hf" in base else None
             tps = cell.tokens_per_second
             entry = {"tokens": cell.tokens, "seconds": round(cell.seconds, 4), "tokens_per_second": round(tps, 2),
                      "vs_plain": round(tps / plain, 3) if plain else None,
@@ -220,8 +231,9 @@ def format_report(report: dict) -> str:
                 acc = " ".join(f"{a:.2f}" for a in e.get("per_position_acceptance", [])) or "-"
                 tau = f"{e['tau']:.2f}" if "tau" in e else "-"
                 mism = str(e["mismatched_rows"]) if float(temperature) == 0 else "-"
+                vs_hf = "-" if e["vs_hf"] is None else f"{e['vs_hf']:.2f}"
                 lines.append(f"| {cohort} | {name} | {e['tokens_per_second']:.1f} | {e['vs_plain']:.2f} | "
-                             f"{e['vs_hf']:.2f} | {tau} | {acc} | {mism} |")
+                             f"{vs_hf} | {tau} | {acc} | {mism} |")
         lines.append("")
     return "\n".join(lines)
 
