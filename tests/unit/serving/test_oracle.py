@@ -109,7 +109,7 @@ def test_schedule_rows_use_the_export_launch_format() -> None:
     rows = schedule(predict(_costs(per_token=0.004, batches=(1, 2, 8)), Acceptance("t", [0.9, 0.8, 0.6]), "eagle3"))
     assert rows[0]["start_bs"] == 1 and rows[-1]["end_bs"] == 512
     assert all(set(r) == {"start_bs", "end_bs", "measured_at", "k", "tokens_per_unit_cost"} for r in rows)
-    assert all(a["k"] != b["k"] and a["end_bs"] + 1 == b["start_bs"] for a, b in zip(rows, rows[1:]))
+    assert all(a["k"] != b["k"] and a["end_bs"] + 1 == b["start_bs"] for a, b in zip(rows, rows[1:], strict=False))
     assert rows[0]["k"] >= rows[-1]["k"]
 
 
