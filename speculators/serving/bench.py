@@ -195,7 +195,7 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
     text = format_report(report)
     print(text)
     if out is not None:
-        _write(out, report, text)
+        write_json_and_markdown(out, "bench", report, text)
     return report
 
 
@@ -238,10 +238,11 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _write(out: Path, report: dict, text: str) -> None:
+def write_json_and_markdown(out: Path, stem: str, report: dict, text: str) -> None:
+    """`out/<stem>.json` and `out/<stem>.md`, each written to a temp file and renamed into place."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, content in (("bench.json", json.dumps(report, indent=2) + "\n"), ("bench.md", text + "\n")):
+    for name, content in ((f"{stem}.json", json.dumps(report, indent=2) + "\n"), (f"{stem}.md", text + "\n")):
         tmp = out / f".{name}.tmp{os.getpid()}"
         tmp.write_text(content)
         os.replace(tmp, out / name)

@@ -206,7 +206,7 @@ def profile_command(*, target: str | None, shape: str | None, speculator: str | 
     loaded = _load_target(target, shape, device, dtype)
     wanted = families or ([acc.family] if acc and acc.family in FAMILIES else list(FAMILIES))
     drafters = _drafters(loaded, speculator, wanted, depth, draft_dtype)
-    primary = next(iter(drafters))
+    primary = acc.family if acc is not None and acc.family in drafters else next(iter(drafters))
     costs, extras = measure_costs(loaded, drafters, primary, batch_sizes, nodes, context_len, budget_s, depth)
     predictions = {}
     if acc is not None:

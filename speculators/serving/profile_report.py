@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from speculators.serving.bench import write_json_and_markdown
 from speculators.serving.oracle import Acceptance, Costs
 
 
@@ -161,10 +161,5 @@ def write_report(report: dict, out: Path | None) -> str:
     """The Markdown; with `out`, profile.json and profile.md are written there (each atomically)."""
     text = format_report(report)
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        for name, content in (("profile.json", json.dumps(report, indent=2) + "\n"), ("profile.md", text + "\n")):
-            tmp = out / f".{name}.tmp{os.getpid()}"
-            tmp.write_text(content)
-            os.replace(tmp, out / name)
+        write_json_and_markdown(out, "profile", report, text)
     return text
