@@ -237,12 +237,16 @@ def merge_buckets(rows: list[dict]) -> list[dict]:
     return merged
 
 
-def expected_seconds(cost: CostModel, acceptance: list[float], depth: int, tokens: int) -> float:
+def expected_seconds(cost: CostModel, acceptance: list[float], depth: int, tokens: int,
+                     max_new_tokens: int | None = None) -> float:
     """Expected seconds of the cycles that generate `tokens` tokens drafting to `depth` (0 = plain), the depth
-    capped at remaining - 1 as `AdaptiveDepth.choose` does: g(r) = cost(d_r) + sum_j P_{d_r}(j) g(r - j)."""
+    capped at (max_new_tokens - generated) - 1 as `AdaptiveDepth.choose` caps it (a request that stops at EOS
+    before max_new_tokens is capped by max_new_tokens, not by where it stops):
+    g(r) = cost(d_r) + sum_j P_{d_r}(j) g(r - j), r = tokens still to generate."""
+    slack = max(0, (max_new_tokens or tokens) - tokens)
     g = [0.0] * (tokens + 1)
     for r in range(1, tokens + 1):
-        d = min(depth, r - 1)
+        d = min(depth, r + slack - 1)
         step = cost.cycle(1) if d == 0 else cost.draft_cost(d) + cost.cycle(1 + cost.draft_nodes(d))
         probs = committed_distribution(acceptance, d)
         g[r] = step + sum(p * g[max(0, r - j)] for j, p in enumerate(probs, 1))

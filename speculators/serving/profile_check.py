@@ -4,9 +4,10 @@
 with plain decoding and with the speculator drafting fixed-depth chains (adaptive off, no n-gram graft) —
 `bench.run_methods`, the code behind `speculators bench --tree chain --depth K --no-adaptive --ngram-graft 0
 --no-hf` — and predicts each row's time from the profile's measured costs:
-  plain row       = prefill(L - 1) + expected_seconds(plain cycles, N tokens)
-  speculative row = prefill with taps(L - 1) + drafter absorbing L - 1 positions + expected_seconds(depth K, N)
-(L = prompt tokens; N = the tokens plain decoding generated, which at T = 0 every lossless method generates too).
+  plain row       = prefill(P) + expected_seconds(plain cycles, N tokens)
+  speculative row = prefill with taps(P) + drafter absorbing L - 1 positions + expected_seconds(depth K, N)
+(L = prompt tokens; P = those of the first L - 1 that the engine did not cache from its previous request, as its
+prefix cache does; N = the tokens plain decoding generated, which at T = 0 every lossless method generates too).
 Each cohort's speedup is predicted twice: with the evaluation's teacher-forced a_k of that cohort (the oracle as
 a user runs it) and with the a_k the runtime measured live in this very run (isolating the cost model). Bench
 times are wall clock including prefill, like `speculators bench`.
@@ -24,30 +25,45 @@ from speculators.serving.adaptive import CostModel
 from speculators.serving.oracle import Acceptance, Costs, cost_model, expected_seconds
 
 
-def _row_seconds(costs: Costs, family: str, prefill: dict, acc: list[float], depth: int, prompt: int,
-                 tokens: int) -> float:
-    """Predicted wall seconds of one request (depth 0 = plain decoding)."""
-    body = max(prompt - 1, 0)
-    if depth == 0:
-        cm = cost_model(costs, 1, None, "chain", acc)
-        return CostModel.from_measurements(prefill["plain"]).cycle(body) + expected_seconds(cm, acc, 0, tokens)
-    drafter = costs.drafters[family]
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return n
+
+
+def _row_seconds(costs: Costs, family: str, prefill: dict, acc: list[float], depth: int, row: dict) -> float:
+    """Predicted wall seconds of one request (depth 0 = plain decoding): the prefill of the prompt tokens its
+    engine has not cached from the previous request, the drafter absorbing the whole prompt, the cycles."""
+    new, body = row["new_prompt_tokens"], row["prompt_tokens"] - 1
+    kind = "plain" if depth == 0 else "tapped"
+    seconds = CostModel.from_measurements(prefill[kind]).cycle(new) if new else 0.0
+    drafter = costs.drafters[family] if depth else None
+    if drafter is not None and body:
+        seconds += CostModel.from_measurements(drafter.absorb).cycle(body)
     cm = cost_model(costs, 1, drafter, "chain", acc)
-    absorb = CostModel.from_measurements(drafter.absorb).cycle(body) if body else 0.0
-    return (CostModel.from_measurements(prefill["tapped"]).cycle(body) + absorb
-            + expected_seconds(cm, acc, depth, tokens))
+    return seconds + expected_seconds(cm, acc, depth, row["tokens"], row["max_new_tokens"])
 
 
-def _predicted(costs: Costs, family: str, prefill: dict, rows: list[tuple[str, list[int], int]],
-               plain_out: list[list[int]], depth: int, acc_of: dict[str, list[float]]) -> dict[str, float]:
+def _requests(rows: list[tuple[str, list[int], int]], plain_out: list[list[int]]) -> list[dict]:
+    """What each bench row asks of an engine: prompt tokens, the part of it not cached from the previous request
+    (the bench warms every engine up on the first row), tokens generated, max_new_tokens."""
+    out = []
+    for i, ((cohort, ids, max_new), gen) in enumerate(zip(rows, plain_out, strict=True)):
+        prev = rows[i - 1][1] if i else ids
+        out.append({"cohort": cohort, "prompt_tokens": len(ids), "tokens": len(gen), "max_new_tokens": max_new,
+                    "new_prompt_tokens": len(ids) - 1 - _common_prefix(prev[:-1], ids[:-1])})
+    return out
+
+
+def _predicted(costs: Costs, family: str, prefill: dict, requests: list[dict], depth: int,
+               acc_of: dict[str, list[float]]) -> dict[str, float]:
     """cohort (and "all") -> predicted speedup of depth-`depth` chains over plain decoding."""
     plain: dict[str, float] = {}
     spec: dict[str, float] = {}
-    for (cohort, ids, _), out in zip(rows, plain_out, strict=True):
-        acc = acc_of[cohort]
-        for key in (cohort, "all"):
-            plain[key] = plain.get(key, 0.0) + _row_seconds(costs, family, prefill, acc, 0, len(ids), len(out))
-            spec[key] = spec.get(key, 0.0) + _row_seconds(costs, family, prefill, acc, depth, len(ids), len(out))
+    for row in requests:
+        acc = acc_of[row["cohort"]]
+        for key in (row["cohort"], "all"):
+            plain[key] = plain.get(key, 0.0) + _row_seconds(costs, family, prefill, acc, 0, row)
+            spec[key] = spec.get(key, 0.0) + _row_seconds(costs, family, prefill, acc, depth, row)
     return {k: plain[k] / spec[k] for k in plain}
 
 
@@ -67,13 +83,14 @@ def check_against_bench(loaded: Any, speculator: str, acceptance: Acceptance, co
     rows = bench_rows(plain.engine, workloads, rows_per_cohort)
     outputs = run_methods(methods, rows, 0.0, seed, loaded.model)
     cohorts = sorted({c for c, _, _ in rows})
+    requests = _requests(rows, outputs[0])
     table = []
     for depth, method, outs in zip(depths, methods[1:], outputs[1:], strict=True):
         mismatched = sum(a != b for a, b in zip(outs, outputs[0], strict=True))
         tf = {c: acceptance.cohorts.get(c, acceptance.chain) for c in cohorts}
         live = {c: method.cells[c].acceptance.per_position_acceptance or [0.0] for c in cohorts}
-        pred_tf = _predicted(costs, family, prefill, rows, outputs[0], depth, tf)
-        pred_live = _predicted(costs, family, prefill, rows, outputs[0], depth, live)
+        pred_tf = _predicted(costs, family, prefill, requests, depth, tf)
+        pred_live = _predicted(costs, family, prefill, requests, depth, live)
         for c in [*cohorts, "all"]:
             measured = method.cells[c].tokens_per_second / plain.cells[c].tokens_per_second
             table.append({"depth": depth, "cohort": c, "rows": method.cells[c].rows,

@@ -60,11 +60,12 @@ def test_cohort_mean_keeps_the_mean_tau_at_every_depth() -> None:
         assert simulated_tau(a[:k]) == pytest.approx(sum(simulated_tau(c[:k]) for c in cohorts) / 3)
 
 
-def _simulate(cm: CostModel, acc: list[float], depth: int, tokens: int, rng: random.Random) -> float:
-    """One request the way the engine runs it: depth capped at remaining - 1, accept depth k with a_k."""
+def _simulate(cm: CostModel, acc: list[float], depth: int, tokens: int, max_new: int, rng: random.Random) -> float:
+    """One request the way the engine runs it (stopping after `tokens`, e.g. at EOS): depth capped at
+    max_new - generated - 1, accept depth k with a_k."""
     seconds, done = 0.0, 0
     while done < tokens:
-        d = min(depth, tokens - done - 1)
+        d = min(depth, max_new - done - 1)
         seconds += cm.cycle(1) if d == 0 else cm.draft_cost(d) + cm.cycle(1 + cm.draft_nodes(d))
         accepted = 0
         while accepted < d and rng.random() < acc[accepted]:
@@ -73,13 +74,14 @@ def _simulate(cm: CostModel, acc: list[float], depth: int, tokens: int, rng: ran
     return seconds
 
 
-@pytest.mark.parametrize("depth, tokens", [(0, 7), (3, 16), (5, 64), (4, 5)])
-def test_expected_seconds_matches_a_simulated_request(depth: int, tokens: int) -> None:
+@pytest.mark.parametrize("depth, tokens, max_new", [(0, 7, 7), (3, 16, 16), (5, 64, 64), (4, 5, 5), (4, 5, 6),
+                                                    (5, 12, 40)])
+def test_expected_seconds_matches_a_simulated_request(depth: int, tokens: int, max_new: int) -> None:
     acc = [0.9, 0.7, 0.6, 0.5, 0.4]
     cm = cost_model(_costs(), 1, _costs().drafters["eagle3"], "chain", acc)
     rng = random.Random(0)
-    sim = sum(_simulate(cm, acc, depth, tokens, rng) for _ in range(4000)) / 4000
-    assert expected_seconds(cm, acc, depth, tokens) == pytest.approx(sim, rel=0.02)
+    sim = sum(_simulate(cm, acc, depth, tokens, max_new, rng) for _ in range(4000)) / 4000
+    assert expected_seconds(cm, acc, depth, tokens, max_new) == pytest.approx(sim, rel=0.02)
 
 
 def test_long_requests_approach_the_steady_rate() -> None:
