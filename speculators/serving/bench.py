@@ -12,7 +12,8 @@ With `batch` B > 1, every runtime method also generates all rows once more with 
 target forward (`<method>@batchB` rows, cohort "all" only: throughput of the whole set, as a server under
 concurrent load sees it; at T = 0 their tokens are checked against `plain` too).
 Runtime requests are unseeded (as served by default: adaptive depth). It reports generated tokens/s per cohort
-and overall (wall clock including prefill, generated tokens only),
+and overall (wall clock including prefill, generated tokens only; also per CPU-second of this process, which other
+processes sharing the cores do not inflate),
 the ratios to `plain` and to `hf`, and for runtime methods tau and per-position acceptance
 (`metrics.AcceptanceStats`). At T = 0 it also counts rows whose tokens differ from `plain` (lossless check).
 Prints a table; with `out` writes `bench.json` and `bench.md` there (atomically).
@@ -44,6 +45,7 @@ HF_PROMPT_LOOKUP_TOKENS = 10
 class _Cell:
     tokens: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time (not inflated by other processes sharing the cores)
     rows: int = 0
     acceptance: AcceptanceStats | None = None
     mismatched_rows: int = 0
@@ -51,6 +53,10 @@ class _Cell:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_cpu_second(self) -> float:
+        return self.tokens / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
 
 
 @dataclass
@@ -98,15 +104,16 @@ def run_methods(methods: list[Method], rows: list[tuple[str, list[int], int]], t
         one(method, rows[0][1], min(rows[0][2], 16), seed)  # warm-up (and the engine's calibration), not measured
     for i, (cohort, ids, max_new) in enumerate(rows):
         for method, outs in zip(methods, outputs, strict=True):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             tokens, acc = one(method, ids, max_new, seed + i)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             outs.append(tokens)
             for key in (cohort, "all"):
                 cell = method.cells.setdefault(
                     key, _Cell(acceptance=AcceptanceStats() if method.kind == "runtime" else None))
                 cell.tokens += len(tokens)
                 cell.seconds += seconds
+                cell.cpu_seconds += cpu
                 cell.rows += 1
                 if acc is not None and cell.acceptance is not None:
                     cell.acceptance.merge(acc)
@@ -208,6 +215,7 @@ def _summarise(methods: list[Method]) -> dict:
             hf = base["hf"].cells[cohort].tokens_per_second if "hf" in base else None
             tps = cell.tokens_per_second
             entry = {"tokens": cell.tokens, "seconds": round(cell.seconds, 4), "tokens_per_second": round(tps, 2),
+                     "tokens_per_cpu_second": round(cell.tokens_per_cpu_second, 2),
                      "vs_plain": round(tps / plain, 3) if plain else None,
                      "vs_hf": round(tps / hf, 3) if hf else None, "mismatched_rows": cell.mismatched_rows}
             if cell.acceptance is not None:

@@ -1,8 +1,9 @@
 """What the bundled runtime costs on this device, measured for the speedup oracle (`oracle.py`).
 
-Every figure is the runtime's own code timed on the current device (wall clock; CUDA synchronised before each
-reading), the minimum over repeats after a warm-up (the least disturbed run), with the sizes interleaved within a
-repeat so that drifting load hits every size alike:
+Every figure is the runtime's own code timed on the current device (`timed`: CUDA wall clock, synchronised before
+each reading; on a CPU the process's CPU time, as `export/launch.py` measures, so that other processes sharing the
+cores do not inflate it), the minimum over repeats after a warm-up (the least disturbed run), with the sizes
+interleaved within a repeat so that drifting load hits every size alike (whole steps: the mean over steps):
 - `measure_forward`: ONE target forward (`TargetRunner.forward_batch`, without the output head, as in a cycle) of
   B sequences x n new chain tokens on top of a `context_len`-token KV cache, for a grid of B and n.
 - `measure_prefill`: the forward of one prompt of L tokens (with and without the drafter's feature taps).
@@ -60,16 +61,22 @@ def _free(device: torch.device | str) -> None:
         torch.cuda.empty_cache()
 
 
+def clock_name(device: torch.device | str) -> str:
+    return "wall clock" if torch.device(device).type == "cuda" else "process CPU time"
+
+
 def timed(fn: Callable[[], Any], device: torch.device | str) -> float:
-    """Wall seconds of fn() (CUDA: synchronised before and after)."""
+    """Seconds of fn(): CUDA: wall clock, synchronised before and after; CPU: this process's CPU time, which other
+    processes sharing the cores do not inflate (with one torch thread it is the wall time of an idle machine)."""
     cuda = torch.device(device).type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
     if cuda:
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
     if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def _interleaved(fns: dict[Any, Callable[[], Any]], device: torch.device | str, repeats: int,

@@ -17,8 +17,9 @@ kind with the live tree acceptance the evaluation measured, when it did) and pic
 `expected_seconds` is the same model over a whole request of N tokens (the depth shrinks near the end exactly as
 `AdaptiveDepth.choose` shrinks it), used to check the oracle against `speculators bench`.
 
-`load_acceptance` reads a_k from an evaluation report.json, an export directory (its report.json), an eval dir
-(its selection.json's best) or a literal list ("0.8,0.7,0.6").
+`load_acceptance` reads a_k from an evaluation report.json, an export directory (its report.json, else its
+pairing.json's evaluation summary), a pairing.json, an eval dir (its selection.json's best) or a literal list
+("0.8,0.7,0.6").
 
 Not here: measuring (costs.py), the command and its report (profile.py).
 """
@@ -80,6 +81,15 @@ def _from_report(report: dict, source: str, temperature: float) -> Acceptance:
     return acc
 
 
+def _from_pairing(record: dict) -> dict:
+    """A pairing.json's evaluation summary in the evaluation report's shape (what `_from_report` reads)."""
+    summary = record["evaluation"]
+    temps = {t: {"speculator": {"cohorts": {c: {"per_position_acceptance": a}
+                                            for c, a in (e.get("per_position_acceptance") or {}).items()}}}
+             for t, e in (summary.get("temperatures") or {}).items()}
+    return {"family": (record.get("draft") or {}).get("family"), "temperatures": temps, "live": summary.get("live")}
+
+
 def load_acceptance(source: str, temperature: float = 0.0) -> Acceptance:
     """See the module docstring."""
     text = str(source).strip()
@@ -97,7 +107,7 @@ def load_acceptance(source: str, temperature: float = 0.0) -> Acceptance:
                 raise SpeculatorsError(f"{path}/selection.json is unreadable: {exc}") from None
             path = path / str(best) / "report.json"
         else:
-            path = path / "report.json"
+            path = path / ("report.json" if (path / "report.json").is_file() else "pairing.json")
     if not path.is_file():
         raise SpeculatorsError(f"acceptance source {source} not found: give an evaluation report.json, an eval/ dir, "
                                f"an export dir or a list such as 0.8,0.7,0.6")
@@ -105,11 +115,11 @@ def load_acceptance(source: str, temperature: float = 0.0) -> Acceptance:
         report = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SpeculatorsError(f"{path} is not valid JSON: {exc}") from None
-    if isinstance(report, dict) and "evaluation" in report and "temperatures" not in report:  # an export's report
+    if isinstance(report, dict) and "evaluation" in report and "temperatures" not in report:  # export / pairing
         if not report["evaluation"]:
             raise SpeculatorsError(f"{path}: this export was not evaluated, so it has no measured acceptance; run "
                                    f"`speculators evaluate` before exporting, or pass the acceptance as a list")
-        report = report["evaluation"]
+        report = _from_pairing(report) if "draft" in report else report["evaluation"]
     if not isinstance(report, dict) or "temperatures" not in report:
         raise SpeculatorsError(f"{path} is not an evaluation report (no 'temperatures'); give the report.json "
                                f"that `speculators evaluate` or `speculators export` wrote")

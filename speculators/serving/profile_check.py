@@ -9,8 +9,10 @@ with plain decoding and with the speculator drafting fixed-depth chains (adaptiv
 (L = prompt tokens; P = those of the first L - 1 that the engine did not cache from its previous request, as its
 prefix cache does; N = the tokens plain decoding generated, which at T = 0 every lossless method generates too).
 Each cohort's speedup is predicted twice: with the evaluation's teacher-forced a_k of that cohort (the oracle as
-a user runs it) and with the a_k the runtime measured live in this very run (isolating the cost model). Bench
-times are wall clock including prefill, like `speculators bench`.
+a user runs it) and with the a_k the runtime measured live in this very run (isolating the cost model). Measured
+speedups are in the costs' clock (`costs.timed`: CUDA wall clock; on a CPU this process's CPU time, which the other
+processes of a shared machine do not inflate), with the wall-clock ratio beside them; both include the prefill,
+like `speculators bench`.
 
 Not here: the costs (costs.py), the model (oracle.py).
 """
@@ -22,6 +24,7 @@ from typing import Any
 from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.serving.adaptive import CostModel
+from speculators.serving.costs import clock_name
 from speculators.serving.oracle import Acceptance, Costs, cost_model, expected_seconds
 
 
@@ -82,6 +85,7 @@ def check_against_bench(loaded: Any, speculator: str, acceptance: Acceptance, co
         for d in depths]
     rows = bench_rows(plain.engine, workloads, rows_per_cohort)
     outputs = run_methods(methods, rows, 0.0, seed, loaded.model)
+    cuda = str(loaded.device).startswith("cuda")
     cohorts = sorted({c for c, _, _ in rows})
     requests = _requests(rows, outputs[0])
     table = []
@@ -92,17 +96,21 @@ def check_against_bench(loaded: Any, speculator: str, acceptance: Acceptance, co
         pred_tf = _predicted(costs, family, prefill, requests, depth, tf)
         pred_live = _predicted(costs, family, prefill, requests, depth, live)
         for c in [*cohorts, "all"]:
-            measured = method.cells[c].tokens_per_second / plain.cells[c].tokens_per_second
+            wall = method.cells[c].tokens_per_second / plain.cells[c].tokens_per_second
+            measured = (wall if cuda else
+                        method.cells[c].tokens_per_cpu_second / plain.cells[c].tokens_per_cpu_second)
             table.append({"depth": depth, "cohort": c, "rows": method.cells[c].rows,
                           "tokens": method.cells[c].tokens, "live_tau": round(method.cells[c].acceptance.tau, 3),
                           "predicted": round(pred_tf[c], 3), "predicted_live_acceptance": round(pred_live[c], 3),
-                          "measured": round(measured, 3), "error": round(pred_tf[c] / measured - 1.0, 4),
+                          "measured": round(measured, 3), "measured_wall": round(wall, 3),
+                          "error": round(pred_tf[c] / measured - 1.0, 4),
                           "error_live_acceptance": round(pred_live[c] / measured - 1.0, 4),
                           "plain_tokens_per_s": round(plain.cells[c].tokens_per_second, 2),
                           "tokens_per_s": round(method.cells[c].tokens_per_second, 2)})
         if mismatched:
             table[-1]["mismatched_rows"] = mismatched
     return {"rows_per_cohort": rows_per_cohort, "workloads": workloads, "depths": depths, "table": table,
+            "clock": clock_name(loaded.device),
             "bench_command": (f"speculators bench --target {loaded.cfg.name_or_path} --speculator {speculator} "
                               f"--workloads '{workloads}' --rows-per-cohort {rows_per_cohort} --temperatures 0 "
                               f"--tree chain --depth {{K}} --no-adaptive --ngram-graft 0 --no-hf")}

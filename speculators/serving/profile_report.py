@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from speculators.serving.bench import write_json_and_markdown
+from speculators.serving.costs import clock_name
 from speculators.serving.oracle import Acceptance, Costs
 
 
@@ -63,6 +64,7 @@ def build_report(*, loaded: Any, name: str, device: str, context_len: int, draft
     return {
         "target": name, "shape": _shape(loaded), "device": device,
         "dtype": str(loaded.dtype).replace("torch.", ""), "torch": torch.__version__, "context_len": context_len,
+        "clock": clock_name(loaded.device), "threads": torch.get_num_threads(),
         "budget_s": budget_s, "measure_seconds": extras["seconds"], "skipped": extras["skipped"],
         "target_forward_ms": {str(b): _table(v) for b, v in sorted(costs.forward.items())},
         "prefill_ms": {k: _table(v) for k, v in extras["prefill"].items()},
@@ -134,13 +136,16 @@ def _check_md(check: dict | None) -> list[str]:
         return []
     lines = [f"## Check: predicted vs measured speedup ({check['rows_per_cohort']} rows per cohort, T = 0)", "",
              f"Measured with `{check['bench_command']}` (the same code, in this process).", "",
+             f"Measured × plain: generated tokens per {check['clock']} (the clock of the costs), wall clock beside "
+             "it.", "",
              "| chain K | cohort | rows | tokens | live tau | predicted × plain (evaluate a_k) | "
-             "predicted (live a_k) | measured × plain | error |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "predicted (live a_k) | measured × plain | error | measured, wall clock |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in check["table"]:
         name = f"**{r['cohort']}**" if r["cohort"] == "all" else r["cohort"]
         lines.append(f"| {r['depth']} | {name} | {r['rows']} | {r['tokens']} | {r['live_tau']:.2f} | "
-                     f"{r['predicted']:.3f} | {r['predicted_live_acceptance']:.3f} | {r['measured']:.3f} | "
-                     f"{100 * r['error']:+.1f}% |")
+                     f"{r['predicted']:.3f} | {r['predicted_live_acceptance']:.3f} | **{r['measured']:.3f}** | "
+                     f"{100 * r['error']:+.1f}% | {r['measured_wall']:.3f} |")
     return [*lines, ""]
 
 
@@ -151,7 +156,7 @@ def format_report(report: dict) -> str:
              f"{s['num_attention_heads']} / {s['num_key_value_heads']}, vocab {s['vocab_size']}, "
              f"{s['parameters'] / 1e6:.1f}M parameters; torch {report['torch']}",
              f"- measured in {report['measure_seconds']} s (budget {report['budget_s']} s); every time is the "
-             f"minimum over repeats (wall clock)",
+             f"minimum over repeats ({report['clock']}; whole steps: their mean), {report['threads']} torch threads",
              *([f"- skipped: {'; '.join(report['skipped'])}"] if report["skipped"] else []), ""]
     lines += _forward_md(report) + _drafters_md(report) + _predictions_md(report) + _check_md(report["check"])
     return "\n".join(lines)

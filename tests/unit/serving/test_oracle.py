@@ -141,6 +141,13 @@ def test_load_acceptance_from_reports_exports_eval_dirs_and_lists(tmp_path) -> N
     assert load_acceptance(str(tmp_path / "eval" / "step-100" / "report.json")).chain == from_eval.chain
     from_export = load_acceptance(str(tmp_path / "export"))
     assert from_export.family == "medusa" and from_export.tree is None
+    (tmp_path / "paired").mkdir()  # a speculator dir with only pairing.json's evaluation summary
+    summary = {"temperatures": {"0.0": {"per_position_acceptance": {"code": [0.9, 0.8, 0.7], "prose": [0.5, 0.4, 0.3]},
+                                        "mean_tau": 2.0}}, "live": _eval_report()["live"]}
+    (tmp_path / "paired" / "pairing.json").write_text(json.dumps({"draft": {"family": "mtp"}, "evaluation": summary}))
+    from_pairing = load_acceptance(str(tmp_path / "paired"))
+    assert from_pairing.family == "mtp" and from_pairing.chain == pytest.approx(from_eval.chain)
+    assert from_pairing.tree == [0.9, 0.85]
     assert load_acceptance("0.8, 0.6").chain == [0.8, 0.6]
 
 
