@@ -8,6 +8,8 @@ For every temperature, every method generates every row once after one unmeasure
   +ngram       the same speculator with `ngram_graft` prompt-lookup nodes grafted onto its trees (graft.py)
   hf           Hugging Face `generate` (greedy, or do_sample with top_k=0 / top_p=1 at T > 0, seeded per row)
   hf-assisted  Hugging Face assisted decoding with prompt lookup (`prompt_lookup_num_tokens`)
+`tree` (`speculators bench --tree chain --depth K --no-adaptive`) replaces the speculators' own drafting settings,
+e.g. the fixed-depth chains `speculators profile` predicts; `include_hf=False` (`--no-hf`) leaves out the HF rows.
 With `batch` B > 1, every runtime method also generates all rows once more with up to B requests sharing each
 target forward (`<method>@batchB` rows, cohort "all" only: throughput of the whole set, as a server under
 concurrent load sees it; at T = 0 their tokens are checked against `plain` too).
