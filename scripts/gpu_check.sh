@@ -54,11 +54,11 @@ if [ "$MODE" = gpu ]; then
     exit 2
   fi
   DEVICE=cuda; THREADS=0
-  T_PYTEST=200; T_BENCH=110; T_SHAPE=210; T_HOUSE=100
+  T_PYTEST=240; T_BENCH=100; T_SHAPE=180; T_HOUSE=60
   BENCH_ARGS=(--rows-per-cohort 4 --temperatures 0)
   SHAPE_ARGS=(--shape llama-3.1-8b --dtype bfloat16 --batch-sizes 1,2,4,8,16,32,64 --context-len 512
-              --max-depth 6 --budget-s 140)
-  HOUSE_ARGS=(--budget-s 25 --check-rows 2 --check-depths 3,5)
+              --max-depth 6 --budget-s 120)
+  HOUSE_ARGS=(--budget-s 20 --check-rows 2 --check-depths 3,5)
   SHAPE_NAME=llama-3.1-8b
 else
   export SPECULATORS_GPU_CHECK_DEVICE=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

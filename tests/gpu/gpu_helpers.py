@@ -30,12 +30,18 @@ def loaded_target(path: str, device: str, dtype: str):
 
 
 def hf_greedy(path: str, device: str, dtype: str, ids: list[int], max_new: int) -> list[int]:
+    return list(_hf_greedy(path, device, dtype, tuple(ids), max_new))
+
+
+@functools.lru_cache(maxsize=256)
+def _hf_greedy(path: str, device: str, dtype: str, ids: tuple[int, ...], max_new: int) -> tuple[int, ...]:
+    """HF `generate(do_sample=False)` continuation, cached (every drafter is compared with the same references)."""
     model = hf_model(path, device, dtype)
     inp = torch.tensor([ids], device=device)
     with torch.no_grad():
         out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=max_new,
                              pad_token_id=model.generation_config.pad_token_id)
-    return out[0, len(ids):].tolist()
+    return tuple(out[0, len(ids):].tolist())
 
 
 def top2(path: str, device: str, dtype: str, ids: list[int]) -> tuple[float, float]:

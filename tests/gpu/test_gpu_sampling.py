@@ -24,7 +24,8 @@ CASES = [  # (drafter, tree, sampling, requests sharing each forward)
     ("medusa", TreeConfig(kind="dynamic", depth=2, topk=3, budget=5, adaptive=False),
      dict(temperature=0.9, top_k=20, top_p=0.9), 8),
 ]
-NUM_TESTS = 2 * (len(CASES) + 1)
+FLOAT32_CASES = 2
+NUM_TESTS = len(CASES) + FLOAT32_CASES + 1
 SMALL_SAMPLES = 200  # CPU mode
 
 
@@ -40,6 +41,8 @@ def spec_dirs(tmp_path_factory) -> dict[str, str]:
 def test_first_two_tokens_follow_the_target(device, small, dtype, case, spec_dirs, record_property) -> None:
     if small and (dtype == "bfloat16" or case > 0):
         pytest.skip("CPU mode: one case in float32 (fewer samples) keeps the script short")
+    if dtype == "float32" and case >= FLOAT32_CASES:
+        pytest.skip("float32: the first cases (bfloat16, the GPU default, runs them all) keep the script short")
     drafter, tree, sampling, batch = CASES[case]
     engine = Engine.from_pretrained(loaded_target(HOUSE, device, dtype), spec_dirs.get(drafter, drafter), tree=tree,
                                     ngram_graft=0)
@@ -50,10 +53,8 @@ def test_first_two_tokens_follow_the_target(device, small, dtype, case, spec_dir
     assert p_value > FAMILY_ALPHA / NUM_TESTS, f"{drafter} {tree.kind} {sampling}: p = {p_value:.3g}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_lossy_engine_is_rejected_on_the_device(device, small, dtype) -> None:
-    if small and dtype == "bfloat16":
-        pytest.skip("CPU mode: float32 only")
+def test_a_lossy_engine_is_rejected_on_the_device(device, small) -> None:
+    dtype = "float32" if small else "bfloat16"
     tree = TreeConfig(kind="dynamic", depth=3, topk=2, budget=4, adaptive=False)
     target = loaded_target(HOUSE, device, dtype)
     engine = Engine.from_pretrained(target, "ngram", tree=tree)
