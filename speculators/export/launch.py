@@ -5,8 +5,8 @@
   cost_c(k) = time(c, k+1) / time(c, 1) (minimum of at least `repeats` runs after two warm-ups).
 - `choose_k(tau_by_depth, cost)`: argmax over k of tau(k) / cost(k), with tau(0) = cost(0) = 1 (no speculation):
   expected committed tokens per unit of target time (`CostModel.rate`, the formula `speculators profile` and the
-  runtime's adaptive depth use; `speculators profile` adds the drafter's and the runtime's own time). tau(k) is the teacher-forced simulated tau of a depth-k chain
-  (mean over cohorts). The drafter's own time is not in the cost (EAGLE-3/MTP: one small layer per step; Medusa:
+  runtime's adaptive depth use; `speculators profile` adds the drafter's and the runtime's own time). tau(k) is
+  the teacher-forced simulated tau of a depth-k chain (mean over cohorts). The drafter's own time is not in the cost (EAGLE-3/MTP: one small layer per step; Medusa:
   heads in parallel) — stated in the generated files.
 - `schedule(...)`: k per max-concurrency bucket, as vLLM's `num_speculative_tokens_per_batch_size` ranges
   ([start_bs, end_bs, k]; vLLM >= 0.25 "dynamic speculative decoding"); consecutive buckets with the same k merge.
