@@ -59,7 +59,6 @@ def test_profile_checks_its_prediction_against_measured_generation(house_target,
 
 def test_profile_bad_inputs_fail_with_one_line(house_target, tmp_path) -> None:
     base = ["profile", "--device", "cpu", "--budget-s", "5"]
-    assert "exactly one of --target" in error_line(cli(*base))
     assert "exactly one of --target" in error_line(cli(*base, "--shape", "tiny-llama", "--target", "x"))
     assert "unknown model shape 'gpt-9'" in error_line(cli(*base, "--shape", "gpt-9"))
     assert "including 1" in error_line(cli(*base, "--shape", "tiny-llama", "--nodes", "2,4"))
@@ -69,7 +68,6 @@ def test_profile_bad_inputs_fail_with_one_line(house_target, tmp_path) -> None:
                                                                "nope"))
     assert "--check-rows compares with measured generation" in error_line(
         cli(*base, "--shape", "tiny-llama", "--check-rows", "2"))
-    assert "--families must name some of" in error_line(cli(*base, "--shape", "tiny-llama", "--families", "eagle9"))
     out = tmp_path / "keep"
     out.mkdir()
     (out / "profile.json").write_text("old")
