@@ -71,3 +71,10 @@ def test_whole_steps_plain_and_speculative(tiny) -> None:
     spec = Engine(tiny, drafter, tree=TreeConfig(kind="chain", depth=2, topk=1, budget=2, adaptive=False),
                   max_len=128, adaptive=False)
     assert measure.measure_steps(spec, 1, 2, 16, budget, steps=3) > 0
+
+
+def test_unknown_families_are_refused(tiny) -> None:
+    from speculators.serving.profile import _drafters
+
+    with pytest.raises(SpeculatorsError, match="--families must name some of eagle3, medusa, mtp"):
+        _drafters(tiny, None, ["eagle9"], 2, "auto")
