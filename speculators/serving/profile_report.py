@@ -94,9 +94,7 @@ def _drafters_md(report: dict) -> list[str]:
         lines.append(f"- **{family}** ({d['precision']}); absorbing n committed tokens: "
                      + ", ".join(f"{n}: {ms:.3f}" for n, ms in d["absorb_ms_by_tokens"].items()) + " ms")
         for kind, by_depth in d["propose_ms"].items():
-            t = d["trees"][kind]
-            shape = "chain" if kind == "chain" else f"{t['kind']} top-{t['topk']}, budget {t['budget']}"
-            lines.append(f"  - {shape}: " + ", ".join(
+            lines.append(f"  - {_tree_text(d['trees'][kind])}: " + ", ".join(
                 f"d={dd}: {ms:.3f} [{d['draft_nodes'][kind][dd]:g}]" for dd, ms in by_depth.items()))
     ov = report["overhead_ms"]
     lines += ["", "Runtime overhead per step (ms, all B requests: verification, commits, the loop): plain "
@@ -106,13 +104,19 @@ def _drafters_md(report: dict) -> list[str]:
     return lines
 
 
+def _tree_text(t: dict) -> str:
+    return "chain" if t.get("kind") == "chain" else f"{t.get('kind')} top-{t.get('topk')}, budget {t.get('budget')}"
+
+
 def _predictions_md(report: dict) -> list[str]:
     acc = report["acceptance"]
     if acc is None:
         return ["No acceptance given (--acceptance): costs only, no prediction.", ""]
     lines = [f"## Predicted speedup (acceptance from {acc['source']}, T = {acc['temperature']})", "",
              "chain a_k: " + ", ".join(f"{a:.3f}" for a in acc["chain"])
-             + ("; live tree a_k: " + ", ".join(f"{a:.3f}" for a in acc["tree"]) if acc["tree"] else ""), ""]
+             + ("; live tree a_k: " + ", ".join(f"{a:.3f}" for a in acc["tree"]) if acc["tree"] else "")
+             + (f" (measured by the evaluation on its runtime's tree: {_tree_text(acc['tree_settings'])}; the tree "
+                "timed here may differ: wider trees accept more than these a_k say)" if acc["tree_settings"] else ""), ""]
     for family, rows in report["predictions"].items():
         depths = sorted({c["depth"] for r in rows for c in r["candidates"] if c["kind"] == "chain"})
         lines += [f"### {family}", "", "| batch | plain tok/s | best | tau | tok/s | × plain | "
