@@ -60,6 +60,24 @@ class CostModel:
             new = min(max(new, 0.5 * old), 2 * old)
         return old + self.smoothing * (new - old)
 
+    @classmethod
+    def from_measurements(cls, cycle: dict[int, float], draft: dict[int, float] | None = None,
+                          nodes: dict[int, float] | None = None, absorb: float | None = None) -> CostModel:
+        """A fixed model from measured tables (the speedup oracle's): cycle seconds by verified node count (root
+        included; every count is its own interpolation point, not bucketed), proposing seconds and draft nodes by
+        depth, absorb seconds per speculative cycle."""
+        return cls(points={n: (float(n), float(t)) for n, t in cycle.items()}, draft=dict(draft or {}),
+                   nodes={d: float(v) for d, v in (nodes or {}).items()}, absorb=absorb)
+
+    def rate(self, acceptance: list[float], depth: int) -> float:
+        """Expected committed tokens per second of one cycle drafting to `depth` with per-position acceptance
+        a_k (0 = plain decoding): E(depth) / (draft(depth) + cycle(1 + nodes(depth))), E = `simulated_tau`.
+        The ONE formula the adaptive controller and the speedup oracle (`oracle.py`) share."""
+        if depth == 0:
+            return 1.0 / max(self.cycle(1), 1e-9)
+        seconds = self.draft_cost(depth) + self.cycle(1 + self.draft_nodes(depth))
+        return simulated_tau(acceptance[:depth]) / max(seconds, 1e-9)
+
     def set_cycle(self, nodes: int, seconds: float) -> None:
         """Seed one size from a calibration run."""
         self.points[self._bucket(nodes)] = (float(nodes), seconds)
@@ -173,11 +191,8 @@ class AdaptiveDepth:
         return simulated_tau(self.acceptance[:depth])
 
     def rate(self, depth: int) -> float:
-        """Expected committed tokens per second when drafting to `depth` (0 = plain)."""
-        if depth == 0:
-            return 1.0 / max(self.cost.cycle(1), 1e-9)
-        seconds = self.cost.draft_cost(depth) + self.cost.cycle(1 + self.cost.draft_nodes(depth))
-        return self.expected_tokens(depth) / max(seconds, 1e-9)
+        """Expected committed tokens per second when drafting to `depth` (0 = plain): `CostModel.rate`."""
+        return self.cost.rate(self.acceptance, depth)
 
     def choose(self, remaining: int) -> int:
         """Depth to draft this cycle (0 = plain); `remaining` tokens are still to be generated."""

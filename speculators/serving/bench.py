@@ -8,11 +8,14 @@ For every temperature, every method generates every row once after one unmeasure
   +ngram       the same speculator with `ngram_graft` prompt-lookup nodes grafted onto its trees (graft.py)
   hf           Hugging Face `generate` (greedy, or do_sample with top_k=0 / top_p=1 at T > 0, seeded per row)
   hf-assisted  Hugging Face assisted decoding with prompt lookup (`prompt_lookup_num_tokens`)
+`tree` (`speculators bench --tree chain --depth K --no-adaptive`) replaces the speculators' own drafting settings,
+e.g. the fixed-depth chains `speculators profile` predicts; `include_hf=False` (`--no-hf`) leaves out the HF rows.
 With `batch` B > 1, every runtime method also generates all rows once more with up to B requests sharing each
 target forward (`<method>@batchB` rows, cohort "all" only: throughput of the whole set, as a server under
 concurrent load sees it; at T = 0 their tokens are checked against `plain` too).
 Runtime requests are unseeded (as served by default: adaptive depth). It reports generated tokens/s per cohort
-and overall (wall clock including prefill, generated tokens only),
+and overall (wall clock including prefill, generated tokens only; also per CPU-second of this process, which other
+processes sharing the cores do not inflate),
 the ratios to `plain` and to `hf`, and for runtime methods tau and per-position acceptance
 (`metrics.AcceptanceStats`). At T = 0 it also counts rows whose tokens differ from `plain` (lossless check).
 Prints a table; with `out` writes `bench.json` and `bench.md` there (atomically).
@@ -22,6 +25,7 @@ Not here: generation itself (engine.py), evaluation of checkpoints (speculators.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 
+from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 
@@ -42,6 +47,7 @@ HF_PROMPT_LOOKUP_TOKENS = 10
 class _Cell:
     tokens: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time (not inflated by other processes sharing the cores)
     rows: int = 0
     acceptance: AcceptanceStats | None = None
     mismatched_rows: int = 0
@@ -50,9 +56,13 @@ class _Cell:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def tokens_per_cpu_second(self) -> float:
+        return self.tokens / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
+
 
 @dataclass
-class _Method:
+class Method:
     name: str
     kind: str  # "runtime" | "hf" | "hf-assisted"
     engine: Any = None
@@ -75,13 +85,13 @@ def _hf_generate(model: Any, ids: list[int], max_new: int, temperature: float, s
     return out[0, len(ids):].tolist()
 
 
-def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]], temperature: float, seed: int,
-                 model: Any) -> list[list[list[int]]]:
+def run_methods(methods: list[Method], rows: list[tuple[str, list[int], int]], temperature: float, seed: int,
+                model: Any) -> list[list[list[int]]]:
     """Every method on every row, row by row (each row runs all methods back to back, so a machine whose speed
     drifts during the run slows every method alike); fills `method.cells`; returns outputs[method][row]."""
     from speculators.serving.sampling import SamplingParams
 
-    def one(method: _Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], AcceptanceStats | None]:
+    def one(method: Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], AcceptanceStats | None]:
         if method.kind == "runtime":
             # unseeded: a seeded sampled request drafts at a fixed depth (reproducibility), and the bench
             # measures what serving does by default (adaptive depth)
@@ -96,23 +106,24 @@ def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]],
         one(method, rows[0][1], min(rows[0][2], 16), seed)  # warm-up (and the engine's calibration), not measured
     for i, (cohort, ids, max_new) in enumerate(rows):
         for method, outs in zip(methods, outputs, strict=True):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             tokens, acc = one(method, ids, max_new, seed + i)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             outs.append(tokens)
             for key in (cohort, "all"):
                 cell = method.cells.setdefault(
                     key, _Cell(acceptance=AcceptanceStats() if method.kind == "runtime" else None))
                 cell.tokens += len(tokens)
                 cell.seconds += seconds
+                cell.cpu_seconds += cpu
                 cell.rows += 1
                 if acc is not None and cell.acceptance is not None:
                     cell.acceptance.merge(acc)
     return outputs
 
 
-def _run_batched(methods: list[_Method], rows: list[tuple[str, list[int], int]], temperature: float,
-                 batch: int) -> list[tuple[_Method, list[list[int]]]]:
+def _run_batched(methods: list[Method], rows: list[tuple[str, list[int], int]], temperature: float,
+                 batch: int) -> list[tuple[Method, list[list[int]]]]:
     """Every runtime method on all rows at once, `batch` requests sharing each target forward; returns the new
     `<method>@batchB` methods (cell "all") with their outputs in row order."""
     from speculators.serving.sampling import SamplingParams
@@ -127,17 +138,27 @@ def _run_batched(methods: list[_Method], rows: list[tuple[str, list[int], int]],
                      acceptance=AcceptanceStats())
         for o in outs:
             cell.acceptance.merge(o.stats.acceptance)
-        batched = _Method(f"{method.name}@batch{batch}", "runtime", method.engine, cells={"all": cell})
+        batched = Method(f"{method.name}@batch{batch}", "runtime", method.engine, cells={"all": cell})
         done.append((batched, [o.token_ids for o in outs]))
     return done
 
 
+def bench_rows(engine: Any, workloads: str, rows_per_cohort: int) -> list[tuple[str, list[int], int]]:
+    """(cohort, prompt token ids, max_new_tokens) of the first `rows_per_cohort` rows of every cohort."""
+    from speculators.data.workloads import load_workloads
+
+    return [(r.cohort, engine.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
+            for r in load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)]
+
+
 def bench_command(*, target: str, speculators: list[str], workloads: str, rows_per_cohort: int,
                   temperatures: list[float], device: str, dtype: str, out: Path | None, seed: int,
-                  ngram_graft: int = 0, batch: int = 0) -> dict:
-    """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report."""
+                  ngram_graft: int = 0, batch: int = 0, tree: TreeConfig | None = None,
+                  include_hf: bool = True) -> dict:
+    """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report.
+    `tree` replaces each speculator's default drafting settings (e.g. a fixed-depth chain with adaptive off, as
+    `speculators profile` predicts); `include_hf=False` leaves out the Hugging Face rows."""
     from speculators.config import TargetConfig
-    from speculators.data.workloads import load_workloads
     from speculators.serving.engine import Engine
     from speculators.target import load_target
 
@@ -149,27 +170,26 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
         raise SpeculatorsError(f"--temperatures must be non-negative numbers, got {temperatures}")
     threads = torch.get_num_threads()  # set by the caller (`speculators bench --threads`); every method shares it
     loaded = load_target(TargetConfig(name_or_path=target, device=device, dtype=dtype))
-    rows_raw = load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)
-    methods = [_Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
-               _Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
+    methods = [Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
+               Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
     for path in speculators:
-        engine = Engine.from_pretrained(loaded, path, ngram_graft=0)  # the speculator alone
-        methods.append(_Method(f"{engine.info.family}:{Path(path).name}", "runtime", engine))
+        engine = Engine.from_pretrained(loaded, path, ngram_graft=0, tree=tree)  # the speculator alone
+        methods.append(Method(f"{engine.info.family}:{Path(path).name}", "runtime", engine))
         if ngram_graft:  # the same speculator with prompt-lookup nodes grafted onto its trees
-            grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft)
-            methods.append(_Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
-    methods += [_Method("hf", "hf"), _Method("hf-assisted", "hf-assisted")]
-    encoder = methods[0].engine
-    rows = [(r.cohort, encoder.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
-            for r in rows_raw]
+            grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft, tree=tree)
+            methods.append(Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
+    if include_hf:
+        methods += [Method("hf", "hf"), Method("hf-assisted", "hf-assisted")]
+    rows = bench_rows(methods[0].engine, workloads, rows_per_cohort)
     report: dict[str, Any] = {
         "target": target, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
         "threads": threads, "machine": platform.processor() or platform.machine(),
         "rows_per_cohort": rows_per_cohort, "rows": len(rows), "workloads": workloads, "seed": seed,
         "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "batch": batch, "results": {},
+        "speculator_tree": None if tree is None else dataclasses.asdict(tree),
     }
     for temperature in temperatures:
-        outputs = _run_methods(methods, rows, temperature, seed, loaded.model)
+        outputs = run_methods(methods, rows, temperature, seed, loaded.model)
         batched = _run_batched(methods, rows, temperature, batch) if batch > 1 else []
         if temperature == 0:  # greedy: every method must produce plain decoding's tokens
             for method, outs in zip(methods[1:], outputs[1:], strict=True):
@@ -184,19 +204,20 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
     text = format_report(report)
     print(text)
     if out is not None:
-        _write(out, report, text)
+        write_json_and_markdown(out, "bench", report, text)
     return report
 
 
-def _summarise(methods: list[_Method]) -> dict:
+def _summarise(methods: list[Method]) -> dict:
     base = {m.name: m for m in methods}
     out: dict[str, dict] = {}
     for m in methods:
         for cohort, cell in m.cells.items():
             plain = base["plain"].cells[cohort].tokens_per_second
-            hf = base["hf"].cells[cohort].tokens_per_second
+            hf = base["hf"].cells[cohort].tokens_per_second if "hf" in base else None
             tps = cell.tokens_per_second
             entry = {"tokens": cell.tokens, "seconds": round(cell.seconds, 4), "tokens_per_second": round(tps, 2),
+                     "tokens_per_cpu_second": round(cell.tokens_per_cpu_second, 2),
                      "vs_plain": round(tps / plain, 3) if plain else None,
                      "vs_hf": round(tps / hf, 3) if hf else None, "mismatched_rows": cell.mismatched_rows}
             if cell.acceptance is not None:
@@ -220,16 +241,18 @@ def format_report(report: dict) -> str:
                 acc = " ".join(f"{a:.2f}" for a in e.get("per_position_acceptance", [])) or "-"
                 tau = f"{e['tau']:.2f}" if "tau" in e else "-"
                 mism = str(e["mismatched_rows"]) if float(temperature) == 0 else "-"
+                vs_hf = "-" if e["vs_hf"] is None else f"{e['vs_hf']:.2f}"
                 lines.append(f"| {cohort} | {name} | {e['tokens_per_second']:.1f} | {e['vs_plain']:.2f} | "
-                             f"{e['vs_hf']:.2f} | {tau} | {acc} | {mism} |")
+                             f"{vs_hf} | {tau} | {acc} | {mism} |")
         lines.append("")
     return "\n".join(lines)
 
 
-def _write(out: Path, report: dict, text: str) -> None:
+def write_json_and_markdown(out: Path, stem: str, report: dict, text: str) -> None:
+    """`out/<stem>.json` and `out/<stem>.md`, each written to a temp file and renamed into place."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, content in (("bench.json", json.dumps(report, indent=2) + "\n"), ("bench.md", text + "\n")):
+    for name, content in ((f"{stem}.json", json.dumps(report, indent=2) + "\n"), (f"{stem}.md", text + "\n")):
         tmp = out / f".{name}.tmp{os.getpid()}"
         tmp.write_text(content)
         os.replace(tmp, out / name)

@@ -39,7 +39,6 @@ grammars, HTTP (server.py).
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -52,7 +51,7 @@ from speculators.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.adaptive import AdaptiveDepth, CostModel
-from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, load_drafter, prune_tree
+from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, depth_tree, load_drafter, prune_tree
 from speculators.serving.kv_cache import StaticKVCache
 from speculators.serving.sampling import SamplingParams, logits_to_probs
 from speculators.serving.target_rows import TargetRows, TokenLogprob
@@ -488,11 +487,8 @@ class Engine:
             root = int(next_token)
 
     def _tree_for(self, depth: int) -> TreeConfig:
-        """The tree settings of one cycle: the chosen depth, and a node budget that grows with it (top-k nodes
-        per level, capped by the configured budget) so that shallow trees stay small."""
-        t = self.tree
-        budget = t.budget if t.kind == "chain" else min(t.budget, max(1, t.topk * depth))
-        return dataclasses.replace(t, depth=depth, budget=budget)
+        """The tree settings of one cycle at the chosen depth (`drafters.depth_tree`)."""
+        return depth_tree(self.tree, depth)
 
     @staticmethod
     def _absorb(drafter: Any, state: Any, pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:

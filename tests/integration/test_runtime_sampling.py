@@ -45,19 +45,19 @@ def _prompt(house_target) -> list[int]:
 
 
 def _chi_square(engine: Engine, house_target, prompt: list[int], sampling: dict, seed: int,
-                max_batch: int = 0) -> float:
-    """p-value of the first two tokens of SAMPLES seeded requests (one at a time, or `max_batch` sharing each
+                max_batch: int = 0, samples: int = SAMPLES) -> float:
+    """p-value of the first two tokens of `samples` seeded requests (one at a time, or `max_batch` sharing each
     target forward) against the exact target law."""
     params = SamplingParams(max_new_tokens=3, **sampling)
-    law, support = exact_prefix_law(hf_model(str(house_target)), prompt, params, 2, min_mass=5.0 / SAMPLES,
+    law, support = exact_prefix_law(hf_model(str(house_target)), prompt, params, 2, min_mass=5.0 / samples,
                                     eos=engine.eos_ids)
-    requests = [SamplingParams(max_new_tokens=3, seed=seed + i, **sampling) for i in range(SAMPLES)]
-    outs = (engine.generate_batch([prompt] * SAMPLES, requests, max_batch=max_batch) if max_batch
+    requests = [SamplingParams(max_new_tokens=3, seed=seed + i, **sampling) for i in range(samples)]
+    outs = (engine.generate_batch([prompt] * samples, requests, max_batch=max_batch) if max_batch
             else (engine.generate(prompt, r) for r in requests))
     keys = [tuple(out.token_ids[:2]) for out in outs]
     for key in keys:
         assert key[0] in support, f"token {key[0]} has probability 0 under the filtered target"
-    return chi_square_p(law, keys, SAMPLES)
+    return chi_square_p(law, keys, samples)
 
 
 @pytest.fixture(scope="module")

@@ -61,3 +61,13 @@ def test_live_stats_counters() -> None:
     assert s.target_calls == 4
     with pytest.raises(ValueError):
         s.record(accepted=4, drafted_depth=3, verified_nodes=3)
+
+
+def test_committed_distribution_matches_simulated_tau() -> None:
+    a = [0.9, 0.6, 0.3]
+    for depth in range(0, 5):
+        probs = metrics.committed_distribution(a, depth)
+        assert len(probs) == depth + 1 and sum(probs) == pytest.approx(1.0)
+        assert sum(j * p for j, p in enumerate(probs, 1)) == pytest.approx(metrics.simulated_tau(a[:depth]))
+    assert metrics.committed_distribution(a, 2) == pytest.approx([0.1, 0.9 * 0.4, 0.9 * 0.6])
+    assert metrics.committed_distribution([], 0) == [1.0]
