@@ -25,7 +25,7 @@ from speculators.data.workloads import load_workloads
 from speculators.serving import Engine, SamplingParams
 from speculators.serving.drafters import DrafterInfo
 from speculators.target import load_target
-from tests.unit.serving.oracle import OracleDrafter, chi_square_p, exact_prefix_law
+from tests.unit.serving.oracle_drafter import OracleDrafter, chi_square_p, exact_prefix_law
 from tests.unit.serving.runtime_helpers import single_thread  # noqa: F401
 
 pytestmark = pytest.mark.integration

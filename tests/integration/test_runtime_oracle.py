@@ -1,5 +1,5 @@
-"""Deep acceptance on the house target (fp32) with an adversarial drafter: `oracle.OracleDrafter` drafts with the
-target itself, each right token placed SECOND behind a decoy that has a child of its own — so accepted paths skip
+"""Deep acceptance on the house target (fp32) with an adversarial drafter: `oracle_drafter.OracleDrafter` drafts with
+the target itself, each right token placed SECOND behind a decoy that has a child of its own — so accepted paths skip
 first children, the KV cache gathers paths with gaps, and under sampling the next token is drawn from residuals at
 depth >= 2. Through it, alone and with several requests sharing each target forward:
 
@@ -23,7 +23,7 @@ from speculators.serving.batching import BatchRunner
 from speculators.serving.drafters import DrafterInfo
 from speculators.serving.engine import StreamChunk
 from speculators.serving.sampling import sample
-from tests.unit.serving.oracle import CycleLog, OracleDrafter, chi_square_p, exact_prefix_law
+from tests.unit.serving.oracle_drafter import CycleLog, OracleDrafter, chi_square_p, exact_prefix_law
 from tests.unit.serving.runtime_helpers import hf_greedy, hf_model, loaded_target, single_thread, top2_margin  # noqa: F401
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ import pytest
 from speculators.config import TreeConfig
 from speculators.serving import Engine, SamplingParams
 from speculators.serving.sampling import logits_to_probs, sample
-from tests.unit.serving.oracle import chi_square_p, exact_prefix_law
+from tests.unit.serving.oracle_drafter import chi_square_p, exact_prefix_law
 from tests.unit.serving.runtime_helpers import hf_model, loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.integration
