@@ -170,32 +170,59 @@ def generate(
                      ngram_graft=ngram_graft, batch=batch)
 
 
-@app.command(help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics).")
+def _serve_opt(name: str, flag: str | None = None) -> Any:
+    """A `serve` flag whose help and default come from `config.ServeConfig` (the recipe's serve: section)."""
+    from speculators.config import ServeConfig, setting_help
+
+    return typer.Option(*([flag] if flag else []), help=setting_help(ServeConfig, name))
+
+
+@app.command(help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics). Settings come from "
+                  "the recipe's serve: section (--recipe) or their defaults; flags override them.")
 @_user_errors
 def serve(
-    target: Annotated[str, typer.Option()] = "data/targets/stdlib-lm",
-    speculator: Annotated[str, typer.Option(help="speculator dir, 'ngram', or 'none'")] = "none",
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
-    api_key_env: Annotated[str | None, typer.Option(help="env var holding the API key (off if unset)")] = None,
-    max_prompt_tokens: Annotated[int, typer.Option()] = 2048,
-    max_new_tokens: Annotated[int, typer.Option()] = 512,
-    max_concurrent_requests: Annotated[int, typer.Option(help="requests running or waiting; more get 429")] = 4,
-    max_batch_size: Annotated[int, typer.Option(help="running requests that share each target forward")] = 4,
-    device: Annotated[str, typer.Option()] = "auto",
-    dtype: Annotated[str, typer.Option()] = "auto",
-    allow_revision_mismatch: Annotated[bool, typer.Option()] = False,
-    ngram_graft: GraftOpt = DEFAULT_GRAFT,
+    recipe: Annotated[Path | None, typer.Option(help="take the target, the speculator (the run's export, when it "
+                                                     "exists) and the serve: section from this recipe")] = None,
+    overrides: OverridesArg = None,
+    target: Annotated[str | None, typer.Option(help="target dir or hub id (default: the recipe's, else "
+                                                    "data/targets/stdlib-lm)")] = None,
+    speculator: Annotated[str | None, typer.Option(help="speculator dir, 'ngram', or 'none' (default: the recipe's "
+                                                        "export when it exists, else none)")] = None,
+    host: Annotated[str | None, _serve_opt("host")] = None,
+    port: Annotated[int | None, _serve_opt("port")] = None,
+    api_key_env: Annotated[str | None, _serve_opt("api_key_env")] = None,
+    max_prompt_tokens: Annotated[int | None, _serve_opt("max_prompt_tokens")] = None,
+    max_new_tokens: Annotated[int | None, _serve_opt("max_new_tokens")] = None,
+    max_concurrent_requests: Annotated[int | None, _serve_opt("max_concurrent_requests")] = None,
+    max_batch_size: Annotated[int | None, _serve_opt("max_batch_size")] = None,
+    max_request_bytes: Annotated[int | None, _serve_opt("max_request_bytes")] = None,
+    allow_revision_mismatch: Annotated[bool | None, _serve_opt(
+        "allow_revision_mismatch", "--allow-revision-mismatch/--no-allow-revision-mismatch")] = None,
+    ngram_graft: Annotated[int | None, _serve_opt("ngram_graft")] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda (default: the recipe's target.device)")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto | float32 | bfloat16 | float16 (default: the recipe's "
+                                                   "target.dtype)")] = None,
     threads: ThreadsOpt = 0,
 ) -> None:
+    import dataclasses
+
+    from speculators.config import ServeConfig, load_recipe
     from speculators.serving.commands import serve_command
 
     _set_threads(threads)
-    serve_command(target=target, speculator=speculator, host=host, port=port, api_key_env=api_key_env,
-                  max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
-                  max_concurrent_requests=max_concurrent_requests, device=device, dtype=dtype,
-                  allow_revision_mismatch=allow_revision_mismatch, ngram_graft=ngram_graft,
-                  max_batch_size=max_batch_size)
+    r = load_recipe(recipe, overrides or []) if recipe is not None or overrides else None
+    flags = {"host": host, "port": port, "api_key_env": api_key_env, "max_prompt_tokens": max_prompt_tokens,
+             "max_new_tokens": max_new_tokens, "max_concurrent_requests": max_concurrent_requests,
+             "max_batch_size": max_batch_size, "max_request_bytes": max_request_bytes,
+             "allow_revision_mismatch": allow_revision_mismatch, "ngram_graft": ngram_graft}
+    config = dataclasses.replace(r.serve if r is not None else ServeConfig(),
+                                 **{k: v for k, v in flags.items() if v is not None})
+    if speculator is None:
+        export = r.paths.export if r is not None else None
+        speculator = str(export) if export is not None and (export / "config.json").is_file() else "none"
+    serve_command(target=target or (r.target.name_or_path if r is not None else "data/targets/stdlib-lm"),
+                  speculator=speculator, device=device or (r.target.device if r is not None else "auto"),
+                  dtype=dtype or (r.target.dtype if r is not None else "auto"), config=config)
 
 
 @app.command(help="Speculative vs plain decoding vs Hugging Face generate (and assisted decoding), as ratios.")
@@ -341,6 +368,9 @@ def train_bench(
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
+    from speculators.logs import configure
+
+    configure()
     try:
         app(args=argv, prog_name="speculators")
     except SpeculatorsError as exc:  # raised outside a command (should not happen, but never a traceback)

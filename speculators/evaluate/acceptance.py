@@ -11,7 +11,8 @@ For every row of `recipe.evaluate.workloads` and every temperature in `recipe.ev
 Then `select.choose_best` picks the highest mean simulated tau at `evaluate.select_temperature`, the bundled
 runtime measures live acceptance of that checkpoint and of the n-gram drafter (`evaluate.live`), and the stage
 writes eval/<step>/{report.json, report.md, per_position.png, tau.png}, eval/selection.json, eval/report.md,
-eval/selection.png and `checkpoints/best` (atomic).
+eval/selection.png and `checkpoints/best` (atomic); with W&B among `train.trackers`, the report (per-cohort tau,
+the plots, the checkpoint choice) also goes to the training run's W&B run.
 
 Report record (eval/<step>/report.json, format "speculators.eval/v1"): checkpoint, step, family, draft_revision,
 eval_key (what the numbers depend on: target revision, rows, temperatures, depth, seed), target, workloads,
@@ -220,11 +221,18 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
         todo_names = {c.name for c in todo} | {best}
     else:
         todo_names = {c.name for c in todo}
-    _write_outputs(recipe, reports, best, todo_names)
+    selection = _write_outputs(recipe, reports, best, todo_names)
+    if "wandb" in recipe.train.trackers:  # the report joins the training run in W&B (when training had one)
+        from speculators.train.tracking import log_evaluation, wandb_options
+
+        eval_dir = recipe.paths.eval
+        log_evaluation(recipe.paths.logs, wandb_options(recipe.train), selection,
+                       {"selection": eval_dir / "selection.png", "per_position": eval_dir / best / "per_position.png",
+                        "tau": eval_dir / best / "tau.png"})
     return _summary(recipe, reports, best, len(todo))
 
 
-def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed: set[str]) -> None:
+def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed: set[str]) -> dict:
     from speculators.evaluate.report import write_checkpoint_report, write_overview
 
     eval_dir = recipe.paths.eval
@@ -239,6 +247,7 @@ def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed:
     if recipe.evaluate.select_best:
         write_pointer(recipe.paths.checkpoints, recipe.paths.checkpoints / best, "best")
     write_json_atomic(eval_dir / "selection.json", selection)  # the manifest: written last
+    return selection
 
 
 def _summary(recipe: Recipe, reports: dict[str, dict], best: str, evaluated: int) -> dict:

@@ -16,11 +16,21 @@ Per request (batch 1 here; batching.py runs several in lockstep), one code path 
    tokens + the corrected / bonus token).
 3. EOS or a stop string inside the committed tokens truncates the output there; `max_new_tokens` caps it.
 
-Greedy (temperature 0) output equals the target's own greedy decoding token for token, whatever the drafter;
-sampled output is distributed exactly as sampling the target with the same temperature / top-k / top-p. A
-seeded sampled request is reproducible (same engine settings, same seed -> same tokens): its draft depth is
-fixed instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in
-distribution, not per sample path).
+What holds, in which dtype (DESIGN §7):
+- Every dtype: lossless in distribution. The output is distributed exactly as sampling the target rows the verify
+  forward computed, with the same temperature / top-k / top-p, whatever the drafter (verification is exact; tested
+  by chi-square through deep trees in float32 and bfloat16).
+- float32 (CPU): at temperature 0 the output equals the target's own greedy decoding token for token, whatever the
+  drafter — a tree-shaped verify forward rounds like the one-token forward here, up to exact near-ties (top-2 logit
+  margin < 1e-4; tested on every held-out row).
+- bfloat16 (the CUDA default): NOT token for token. A tree-shaped forward rounds differently from a one-token forward
+  (on the house target the same logits differ by up to 0.25 between forward shapes), so a near-tie can flip and the
+  rest of the output follows the other branch. Measured (tests/integration/test_runtime_dtypes.py, 72 held-out rows x
+  n-gram and oracle trees, 24 tokens, CPU bf16): 8 of 144 greedy runs diverged from HF bf16 greedy decoding, every
+  first divergence at a top-2 margin <= 0.0625 (one bf16 ulp there). Compare fp32 with fp32 when you need equality.
+A seeded sampled request is reproducible (same engine settings, same seed -> same tokens): its draft depth is fixed
+instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in distribution,
+not per sample path).
 
 Several requests share each target forward through `generate_batch` / `batching.BatchRunner`, which drive the same
 per-request coroutine (`request`) that `stream` drives alone. Not here: CUDA graphs, paged KV, penalties /
@@ -44,7 +54,7 @@ from speculators.serving.adaptive import AdaptiveDepth, CostModel
 from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, depth_tree, load_drafter, prune_tree
 from speculators.serving.kv_cache import StaticKVCache
 from speculators.serving.sampling import SamplingParams, logits_to_probs
-from speculators.serving.target_rows import TargetRows
+from speculators.serving.target_rows import TargetRows, TokenLogprob
 from speculators.serving.target_runner import ForwardOutput, Segment, TargetRunner
 from speculators.serving.trees import DraftTree, ancestor_mask
 from speculators.serving.verify import verify_tree_lazy
@@ -107,6 +117,7 @@ class GenerateOutput:
     text: str  # decoded without special tokens, cut before a matched stop string
     stats: GenerationStats
     prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when SamplingParams.logprobs asked for them
 
     @property
     def finish_reason(self) -> str:
@@ -118,6 +129,7 @@ class StreamChunk:
     text: str  # new text since the previous chunk (held back while it could still become a stop string)
     token_ids: list[int]  # new committed token ids since the previous chunk
     output: GenerateOutput | None = None  # set on the last chunk only
+    logprobs: list[TokenLogprob] | None = None  # of `token_ids`, when the request asked for them
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -321,7 +333,8 @@ class Engine:
         out: list[int] = []
         emitted_text = 0
         stats = GenerationStats(drafter=self.info.name, prompt_tokens=len(prompt_ids))
-        cycles = self._cycles(prompt_ids, params, out, stats, stops, slot)
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        cycles = self._cycles(prompt_ids, params, out, stats, stops, slot, logprobs)
         reply: ForwardOutput | None = None
         while True:
             item = cycles.send(reply)
@@ -330,15 +343,16 @@ class Engine:
                 continue
             reply = None
             new_tokens, finish = item
+            new_logprobs = logprobs[len(out) - len(new_tokens):] if logprobs is not None else None
             if finish is None:
                 if not text_deltas:
-                    yield StreamChunk(text="", token_ids=new_tokens)
+                    yield StreamChunk(text="", token_ids=new_tokens, logprobs=new_logprobs)
                     continue
                 text = self._decode(out).rstrip("\ufffd")
                 safe = len(text) - hold if stops else len(text)
                 delta = text[emitted_text:safe] if safe > emitted_text else ""
                 emitted_text += len(delta)
-                yield StreamChunk(text=delta, token_ids=new_tokens)
+                yield StreamChunk(text=delta, token_ids=new_tokens, logprobs=new_logprobs)
                 continue
             text = self._final_text(out, stops)
             stats.generated_tokens = len(out)
@@ -346,8 +360,9 @@ class Engine:
             stats.total_seconds = time.perf_counter() - t_start
             stats.decode_seconds = stats.total_seconds - stats.prefill_seconds
             self.totals.merge(stats.acceptance)
-            output = GenerateOutput(token_ids=list(out), text=text, stats=stats, prompt_token_ids=list(prompt_ids))
-            yield StreamChunk(text=text[emitted_text:], token_ids=new_tokens, output=output)
+            output = GenerateOutput(token_ids=list(out), text=text, stats=stats, prompt_token_ids=list(prompt_ids),
+                                    logprobs=list(logprobs) if logprobs is not None else None)
+            yield StreamChunk(text=text[emitted_text:], token_ids=new_tokens, output=output, logprobs=new_logprobs)
             return
 
     def _decode(self, ids: list[int]) -> str:
@@ -364,10 +379,11 @@ class Engine:
         return any(s in tail for s in stops)
 
     def _cycles(self, prompt_ids: list[int], params: SamplingParams, out: list[int], stats: GenerationStats,
-                stops: list[str], slot: Slot
+                stops: list[str], slot: Slot, logprobs: list[TokenLogprob] | None = None
                 ) -> Generator[VerifyForward | tuple[list[int], str | None], ForwardOutput | None, None]:
-        """The generation loop; appends to `out` and yields (new tokens, finish reason or None) per cycle, and a
-        `VerifyForward` before that (answered with its output)."""
+        """The generation loop; appends to `out` (and each token's log-probabilities to `logprobs`, when given) and
+        yields (new tokens, finish reason or None) per cycle, and a `VerifyForward` before that (answered with its
+        output)."""
         t0 = time.perf_counter()
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
@@ -425,7 +441,7 @@ class Engine:
                                              logit_rows=_NO_ROWS))
             fwd = yield call
             t_accept = time.perf_counter()
-            accepted, next_token = self._accept(tree, fwd, params, generator)
+            accepted, next_token, rows = self._accept(tree, fwd, params, generator)
             path = [0, *accepted]
             cache.commit(path)
             t_done = time.perf_counter()
@@ -453,6 +469,8 @@ class Engine:
                     finish = "length"
                 if finish:
                     break
+            if logprobs is not None:  # committed token j was drawn from the target's law at node path[j]
+                logprobs.extend(rows.token_logprobs(path[:len(new)], new, int(params.logprobs or 0)))
             if finish:
                 stats.adaptive = ctrl.report()
                 if ctrl.mode == "adaptive":
@@ -485,11 +503,14 @@ class Engine:
         pending.clear()
 
     def _accept(self, tree: DraftTree, fwd: ForwardOutput, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[list[int], int]:
-        """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits."""
+                generator: torch.Generator | None) -> tuple[list[int], int, TargetRows]:
+        """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits (and kept
+        with their raw logits when the request asked for log-probabilities)."""
         rows = TargetRows(fwd.hidden, tree.parents, self.runner.logits,
-                          lambda logits: self._target_probs(logits, params, tree))
-        return self._verify(tree, rows, params, generator)
+                          lambda logits: self._target_probs(logits, params, tree),
+                          keep_logits=params.logprobs is not None)
+        accepted, next_token = self._verify(tree, rows, params, generator)
+        return accepted, next_token, rows
 
     def _target_probs(self, logits: torch.Tensor, params: SamplingParams, tree: DraftTree) -> torch.Tensor:
         """The filtered target law at some of the tree's nodes: logits [R, V] -> [R, V] (the one sampling

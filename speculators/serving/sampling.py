@@ -21,6 +21,10 @@ Filter order (fixed; part of the contract):
 `sample` draws one token from a row by inverse CDF on a float64 uniform from the caller's generator.
 It never returns a zero-probability token (also when the uniform is exactly 0).
 
+`SamplingParams.logprobs` (None, or k >= 0) asks the engine for the log-probability of every generated token and
+its k most likely alternatives; those come from the target's unfiltered law (log-softmax of its logits, before
+temperature, top-k and top-p), as vLLM reports them by default. They never change which tokens are drawn.
+
 Not here: repetition/presence penalties, min-p, logit bias, grammar masks, stop-string matching (`stop`
 is carried for the engine), and batched sampling of many rows at once.
 """
@@ -32,7 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "logits_to_probs", "sample", "inverse_cdf"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "logits_to_probs", "sample", "inverse_cdf"]
+
+MAX_LOGPROBS = 20  # most alternatives per generated token (OpenAI's top_logprobs limit)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -45,6 +52,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
+    logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and its k best alternatives
 
     @property
     def greedy(self) -> bool:
@@ -62,8 +70,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an int in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] or None, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if self.stop is not None and (
             not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
         ):

@@ -13,11 +13,11 @@ verifies against the unfiltered target rows.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from speculators.config import TreeConfig
 from speculators.serving import Engine, SamplingParams
 from speculators.serving.sampling import logits_to_probs, sample
+from tests.unit.serving.oracle_drafter import chi_square_p, exact_prefix_law
 from tests.unit.serving.runtime_helpers import hf_model, loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -44,52 +44,20 @@ def _prompt(house_target) -> list[int]:
     return engine.encode(text)
 
 
-def _exact_pairs(house_target, prompt: list[int], params: SamplingParams, min_mass: float, eos: set[int]) -> dict:
-    """Exact P(t1, t2) for every pair with P >= min_mass (direct forwards; an EOS first token ends the output:
-    key (eos,)); the rest is one 'other' bin."""
-    model = hf_model(str(house_target))
-    with torch.no_grad():
-        p1 = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1].double(), params)  # [V]
-    pairs: dict = {}
-    for t1 in torch.nonzero(p1 >= min_mass).flatten().tolist():
-        if t1 in eos:
-            pairs[(t1,)] = float(p1[t1])
-            continue
-        with torch.no_grad():
-            p2 = logits_to_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1].double(), params)
-        for t2 in torch.nonzero(p1[t1] * p2 >= min_mass).flatten().tolist():
-            pairs[(t1, t2)] = float(p1[t1] * p2[t2])
-    support_1 = set(torch.nonzero(p1 > 0).flatten().tolist())
-    return {"pairs": pairs, "support_1": support_1}
-
-
 def _chi_square(engine: Engine, house_target, prompt: list[int], sampling: dict, seed: int,
                 max_batch: int = 0, samples: int = SAMPLES) -> float:
     """p-value of the first two tokens of `samples` seeded requests (one at a time, or `max_batch` sharing each
     target forward) against the exact target law."""
-    from scipy.stats import chi2
-
     params = SamplingParams(max_new_tokens=3, **sampling)
-    exact = _exact_pairs(house_target, prompt, params, min_mass=5.0 / samples, eos=engine.eos_ids)
-    counts: dict = {}
+    law, support = exact_prefix_law(hf_model(str(house_target)), prompt, params, 2, min_mass=5.0 / samples,
+                                    eos=engine.eos_ids)
     requests = [SamplingParams(max_new_tokens=3, seed=seed + i, **sampling) for i in range(samples)]
     outs = (engine.generate_batch([prompt] * samples, requests, max_batch=max_batch) if max_batch
             else (engine.generate(prompt, r) for r in requests))
-    for out in outs:
-        key = tuple(out.token_ids[:2])
-        assert key[0] in exact["support_1"], f"token {key[0]} has probability 0 under the filtered target"
-        counts[key] = counts.get(key, 0) + 1
-    expected = dict(exact["pairs"])
-    other_p = max(0.0, 1.0 - sum(expected.values()))
-    for key in sorted(expected, key=expected.get):  # grow the 'other' bin until its expectation is >= 5
-        if other_p * samples >= 5:
-            break
-        other_p += expected.pop(key)
-    observed_other = samples - sum(counts.get(k, 0) for k in expected)
-    stat = sum((counts.get(k, 0) - samples * p) ** 2 / (samples * p) for k, p in expected.items())
-    stat += (observed_other - samples * other_p) ** 2 / (samples * other_p) if other_p > 0 else 0.0
-    bins = len(expected) + (other_p > 0)
-    return float(chi2.sf(stat, bins - 1))
+    keys = [tuple(out.token_ids[:2]) for out in outs]
+    for key in keys:
+        assert key[0] in support, f"token {key[0]} has probability 0 under the filtered target"
+    return chi_square_p(law, keys, samples)
 
 
 @pytest.fixture(scope="module")

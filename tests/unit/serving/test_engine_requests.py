@@ -1,5 +1,6 @@
 """Bad requests get one clear SpeculatorsError each; sampled decoding is reproducible per seed and uses the
-draft's probabilities for sampled chains."""
+draft's probabilities for sampled chains; log-probabilities of generated tokens are the target's own, whatever tree
+they were accepted through, alone and batched."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def engine(tiny_llama) -> Engine:
     (SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (SamplingParams(temperature=-1.0), "temperature"),
     (SamplingParams(top_k=-1), "top_k"),
+    (SamplingParams(seed=2**64), r"seed must be an int in \[-9223372036854775808, 18446744073709551615\]"),
+    (SamplingParams(seed=-(2**63) - 1), "seed must be an int in"),
+    (SamplingParams(logprobs=21), r"logprobs must be an int in \[0, 20\]"),
+    (SamplingParams(logprobs=True), "logprobs must be an int"),
 ])
 def test_bad_sampling_params(engine: Engine, params: SamplingParams, match: str) -> None:
     with pytest.raises(SpeculatorsError, match=match):
@@ -83,3 +88,27 @@ def test_sampled_chain_is_verified_with_draft_probabilities(tiny_llama, tmp_path
     seen.clear()
     eng.generate(PROMPT, SamplingParams(max_new_tokens=6))
     assert {m for m, _ in seen} == {"greedy"}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_are_the_targets_own(tiny_llama, temperature: float) -> None:
+    import torch
+
+    from tests.unit.serving.runtime_helpers import hf_model
+
+    tree = TreeConfig(kind="dynamic", depth=3, topk=2, budget=6, adaptive=False)
+    eng = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram", max_len=64, tree=tree)
+    params = SamplingParams(max_new_tokens=16, temperature=temperature, seed=7, logprobs=3)
+    alone = eng.generate(PROMPT, params)
+    batched = eng.generate_batch([PROMPT, PROMPT[:6]], [params, params], max_batch=2)[0]
+    assert eng.totals.drafted_tokens > 0
+    assert temperature > 0 or eng.totals.accepted_tokens > 0  # greedy: tokens came through accepted draft nodes
+    for out in (alone, batched):
+        with torch.no_grad():
+            logits = hf_model(str(tiny_llama))(torch.tensor([PROMPT + out.token_ids])).logits[0].double()
+        ref = torch.log_softmax(logits, -1)[len(PROMPT) - 1:-1]  # [G, V]
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        for j, lp in enumerate(out.logprobs):
+            assert lp.logprob == pytest.approx(float(ref[j, lp.token_id]), abs=1e-4)
+            assert [i for i, _ in lp.top] == torch.topk(ref[j], 3).indices.tolist()
+    assert eng.generate(PROMPT, SamplingParams(max_new_tokens=4)).logprobs is None
