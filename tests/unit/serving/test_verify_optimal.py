@@ -141,3 +141,25 @@ def test_traversal_cases_stop_inside_the_tree_and_revive_later_siblings() -> Non
     law = enumerate_law(program)
     assert sum(w for (inner, _), w in law.items() if inner) > 0
     assert sum(w for (_, later), w in law.items() if later) > 0
+
+
+@pytest.mark.parametrize("seed", [113, 114])
+def test_metrics_block_formula_predicts_the_walks_acceptance(seed: int) -> None:
+    """For depth-only laws the walk's exact expected accepted drafts in block mode is sum_k E[w_k]: the evaluation
+    formula (`metrics.block_reach_bounds`) brackets it, and the token-wise formula gives the iid walk's exactly."""
+    import torch
+
+    from speculators import metrics
+
+    tables = ToyTables(4, seed, "depth_only")
+    depth = len(LONG_CHAIN) - 1
+    rows = [((0,) * k) for k in range(depth)]
+    p = [torch.tensor([[float(x) for x in tables.p(ctx)]], dtype=torch.float64) for ctx in rows]
+    q = [torch.tensor([[float(x) for x in tables.q(ctx)]], dtype=torch.float64) for ctx in rows]
+    exact = LoopLaw(tables, iid(LONG_CHAIN), "block").expected_accepted()
+    lower, upper = metrics.block_reach_bounds(p, q)
+    assert float(lower.sum()) <= float(exact) + 1e-12 <= float(upper.sum()) + 2e-12
+    assert float(upper.sum() - lower.sum()) < 0.02
+    token_wise = metrics.chain_reach(torch.stack([metrics.sampled_alpha(a, b) for a, b in zip(p, q, strict=True)], 1))
+    assert sum(token_wise) == pytest.approx(float(LoopLaw(tables, iid(LONG_CHAIN), "iid").expected_accepted()))
+    assert float(exact) > sum(token_wise)
