@@ -214,6 +214,9 @@ def bench(
                                                   "grafted onto its trees (0: no such rows)")] = DEFAULT_GRAFT,
     batch: Annotated[int, typer.Option(help="also run every runtime method on all rows with this many requests "
                                             "sharing each target forward (0: no such rows)")] = 0,
+    compare_verify: Annotated[bool, typer.Option(help="at T > 0 also run each speculator at a fixed tree: a sampled "
+                                                      "chain verified token-wise vs by block verification, a sampled "
+                                                      "tree token-wise vs by traversal verification")] = False,
     threads: ThreadsOpt = 0,
 ) -> None:
     from speculators.serving.bench import bench_command
@@ -221,7 +224,8 @@ def bench(
     _set_threads(threads)
     bench_command(target=target, speculators=speculator or [], workloads=workloads,
                   rows_per_cohort=rows_per_cohort, temperatures=[float(t) for t in temperatures.split(",")],
-                  device=device, dtype=dtype, out=out, seed=seed, ngram_graft=ngram_graft, batch=batch)
+                  device=device, dtype=dtype, out=out, seed=seed, ngram_graft=ngram_graft, batch=batch,
+                  compare_verify=compare_verify)
 
 
 @app.command(name="train-bench", help="Training throughput (tokens/s per process) and peak memory of each family.")

@@ -8,6 +8,11 @@ For every temperature, every method generates every row once after one unmeasure
   +ngram       the same speculator with `ngram_graft` prompt-lookup nodes grafted onto its trees (graft.py)
   hf           Hugging Face `generate` (greedy, or do_sample with top_k=0 / top_p=1 at T > 0, seeded per row)
   hf-assisted  Hugging Face assisted decoding with prompt lookup (`prompt_lookup_num_tokens`)
+  <dir name> chain token|block, <dir name> sampled token|traversal   (with `compare_verify`, T > 0 only)
+               each speculator at a FIXED tree (the engine's default depth / top-k / budget, adaptive off): a chain
+               sampled from the draft law verified token by token ("iid") vs by block verification, and a sampled
+               tree (spine + sibling draws without replacement) verified token by token ("without_replacement") vs
+               by traversal verification — the same drafts either way, so tau compares the verifiers
 With `batch` B > 1, every runtime method also generates all rows once more with up to B requests sharing each
 target forward (`<method>@batchB` rows, cohort "all" only: throughput of the whole set, as a server under
 concurrent load sees it; at T = 0 their tokens are checked against `plain` too).
@@ -57,6 +62,25 @@ class _Method:
     kind: str  # "runtime" | "hf" | "hf-assisted"
     engine: Any = None
     cells: dict[str, _Cell] = field(default_factory=dict)
+    sampled_only: bool = False  # verifier comparisons: the same rows as greedy decoding at T = 0
+
+# verifier comparisons (`compare_verify`): (row suffix, tree kind, TreeConfig.verify)
+VERIFY_ROWS = (("chain token", "chain", "token"), ("chain block", "chain", "sequence"),
+               ("sampled token", "sampled", "token"), ("sampled traversal", "sampled", "sequence"))
+
+
+def _verify_methods(loaded: Any, path: str, name: str) -> list[_Method]:
+    """The `compare_verify` rows of one speculator: fixed trees of the engine's default shape, adaptive off."""
+    import dataclasses
+
+    from speculators.serving.engine import Engine
+
+    out = []
+    for suffix, kind, verify in VERIFY_ROWS:
+        engine = Engine.from_pretrained(loaded, path, ngram_graft=0)
+        engine.set_tree(dataclasses.replace(engine.tree, kind=kind, verify=verify), adaptive=False)
+        out.append(_Method(f"{name} {suffix}", "runtime", engine, sampled_only=True))
+    return out
 
 
 def _hf_generate(model: Any, ids: list[int], max_new: int, temperature: float, seed: int, assisted: bool) -> list[int]:
@@ -119,7 +143,7 @@ def _run_batched(methods: list[_Method], rows: list[tuple[str, list[int], int]],
 
     params = [SamplingParams(max_new_tokens=max_new, temperature=temperature) for _, _, max_new in rows]
     done = []
-    for method in [m for m in methods if m.kind == "runtime"]:
+    for method in [m for m in methods if m.kind == "runtime" and not m.sampled_only]:  # comparisons: batch 1 only
         t0 = time.perf_counter()
         outs = method.engine.generate_batch([ids for _, ids, _ in rows], params, max_batch=batch)
         seconds = time.perf_counter() - t0
@@ -134,7 +158,7 @@ def _run_batched(methods: list[_Method], rows: list[tuple[str, list[int], int]],
 
 def bench_command(*, target: str, speculators: list[str], workloads: str, rows_per_cohort: int,
                   temperatures: list[float], device: str, dtype: str, out: Path | None, seed: int,
-                  ngram_graft: int = 0, batch: int = 0) -> dict:
+                  ngram_graft: int = 0, batch: int = 0, compare_verify: bool = False) -> dict:
     """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report."""
     from speculators.config import TargetConfig
     from speculators.data.workloads import load_workloads
@@ -158,6 +182,8 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
         if ngram_graft:  # the same speculator with prompt-lookup nodes grafted onto its trees
             grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft)
             methods.append(_Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
+        if compare_verify and any(t > 0 for t in temperatures):
+            methods += _verify_methods(loaded, path, f"{engine.info.family}:{Path(path).name}")
     methods += [_Method("hf", "hf"), _Method("hf-assisted", "hf-assisted")]
     encoder = methods[0].engine
     rows = [(r.cohort, encoder.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
@@ -168,7 +194,9 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
         "rows_per_cohort": rows_per_cohort, "rows": len(rows), "workloads": workloads, "seed": seed,
         "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "batch": batch, "results": {},
     }
+    all_methods = methods
     for temperature in temperatures:
+        methods = [m for m in all_methods if temperature > 0 or not m.sampled_only]
         outputs = _run_methods(methods, rows, temperature, seed, loaded.model)
         batched = _run_batched(methods, rows, temperature, batch) if batch > 1 else []
         if temperature == 0:  # greedy: every method must produce plain decoding's tokens
