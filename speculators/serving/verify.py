@@ -36,8 +36,9 @@ subtree, and by exact enumeration in the tests): the output passes through v wit
 next token has law r_v, so at the root (w = 1) the output law is the target's. On a chain the post-order is the
 leaf-to-root scan of block verification: w is Sun et al.'s p_i, the updated weight their h_i, and the accepted
 length their tau = max{i : eta_i <= h_i}. A child with weight 0 is rejected with its whole subtree without
-looking at it (every weight below it is 0 too). Expected accepted length is never below the token-wise rule on
-the same draft (w(child) >= the product of token-wise acceptances), and equal on depth-1 trees.
+looking at it (every weight below it is 0 too). On a chain the expected accepted length is never below the
+token-wise rule's on the same draft (w_i >= prod_{j<=i} min(1, p_j/q_j)); on trees the tests check the same
+inequality exactly on every enumerated case; depth-1 trees verify exactly as token-wise.
 
 Randomness injection: the decision logic (`walk_tree`) never touches a generator or a tensor. It reads rows
 through a `RowOps` (arithmetic on rows: probability of a token, argmax, residuals) and makes every random
@@ -202,12 +203,7 @@ def _try_children(
     q: Row | None = draft_row(node)
     for c in kids:
         x = tree.tokens[c]
-        qx = ops.prob(q, x) if q is not None else 0
-        if not qx > 0:
-            raise ValueError(
-                f"node {c} carries token {x}, which has probability 0 under the law its parent's children "
-                f"were drawn from ({mode}): draft_probs or the tree is wrong"
-            )
+        qx = _draft_prob(ops, q, c, x, mode)
         rx = ops.prob(r, x)
         if rng.accept(rx / qx if rx < qx else 1):
             return c, r
@@ -215,6 +211,17 @@ def _try_children(
         if mode == "without_replacement":
             q = ops.remove(q, x)  # exact law of the next sibling given the ones before it
     return None, r
+
+
+def _draft_prob(ops: RowOps[Row], q: Row | None, child: int, token: int, mode: str) -> Real:
+    """q(token) of a drafted child; a child its parent's law cannot have produced is invalid input."""
+    qx = ops.prob(q, token) if q is not None else 0
+    if not qx > 0:
+        raise ValueError(
+            f"node {child} carries token {token}, which has probability 0 under the law its parent's children "
+            f"were drawn from ({mode}): draft_probs or the tree is wrong"
+        )
+    return qx
 
 
 def _traverse_tree(tree: Tree, mode: str, target_row: Callable[[int], Row], draft_row: Callable[[int], Row] | None,
@@ -246,13 +253,7 @@ def _traverse(tree: Tree, node: int, weight: Real, mode: str, target_row: Callab
     q: Row | None = draft_row(node)
     for c in kids:
         x = tree.tokens[c]
-        qx = ops.prob(q, x) if q is not None else 0
-        if not qx > 0:
-            raise ValueError(
-                f"node {c} carries token {x}, which has probability 0 under the law its parent's children "
-                f"were drawn from ({mode}): draft_probs or the tree is wrong"
-            )
-        child_weight = weight * ops.prob(r, x) / qx
+        child_weight = weight * ops.prob(r, x) / _draft_prob(ops, q, c, x, mode)
         if child_weight > 0:
             found = _traverse(tree, c, min(child_weight, 1), mode, target_row, draft_row, ops, rng)
             if found is not None:
