@@ -145,7 +145,7 @@ def generate(
     seed: Annotated[int | None, typer.Option()] = None,
     device: Annotated[str, typer.Option()] = "auto",
     dtype: Annotated[str, typer.Option()] = "auto",
-    tree: Annotated[str | None, typer.Option(help="dynamic | static | chain (default: the drafter's own)")] = None,
+    tree: Annotated[str | None, typer.Option(help="dynamic | static | chain | sampled (default: the drafter's own)")] = None,
     depth: Annotated[int | None, typer.Option()] = None,
     topk: Annotated[int | None, typer.Option()] = None,
     budget: Annotated[int | None, typer.Option()] = None,

@@ -5,8 +5,8 @@ temperature / top-k / top-p operator), by Pearson chi-square with family-wise al
 Covered: n-gram drafts (deterministic trees), a random EAGLE-3 sampled chain (block verification with the draft's
 probabilities) and sampled tree (traversal verification), a random Medusa top-k tree and a random EAGLE-3 top-k tree
 with a prompt-lookup graft; a near-target drafter (the house target itself at another temperature: ratios p/q on
-both sides of 1, deep acceptance) drafting a sampled tree (traversal) and a sampled chain verified token-wise ("iid")
-and by block verification; each under temperature, top-k and top-p; the Medusa case once more with 8 requests
+both sides of 1, deep acceptance) drafting sampled trees and chains verified by traversal / block verification and
+token-wise ("without_replacement" / "iid": the bench's comparison rows); each under temperature, top-k and top-p; the Medusa case once more with 8 requests
 sharing each target forward (batching.py). Negative controls run through the SAME test and must be rejected: an
 engine that accepts every drafted token the target can produce (lossy "typical"-style acceptance) and one that
 verifies against the unfiltered target rows.
@@ -43,6 +43,8 @@ CASES = [  # (drafter, tree, sampling)
      dict(temperature=0.8, top_k=0, top_p=0.95)),
     ("near-target", TreeConfig(kind="chain", depth=3, adaptive=False), dict(temperature=1.0, top_k=30)),
     ("near-target", TreeConfig(kind="chain", depth=3, adaptive=False, verify="token"), dict(temperature=1.0)),
+    ("near-target", TreeConfig(kind="sampled", depth=2, topk=3, budget=5, adaptive=False, verify="token"),
+     dict(temperature=1.0, top_p=0.9)),
 ]
 NUM_TESTS = len(CASES) + 3  # Bonferroni over every chi-square this module runs (controls, batched case included)
 BATCHED_CASE = 3  # also run with 8 requests sharing each target forward (batching.py)
@@ -109,18 +111,22 @@ def spec_dirs(house_target, tmp_path_factory) -> dict[str, str]:
 
 
 class _TargetStepper:
-    """Draft laws from the house target itself (full forwards, no cache): the children of a path get the target's
-    next-token logits after it, divided by `sharpen`, so the draft law is near the target's but not equal to it."""
+    """Draft laws from the house target itself: the children of a path get the target's next-token logits after it
+    (full forwards, memoised by token sequence: every request starts from the same prompt), divided by `sharpen`, so
+    the draft law is near the target's but not equal to it."""
 
     max_depth, room = 8, 64
 
-    def __init__(self, model, context: list[int], sharpen: float) -> None:
-        self.model, self.context, self.sharpen = model, context, sharpen
+    def __init__(self, model, context: list[int], sharpen: float, memo: dict) -> None:
+        self.model, self.context, self.sharpen, self.memo = model, context, sharpen, memo
         self.paths: dict[int, list[int]] = {-1: []}
 
     def _logits(self, path: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return self.model(torch.tensor([self.context + path])).logits[0, -1] / self.sharpen  # [V]
+        key = tuple(self.context + path)
+        if key not in self.memo:
+            with torch.no_grad():
+                self.memo[key] = self.model(torch.tensor([list(key)])).logits[0, -1] / self.sharpen  # [V]
+        return self.memo[key]
 
     def root_logits(self) -> torch.Tensor:
         return self._logits([])
@@ -140,12 +146,13 @@ class _NearTargetDrafter(NgramDrafter):
         super().__init__()
         self.model, self.sharpen = model, sharpen
         self.vocab = int(model.config.vocab_size)
+        self.memo: dict[tuple[int, ...], torch.Tensor] = {}
 
     def required_features(self) -> FeatureRequest:
         return FeatureRequest(tap_layer_ids=None, last_hidden=False)
 
     def propose(self, state, root_token, tree, sampling, generator):
-        stepper = _TargetStepper(self.model, list(state.tokens), self.sharpen)
+        stepper = _TargetStepper(self.model, list(state.tokens), self.sharpen, self.memo)
         return propose_tree(stepper, root_token, tree, sampling, generator, torch.arange(self.vocab), self.vocab)
 
 
