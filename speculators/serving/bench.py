@@ -50,6 +50,7 @@ class _Cell:
     rows: int = 0
     acceptance: AcceptanceStats | None = None
     mismatched_rows: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)  # speculative cycles per drafted tree kind (runtime)
 
     @property
     def tokens_per_second(self) -> float:
@@ -105,13 +106,13 @@ def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]],
     drifts during the run slows every method alike); fills `method.cells`; returns outputs[method][row]."""
     from speculators.serving.sampling import SamplingParams
 
-    def one(method: _Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], AcceptanceStats | None]:
+    def one(method: _Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], Any]:
         if method.kind == "runtime":
             # unseeded: a seeded sampled request drafts at a fixed depth (reproducibility), and the bench
             # measures what serving does by default (adaptive depth)
             params = SamplingParams(max_new_tokens=max_new, temperature=temperature)
             out = method.engine.generate(ids, params)
-            return out.token_ids, out.stats.acceptance
+            return out.token_ids, out.stats
         return _hf_generate(model, ids, max_new, temperature, row_seed, method.kind == "hf-assisted"), None
 
     outputs: list[list[list[int]]] = [[] for _ in methods]
@@ -121,7 +122,7 @@ def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]],
     for i, (cohort, ids, max_new) in enumerate(rows):
         for method, outs in zip(methods, outputs, strict=True):
             t0 = time.perf_counter()
-            tokens, acc = one(method, ids, max_new, seed + i)
+            tokens, stats = one(method, ids, max_new, seed + i)
             seconds = time.perf_counter() - t0
             outs.append(tokens)
             for key in (cohort, "all"):
@@ -130,8 +131,10 @@ def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]],
                 cell.tokens += len(tokens)
                 cell.seconds += seconds
                 cell.rows += 1
-                if acc is not None and cell.acceptance is not None:
-                    cell.acceptance.merge(acc)
+                if stats is not None and cell.acceptance is not None:
+                    cell.acceptance.merge(stats.acceptance)
+                    for kind, n in stats.adaptive.get("kind_histogram", {}).items():
+                        cell.kinds[kind] = cell.kinds.get(kind, 0) + n
     return outputs
 
 
@@ -230,6 +233,8 @@ def _summarise(methods: list[_Method]) -> dict:
             if cell.acceptance is not None:
                 entry["tau"] = round(cell.acceptance.tau, 3)
                 entry["per_position_acceptance"] = [round(a, 3) for a in cell.acceptance.per_position_acceptance]
+                if cell.kinds:  # what the adaptive controller drafted (speculative cycles per tree kind)
+                    entry["drafted_kinds"] = dict(sorted(cell.kinds.items()))
             out.setdefault(cohort, {})[m.name] = entry
     return out
 
