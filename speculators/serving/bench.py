@@ -12,7 +12,10 @@ For every temperature, every method generates every row once after one unmeasure
                each speculator at a FIXED tree (the engine's default depth / top-k / budget, adaptive off): a chain
                sampled from the draft law verified token by token ("iid") vs by block verification, and a sampled
                tree (spine + sibling draws without replacement) verified token by token ("without_replacement") vs
-               by traversal verification — the same drafts either way, so tau compares the verifiers
+               by traversal verification. The sequence-verified rows also report a PAIRED comparison: on each of
+               their cycles the exact expected accepted drafts of both verifiers on that very tree and target rows
+               (`verify_expect.expected_accepted`), as "paired_tau" {token, sequence} — free of the coin noise that
+               makes live tau of two separate runs differ by several percent
 With `batch` B > 1, every runtime method also generates all rows once more with up to B requests sharing each
 target forward (`<method>@batchB` rows, cohort "all" only: throughput of the whole set, as a server under
 concurrent load sees it; at T = 0 their tokens are checked against `plain` too).
@@ -70,15 +73,44 @@ VERIFY_ROWS = (("chain token", "chain", "token"), ("chain block", "chain", "sequ
                ("sampled token", "sampled", "token"), ("sampled traversal", "sampled", "sequence"))
 
 
+TOKEN_WISE = {"block": "iid", "traversal": "without_replacement"}
+
+
+def _paired_engine_class() -> type:
+    from speculators.serving.engine import Engine
+    from speculators.serving.verify_expect import expected_accepted
+
+    class PairedEngine(Engine):
+        """An engine that, before verifying each sampled draft by block / traversal, adds the exact expected accepted
+        drafts of that draft under this mode and under the token-wise mode to `paired` (same tree, same rows)."""
+
+        paired: dict[str, float]
+
+        def _verify(self, tree: Any, target_row: Any, params: Any, generator: Any) -> tuple[list[int], int]:
+            if not params.greedy and tree.mode in TOKEN_WISE and tree.size > 1:
+                t0 = time.perf_counter()
+                totals = self.__dict__.setdefault("paired", {"cycles": 0.0, "token": 0.0, "sequence": 0.0,
+                                                             "seconds": 0.0})
+                totals["cycles"] += 1
+                for key, mode in (("sequence", tree.mode), ("token", TOKEN_WISE[tree.mode])):
+                    totals[key] += expected_accepted(tree.tokens, tree.parents, target_row, tree.draft_probs, mode)
+                totals["seconds"] += time.perf_counter() - t0  # left out of the row's measured time
+            return super()._verify(tree, target_row, params, generator)
+
+    return PairedEngine
+
+
 def _verify_methods(loaded: Any, path: str, name: str) -> list[_Method]:
-    """The `compare_verify` rows of one speculator: fixed trees of the engine's default shape, adaptive off."""
+    """The `compare_verify` rows of one speculator: fixed trees of the engine's default shape, adaptive off; the
+    sequence-verified ones also measure the paired expectations."""
     import dataclasses
 
     from speculators.serving.engine import Engine
 
     out = []
     for suffix, kind, verify in VERIFY_ROWS:
-        engine = Engine.from_pretrained(loaded, path, ngram_graft=0)
+        cls = _paired_engine_class() if verify == "sequence" else Engine
+        engine = cls.from_pretrained(loaded, path, ngram_graft=0)
         engine.set_tree(dataclasses.replace(engine.tree, kind=kind, verify=verify), adaptive=False)
         out.append(_Method(f"{name} {suffix}", "runtime", engine, sampled_only=True))
     return out
@@ -100,6 +132,11 @@ def _hf_generate(model: Any, ids: list[int], max_new: int, temperature: float, s
     return out[0, len(ids):].tolist()
 
 
+def _paired_seconds(method: _Method) -> float:
+    """Seconds a paired-comparison engine spent on its expectations (not part of decoding)."""
+    return float(getattr(method.engine, "paired", {}).get("seconds", 0.0))
+
+
 def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]], temperature: float, seed: int,
                  model: Any) -> list[list[list[int]]]:
     """Every method on every row, row by row (each row runs all methods back to back, so a machine whose speed
@@ -119,11 +156,14 @@ def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]],
     for method in methods:
         method.cells = {}
         one(method, rows[0][1], min(rows[0][2], 16), seed)  # warm-up (and the engine's calibration), not measured
+        if method.engine is not None:
+            method.engine.__dict__.pop("paired", None)  # paired expectations count the measured rows only
     for i, (cohort, ids, max_new) in enumerate(rows):
         for method, outs in zip(methods, outputs, strict=True):
             t0 = time.perf_counter()
+            paired_before = _paired_seconds(method)
             tokens, stats = one(method, ids, max_new, seed + i)
-            seconds = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0 - (_paired_seconds(method) - paired_before)
             outs.append(tokens)
             for key in (cohort, "all"):
                 cell = method.cells.setdefault(
@@ -235,6 +275,11 @@ def _summarise(methods: list[_Method]) -> dict:
                 entry["per_position_acceptance"] = [round(a, 3) for a in cell.acceptance.per_position_acceptance]
                 if cell.kinds:  # what the adaptive controller drafted (speculative cycles per tree kind)
                     entry["drafted_kinds"] = dict(sorted(cell.kinds.items()))
+            paired = getattr(m.engine, "paired", None) if cohort == "all" else None
+            if paired and paired["cycles"]:
+                token, seq = (1 + paired[k] / paired["cycles"] for k in ("token", "sequence"))
+                entry["paired_tau"] = {"token": round(token, 4), "sequence": round(seq, 4),
+                                       "gain": round(seq / token - 1, 4), "cycles": int(paired["cycles"])}
             out.setdefault(cohort, {})[m.name] = entry
     return out
 
@@ -255,6 +300,13 @@ def format_report(report: dict) -> str:
                 mism = str(e["mismatched_rows"]) if float(temperature) == 0 else "-"
                 lines.append(f"| {cohort} | {name} | {e['tokens_per_second']:.1f} | {e['vs_plain']:.2f} | "
                              f"{e['vs_hf']:.2f} | {tau} | {acc} | {mism} |")
+        lines.append("")
+        for name, e in cohorts.get("all", {}).items():
+            if "paired_tau" in e:
+                pt = e["paired_tau"]
+                lines.append(f"Paired on the {pt['cycles']} cycles of `{name}` (same drafts and target rows, exact "
+                             f"expectation over the verifier's coins): tau {pt['token']:.3f} token-wise -> "
+                             f"{pt['sequence']:.3f} ({100 * pt['gain']:+.1f}%).")
         lines.append("")
     return "\n".join(lines)
 

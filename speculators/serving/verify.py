@@ -36,9 +36,10 @@ subtree, and by exact enumeration in the tests): the output passes through v wit
 next token has law r_v, so at the root (w = 1) the output law is the target's. On a chain the post-order is the
 leaf-to-root scan of block verification: w is Sun et al.'s p_i, the updated weight their h_i, and the accepted
 length their tau = max{i : eta_i <= h_i}. A child with weight 0 is rejected with its whole subtree without
-looking at it (every weight below it is 0 too). On a chain the expected accepted length is never below the
-token-wise rule's on the same draft (w_i >= prod_{j<=i} min(1, p_j/q_j)); on trees the tests check the same
-inequality exactly on every enumerated case; depth-1 trees verify exactly as token-wise.
+looking at it (every weight below it is 0 too). On a chain, for every drafted prefix x_1..x_i, P(>= i accepted |
+prefix) = w_i >= prod_{j<=i} min(1, p_j/q_j), the token-wise probability, so block verification never accepts fewer
+tokens in expectation over the drafts (it may on one given draft); on trees the tests check the same inequality
+exactly on every enumerated case; depth-1 trees verify exactly as token-wise.
 
 Randomness injection: the decision logic (`walk_tree`) never touches a generator or a tensor. It reads rows
 through a `RowOps` (arithmetic on rows: probability of a token, argmax, residuals) and makes every random

@@ -38,6 +38,10 @@ def test_bench_table_and_report(house_target, tmp_path) -> None:
             assert entry["tokens"] > 0 and entry["tokens_per_second"] > 0 and entry["vs_plain"] > 0
             if name in runtime + batched or name in verify:
                 assert entry["tau"] >= 1.0
+    for name in ("eagle3:eagle3 chain block", "eagle3:eagle3 sampled traversal"):  # paired: same drafts, both rules
+        paired = report["results"]["1.0"]["all"][name]["paired_tau"]
+        assert paired["cycles"] > 0 and paired["token"] >= 1.0 and paired["sequence"] >= 1.0
+    assert "Paired on the" in proc.stdout
     greedy = report["results"]["0.0"]["all"]
     assert all(greedy[m]["mismatched_rows"] == 0 for m in (*runtime[1:], *batched, "hf", "hf-assisted"))
     assert "plain@batch2" in proc.stdout

@@ -163,3 +163,31 @@ def test_metrics_block_formula_predicts_the_walks_acceptance(seed: int) -> None:
     token_wise = metrics.chain_reach(torch.stack([metrics.sampled_alpha(a, b) for a, b in zip(p, q, strict=True)], 1))
     assert sum(token_wise) == pytest.approx(float(LoopLaw(tables, iid(LONG_CHAIN), "iid").expected_accepted()))
     assert float(exact) > sum(token_wise)
+
+
+@pytest.mark.parametrize("mode,kind,shape", [("traversal", "wor", DEEP_WIDE), ("without_replacement", "wor", DEEP_WIDE),
+                                             ("block", "iid", LONG_CHAIN), ("iid", "iid", LONG_CHAIN),
+                                             ("deterministic", "topk", DEEP_WIDE)])
+def test_expected_accepted_of_one_tree_is_exact(mode: str, kind: str, shape: tuple[int, ...]) -> None:
+    """`verify_expect.expected_accepted` (torch rows, coins enumerated) equals the exact expectation of the core on
+    rational rows, for each drafted tree of a case (given one tree, sequence-level verification may accept less than
+    token-wise: the optimality holds in expectation over the drafts, test above)."""
+    import torch
+
+    from speculators.serving.verify_expect import expected_accepted
+
+    tables = ToyTables(3 if kind != "iid" else 2, 115, "generic")
+    trees = enumerate_law(lambda rng: draft_tree(DraftSpec(kind, shape), tables, (), rng))
+    for d in list(trees)[:12]:
+        tree = Tree.from_parents(d.tokens, d.parents)
+
+        def program(rng: object, tree: Tree = tree, d: object = d) -> int:
+            accepted, _ = walk_tree(tree, mode=mode, target_row=lambda i: tables.p(d.contexts[i]),
+                                    draft_row=lambda i: tables.q(d.contexts[i]), ops=REF_OPS, rng=rng)
+            return len(accepted)
+
+        exact = sum(n * w for n, w in enumerate_law(program).items())
+        rows = torch.tensor([[float(x) for x in tables.p(c)] for c in d.contexts], dtype=torch.float64)
+        draft = torch.tensor([[float(x) for x in tables.q(c)] for c in d.contexts], dtype=torch.float64)
+        got = expected_accepted(torch.tensor(d.tokens), torch.tensor(d.parents), rows.__getitem__, draft, mode)
+        assert got == pytest.approx(float(exact), abs=1e-9)
