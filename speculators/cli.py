@@ -1,7 +1,8 @@
 """`speculators <stage>`: the command line (typer). The only place that parses arguments.
 
 Recipe stages take `RECIPE [section.key=value ...]` (dotted overrides) plus `--force` and `--dry-run`; `run`
-runs them all in order and skips complete ones. `generate`, `serve` and `bench` drive the bundled runtime.
+runs them all in order and skips complete ones. `generate`, `serve` and `bench` drive the bundled runtime;
+`profile` is the speedup oracle (measured costs of this device + a speculator's acceptance -> predicted speedup).
 User errors (`SpeculatorsError`) print one line, `error: ...`, and exit with status 2 — never a traceback.
 """
 
@@ -214,6 +215,14 @@ def bench(
                                                   "grafted onto its trees (0: no such rows)")] = DEFAULT_GRAFT,
     batch: Annotated[int, typer.Option(help="also run every runtime method on all rows with this many requests "
                                             "sharing each target forward (0: no such rows)")] = 0,
+    tree: Annotated[str | None, typer.Option(help="the speculators' tree kind: dynamic | static | chain | sampled "
+                                                  "(default: each one's own)")] = None,
+    depth: Annotated[int | None, typer.Option(help="the speculators' (maximum) draft depth")] = None,
+    topk: Annotated[int | None, typer.Option()] = None,
+    budget: Annotated[int | None, typer.Option(help="draft nodes per tree")] = None,
+    adaptive: Annotated[bool | None, typer.Option("--adaptive/--no-adaptive", help="adaptive depth (default: on); "
+                                                  "--no-adaptive drafts every cycle to the full depth")] = None,
+    hf: Annotated[bool, typer.Option("--hf/--no-hf", help="include the Hugging Face generate rows")] = True,
     compare_verify: Annotated[bool, typer.Option(help="at T > 0 also run each speculator at a fixed tree: a sampled "
                                                       "chain verified token-wise vs by block verification, a sampled "
                                                       "tree token-wise vs by traversal verification")] = False,
@@ -222,10 +231,96 @@ def bench(
     from speculators.serving.bench import bench_command
 
     _set_threads(threads)
+    tree_cfg = _tree_config(tree, depth, topk, budget, adaptive)
     bench_command(target=target, speculators=speculator or [], workloads=workloads,
-                  rows_per_cohort=rows_per_cohort, temperatures=[float(t) for t in temperatures.split(",")],
+                  rows_per_cohort=rows_per_cohort, temperatures=_floats(temperatures, "--temperatures"),
                   device=device, dtype=dtype, out=out, seed=seed, ngram_graft=ngram_graft, batch=batch,
-                  compare_verify=compare_verify)
+                  tree=tree_cfg, include_hf=hf, compare_verify=compare_verify)
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SpeculatorsError(f"{name} must be comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str | None, name: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SpeculatorsError(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
+def _tree_config(kind: str | None, depth: int | None, topk: int | None, budget: int | None,
+                 adaptive: bool | None):
+    """A TreeConfig from the tree options, or None when none is given (each drafter keeps its own)."""
+    if all(v is None for v in (kind, depth, topk, budget, adaptive)):
+        return None
+    from speculators.config import TreeConfig
+
+    if kind is not None and kind not in ("dynamic", "static", "chain", "sampled"):
+        raise SpeculatorsError(f"--tree must be dynamic, static, chain or sampled, got {kind!r}")
+    if any(v is not None and v < 1 for v in (depth, topk, budget)):
+        raise SpeculatorsError(f"--depth must be >= 1 (and --topk, --budget too), got depth={depth}, topk={topk}, "
+                               f"budget={budget}")
+    base = TreeConfig()
+    kind = kind or base.kind
+    depth = depth if depth is not None else base.depth
+    chain = kind == "chain"
+    return TreeConfig(kind=kind, depth=depth, topk=1 if chain else (topk or base.topk),
+                      budget=depth if chain and budget is None else (budget or base.budget),
+                      adaptive=base.adaptive if adaptive is None else adaptive)
+
+
+@app.command(help="The speedup oracle: measure what speculation costs on this device for a model shape and "
+                  "predict tokens/s and speedup per batch size from a speculator's acceptance.")
+@_user_errors
+def profile(
+    target: Annotated[str | None, typer.Option(help="a target checkpoint (dir or hub id), e.g. "
+                                                    "data/targets/stdlib-lm")] = None,
+    shape: Annotated[str | None, typer.Option(help="a model shape with random weights: a name in data/shapes "
+                                                   "(llama-3.1-8b, qwen3-8b, tiny-llama) or a config.json")] = None,
+    speculator: Annotated[str | None, typer.Option(help="time this speculator dir instead of random heads")] = None,
+    acceptance: Annotated[str | None, typer.Option(help="per-position acceptance: an evaluation report.json, an "
+                                                        "eval/ dir, an export dir, or a list like 0.8,0.7,0.6")]
+    = None,
+    families: Annotated[str | None, typer.Option(help="random heads to time: eagle3,medusa,mtp (default: the "
+                                                      "acceptance's family, else all)")] = None,
+    batch_sizes: Annotated[str | None, typer.Option(help="comma-separated (default: 1,2,4 on CPU; "
+                                                         "1,2,4,...,64 on CUDA)")] = None,
+    nodes: Annotated[str | None, typer.Option(help="verified tokens per sequence to time, comma-separated, "
+                                                   "including 1 (default: up to 16 on CPU, 128 on CUDA)")] = None,
+    context_len: Annotated[int, typer.Option(help="tokens already in each KV cache")] = 256,
+    budget_s: Annotated[float, typer.Option(help="seconds for all measurements (the grid shrinks to fit)")] = 120.0,
+    max_depth: Annotated[int, typer.Option(help="deepest draft to time")] = 5,
+    temperature: Annotated[float, typer.Option(help="the acceptance's temperature")] = 0.0,
+    check_rows: Annotated[int, typer.Option(help="also measure plain vs fixed-depth chains on this many workload "
+                                                 "rows per cohort and print predicted vs measured (0: off)")] = 0,
+    check_depths: Annotated[str, typer.Option(help="chain depths of the check, comma-separated")] = "3",
+    workloads: Annotated[str, typer.Option(help="glob of workload files for the check")] = "data/workloads/*.jsonl",
+    device: Annotated[str, typer.Option()] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | "
+                                            "float16")] = "auto",
+    draft_dtype: Annotated[str, typer.Option()] = "auto",
+    out: Annotated[Path | None, typer.Option(help="write profile.json + profile.md here")] = None,
+    threads: ThreadsOpt = 0,
+) -> None:
+    from speculators.serving.profile import profile_command
+
+    _set_threads(threads)
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise SpeculatorsError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    _, text = profile_command(
+        target=target, shape=shape, speculator=speculator, acceptance=acceptance,
+        families=[f.strip() for f in families.split(",") if f.strip()] if families else [], device=device,
+        dtype=dtype, batch_sizes=_ints(batch_sizes, "--batch-sizes"), nodes=_ints(nodes, "--nodes"),
+        context_len=context_len, budget_s=budget_s, max_depth=max_depth, temperature=temperature,
+        check_rows=check_rows, check_depths=_ints(check_depths, "--check-depths") or [], workloads=workloads,
+        out=out, draft_dtype=draft_dtype)
+    typer.echo(text)
 
 
 @app.command(name="train-bench", help="Training throughput (tokens/s per process) and peak memory of each family.")

@@ -45,6 +45,19 @@ def simulated_tau(per_position: Sequence[float]) -> float:
     return total
 
 
+def committed_distribution(per_position: Sequence[float], depth: int) -> list[float]:
+    """P(one call commits j tokens), j = 1..depth+1, for a chain drafted to `depth` with conditional acceptance a_k:
+    j-1 drafts accepted then one rejected (the corrected token makes j), or all `depth` accepted plus the bonus.
+    sum_j j * P(j) = simulated_tau(per_position[:depth])."""
+    out, reach = [], 1.0
+    for k in range(depth):
+        a = float(per_position[k]) if k < len(per_position) else 0.0
+        out.append(reach * (1.0 - a))
+        reach *= a
+    out.append(reach)
+    return out
+
+
 def greedy_alpha(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
     """Teacher-forced greedy acceptance: 1[argmax q == argmax p] per row.  [..., V] x [..., V] -> [...]"""
     return (target_logits.argmax(-1) == draft_logits.argmax(-1)).to(target_logits.dtype)

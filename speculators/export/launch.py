@@ -4,8 +4,9 @@
   forward over c sequences x n new tokens on top of a `context_len`-token KV cache, n = 1 .. max_k+1;
   cost_c(k) = time(c, k+1) / time(c, 1) (minimum of at least `repeats` runs after two warm-ups).
 - `choose_k(tau_by_depth, cost)`: argmax over k of tau(k) / cost(k), with tau(0) = cost(0) = 1 (no speculation):
-  expected committed tokens per unit of target time. tau(k) is the teacher-forced simulated tau of a depth-k chain
-  (mean over cohorts). The drafter's own time is not in the cost (EAGLE-3/MTP: one small layer per step; Medusa:
+  expected committed tokens per unit of target time (`CostModel.rate`, the formula `speculators profile` and the
+  runtime's adaptive depth use; `speculators profile` adds the drafter's and the runtime's own time). tau(k) is
+  the teacher-forced simulated tau of a depth-k chain (mean over cohorts). The drafter's own time is not in the cost (EAGLE-3/MTP: one small layer per step; Medusa:
   heads in parallel) — stated in the generated files.
 - `schedule(...)`: k per max-concurrency bucket, as vLLM's `num_speculative_tokens_per_batch_size` ranges
   ([start_bs, end_bs, k]; vLLM >= 0.25 "dynamic speculative decoding"); consecutive buckets with the same k merge.
@@ -27,6 +28,10 @@ import time
 from typing import Any
 
 import torch
+
+from speculators.metrics import per_position_from_reach
+from speculators.serving.adaptive import CostModel
+from speculators.serving.oracle import merge_buckets
 
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
 
@@ -92,12 +97,18 @@ def measure_verify_cost(model: Any, max_k: int, concurrencies: tuple[int, ...] |
 
 def choose_k(tau_by_depth: list[float], cost: dict[str, float], ks: list[int] | None = None) -> tuple[int, float]:
     """(k, tau(k)/cost(k)) maximising expected committed tokens per unit target time; k = 0 is plain decoding.
-    `ks` restricts the candidates (e.g. Medusa in vLLM: exactly num_heads)."""
+    `ks` restricts the candidates (e.g. Medusa in vLLM: exactly num_heads). The value is the speedup oracle's
+    (`speculators profile`) and the runtime's adaptive depth's one formula, `CostModel.rate`, priced with the
+    verify cost alone (no drafting time): rate(k) / rate(0) = tau(k) / cost(k)."""
+    acceptance = per_position_from_reach([t - prev for t, prev in zip(tau_by_depth, [1.0, *tau_by_depth[:-1]],
+                                                                       strict=True)])
+    model = CostModel.from_measurements({1: 1.0, **{int(k) + 1: float(v) for k, v in cost.items()}})
+    plain = model.rate(acceptance, 0)
     best_k, best = 0, 1.0
     for k in range(1, len(tau_by_depth) + 1):
         if str(k) not in cost or (ks is not None and k not in ks):
             continue
-        value = tau_by_depth[k - 1] / cost[str(k)]
+        value = model.rate(acceptance, k) / plain
         if value > best + 1e-9:
             best_k, best = k, value
     return best_k, best
@@ -115,13 +126,7 @@ def schedule(tau_by_depth: list[float], measured: dict, ks: list[int] | None = N
         rows.append({"start_bs": lo, "end_bs": hi, "measured_at": c, "k": k,
                      "tokens_per_unit_cost": round(value, 4)})
         lo = hi + 1
-    merged: list[dict] = []
-    for r in rows:
-        if merged and merged[-1]["k"] == r["k"]:
-            merged[-1]["end_bs"] = r["end_bs"]
-        else:
-            merged.append(dict(r))
-    return merged
+    return merge_buckets(rows)
 
 
 def vllm_schedule(rows: list[dict]) -> list[list[int]]:

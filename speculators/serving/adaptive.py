@@ -70,6 +70,25 @@ class CostModel:
             new = min(max(new, 0.5 * old), 2 * old)
         return old + self.smoothing * (new - old)
 
+    @classmethod
+    def from_measurements(cls, cycle: dict[int, float], draft: dict[int, float] | None = None,
+                          nodes: dict[int, float] | None = None, absorb: float | None = None,
+                          kind: str = "") -> CostModel:
+        """A fixed model from measured tables (the speedup oracle's): cycle seconds by verified node count (root
+        included; every count is its own interpolation point, not bucketed), proposing seconds and draft nodes by
+        depth (of tree `kind`), absorb seconds per speculative cycle."""
+        return cls(points={n: (float(n), float(t)) for n, t in cycle.items()}, draft={kind: dict(draft or {})},
+                   nodes={kind: {d: float(v) for d, v in (nodes or {}).items()}}, absorb=absorb)
+
+    def rate(self, acceptance: list[float], depth: int, kind: str = "") -> float:
+        """Expected committed tokens per second of one cycle drafting a `kind` tree to `depth` with per-position
+        acceptance a_k (0 = plain decoding): E(depth) / (draft(depth) + cycle(1 + nodes(depth))), E =
+        `simulated_tau`. The ONE formula the adaptive controller and the speedup oracle (`oracle.py`) share."""
+        if depth == 0:
+            return 1.0 / max(self.cycle(1), 1e-9)
+        seconds = self.draft_cost(depth, kind) + self.cycle(1 + self.draft_nodes(depth, kind))
+        return simulated_tau(acceptance[:depth]) / max(seconds, 1e-9)
+
     def set_cycle(self, nodes: int, seconds: float) -> None:
         """Seed one size from a calibration run."""
         self.points[self._bucket(nodes)] = (float(nodes), seconds)
@@ -206,12 +225,9 @@ class AdaptiveDepth:
 
     def rate(self, depth: int, kind: str | None = None) -> float:
         """Expected committed tokens per second when drafting a `kind` tree (default: the first kind) to `depth`
-        (0 = plain)."""
-        if depth == 0:
-            return 1.0 / max(self.cost.cycle(1), 1e-9)
+        (0 = plain): `CostModel.rate` with this kind's acceptance estimates."""
         kind = kind or self.kinds[0]
-        seconds = self.cost.draft_cost(depth, kind) + self.cost.cycle(1 + self.cost.draft_nodes(depth, kind))
-        return self.expected_tokens(depth, kind) / max(seconds, 1e-9)
+        return self.cost.rate(self.estimates[kind], depth, kind)
 
     def _best_depth(self, kind: str, limit: int) -> int:
         return max(range(1, limit + 1), key=lambda d: self.rate(d, kind))

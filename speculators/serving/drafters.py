@@ -146,6 +146,13 @@ def default_tree(drafter: Any, device: torch.device | str = "cpu") -> TreeConfig
     return TreeConfig(**CPU_TREE) if str(device).startswith("cpu") else TreeConfig()
 
 
+def depth_tree(tree: TreeConfig, depth: int) -> TreeConfig:
+    """The tree settings of a cycle drafting to `depth`: the node budget grows with the depth (top-k nodes per
+    level, capped by the configured budget) so that shallow trees stay small."""
+    budget = tree.budget if tree.kind == "chain" else min(tree.budget, max(1, tree.topk * depth))
+    return dataclasses.replace(tree, depth=depth, budget=budget)
+
+
 def prune_tree(tree: DraftTree, max_depth: int, max_nodes: int) -> DraftTree:
     """Keep nodes of depth <= max_depth among the first `max_nodes` nodes (root included). Dropping whole
     depths or trailing siblings (by index) never depends on the drafted values, so every verify mode stays

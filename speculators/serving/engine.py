@@ -44,7 +44,7 @@ from speculators.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.adaptive import AdaptiveDepth, CostModel
-from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, load_drafter, prune_tree
+from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, depth_tree, load_drafter, prune_tree
 from speculators.serving.kv_cache import StaticKVCache
 from speculators.serving.sampling import SamplingParams, logits_to_probs
 from speculators.serving.target_rows import TargetRows
@@ -487,13 +487,9 @@ class Engine:
             root = int(next_token)
 
     def _tree_for(self, depth: int, kind: str | None = None) -> TreeConfig:
-        """The tree settings of one cycle: the chosen kind (default: the configured one) and depth, and a node
-        budget that grows with the depth (top-k nodes per level, capped by the configured budget) so that shallow
-        trees stay small."""
-        t = self.tree
-        kind = kind or t.kind
-        budget = t.budget if kind == "chain" else min(t.budget, max(1, t.topk * depth))
-        return dataclasses.replace(t, kind=kind, depth=depth, budget=budget)
+        """The tree settings of one cycle: the chosen kind (default: the configured one) at the chosen depth
+        (`drafters.depth_tree`)."""
+        return depth_tree(dataclasses.replace(self.tree, kind=kind) if kind else self.tree, depth)
 
     @staticmethod
     def _absorb(drafter: Any, state: Any, pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:

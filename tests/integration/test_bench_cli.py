@@ -52,3 +52,21 @@ def test_bench_bad_inputs_fail_with_one_line(house_target) -> None:
     assert "--rows-per-cohort must be >= 1" in error_line(cli(*base, "--rows-per-cohort", "0"))
     assert "--batch must be >= 0" in error_line(cli(*base, "--batch", "-1"))
     assert "--temperatures must be non-negative" in error_line(cli(*base, "--temperatures", "-1"))
+
+
+def test_bench_fixed_depth_chains_without_hf(house_target, tmp_path) -> None:
+    spec = make_speculator_dir(house_target, "eagle3", tmp_path / "eagle3")
+    proc = cli("bench", "--target", str(house_target), "--speculator", str(spec), "--workloads",
+               "data/workloads/short-output.jsonl", "--rows-per-cohort", "1", "--temperatures", "0", "--device", "cpu",
+               "--tree", "chain", "--depth", "2", "--no-adaptive", "--ngram-graft", "0", "--no-hf",
+               "--out", str(tmp_path / "bench"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert report["speculator_tree"] == {"kind": "chain", "depth": 2, "topk": 1, "budget": 2, "choices": None,
+                                         "adaptive": False, "verify": "sequence"}
+    assert set(report["results"]["0.0"]["all"]) == {"plain", "ngram", "eagle3:eagle3"}
+    entry = report["results"]["0.0"]["all"]["eagle3:eagle3"]
+    assert entry["vs_hf"] is None and entry["mismatched_rows"] == 0
+    assert "--tree must be dynamic, static, chain or sampled" in error_line(cli("bench", "--target", str(house_target),
+                                                                       "--tree", "forest", "--device", "cpu"))
+    assert "--depth must be >= 1" in error_line(cli("bench", "--target", str(house_target), "--depth", "0"))

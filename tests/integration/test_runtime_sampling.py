@@ -76,16 +76,16 @@ def _exact_pairs(house_target, prompt: list[int], params: SamplingParams, min_ma
 
 
 def _chi_square(engine: Engine, house_target, prompt: list[int], sampling: dict, seed: int,
-                max_batch: int = 0) -> float:
-    """p-value of the first two tokens of SAMPLES seeded requests (one at a time, or `max_batch` sharing each
+                max_batch: int = 0, samples: int = SAMPLES) -> float:
+    """p-value of the first two tokens of `samples` seeded requests (one at a time, or `max_batch` sharing each
     target forward) against the exact target law."""
     from scipy.stats import chi2
 
     params = SamplingParams(max_new_tokens=3, **sampling)
-    exact = _exact_pairs(house_target, prompt, params, min_mass=5.0 / SAMPLES, eos=engine.eos_ids)
+    exact = _exact_pairs(house_target, prompt, params, min_mass=5.0 / samples, eos=engine.eos_ids)
     counts: dict = {}
-    requests = [SamplingParams(max_new_tokens=3, seed=seed + i, **sampling) for i in range(SAMPLES)]
-    outs = (engine.generate_batch([prompt] * SAMPLES, requests, max_batch=max_batch) if max_batch
+    requests = [SamplingParams(max_new_tokens=3, seed=seed + i, **sampling) for i in range(samples)]
+    outs = (engine.generate_batch([prompt] * samples, requests, max_batch=max_batch) if max_batch
             else (engine.generate(prompt, r) for r in requests))
     for out in outs:
         key = tuple(out.token_ids[:2])
@@ -94,12 +94,12 @@ def _chi_square(engine: Engine, house_target, prompt: list[int], sampling: dict,
     expected = dict(exact["pairs"])
     other_p = max(0.0, 1.0 - sum(expected.values()))
     for key in sorted(expected, key=expected.get):  # grow the 'other' bin until its expectation is >= 5
-        if other_p * SAMPLES >= 5:
+        if other_p * samples >= 5:
             break
         other_p += expected.pop(key)
-    observed_other = SAMPLES - sum(counts.get(k, 0) for k in expected)
-    stat = sum((counts.get(k, 0) - SAMPLES * p) ** 2 / (SAMPLES * p) for k, p in expected.items())
-    stat += (observed_other - SAMPLES * other_p) ** 2 / (SAMPLES * other_p) if other_p > 0 else 0.0
+    observed_other = samples - sum(counts.get(k, 0) for k in expected)
+    stat = sum((counts.get(k, 0) - samples * p) ** 2 / (samples * p) for k, p in expected.items())
+    stat += (observed_other - samples * other_p) ** 2 / (samples * other_p) if other_p > 0 else 0.0
     bins = len(expected) + (other_p > 0)
     return float(chi2.sf(stat, bins - 1))
 

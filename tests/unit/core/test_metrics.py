@@ -109,3 +109,13 @@ def test_block_reach_equals_token_wise_without_recovery_and_feeds_chain_reach() 
     alpha = metrics.block_alpha(p, q)
     assert metrics.chain_reach(alpha) == pytest.approx(metrics.block_reach(p, q)[0].tolist())
     assert metrics.block_reach_bounds([], [])[0].shape == (0, 0)
+
+
+def test_committed_distribution_matches_simulated_tau() -> None:
+    a = [0.9, 0.6, 0.3]
+    for depth in range(0, 5):
+        probs = metrics.committed_distribution(a, depth)
+        assert len(probs) == depth + 1 and sum(probs) == pytest.approx(1.0)
+        assert sum(j * p for j, p in enumerate(probs, 1)) == pytest.approx(metrics.simulated_tau(a[:depth]))
+    assert metrics.committed_distribution(a, 2) == pytest.approx([0.1, 0.9 * 0.4, 0.9 * 0.6])
+    assert metrics.committed_distribution([], 0) == [1.0]
