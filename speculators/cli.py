@@ -146,7 +146,7 @@ def generate(
     seed: Annotated[int | None, typer.Option()] = None,
     device: Annotated[str, typer.Option()] = "auto",
     dtype: Annotated[str, typer.Option()] = "auto",
-    tree: Annotated[str | None, typer.Option(help="dynamic | static | chain (default: the drafter's own)")] = None,
+    tree: Annotated[str | None, typer.Option(help="dynamic | static | chain | sampled (default: the drafter's own)")] = None,
     depth: Annotated[int | None, typer.Option()] = None,
     topk: Annotated[int | None, typer.Option()] = None,
     budget: Annotated[int | None, typer.Option()] = None,
@@ -242,7 +242,7 @@ def bench(
                                                   "grafted onto its trees (0: no such rows)")] = DEFAULT_GRAFT,
     batch: Annotated[int, typer.Option(help="also run every runtime method on all rows with this many requests "
                                             "sharing each target forward (0: no such rows)")] = 0,
-    tree: Annotated[str | None, typer.Option(help="the speculators' tree kind: dynamic | static | chain "
+    tree: Annotated[str | None, typer.Option(help="the speculators' tree kind: dynamic | static | chain | sampled "
                                                   "(default: each one's own)")] = None,
     depth: Annotated[int | None, typer.Option(help="the speculators' (maximum) draft depth")] = None,
     topk: Annotated[int | None, typer.Option()] = None,
@@ -250,6 +250,9 @@ def bench(
     adaptive: Annotated[bool | None, typer.Option("--adaptive/--no-adaptive", help="adaptive depth (default: on); "
                                                   "--no-adaptive drafts every cycle to the full depth")] = None,
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="include the Hugging Face generate rows")] = True,
+    compare_verify: Annotated[bool, typer.Option(help="at T > 0 also run each speculator at a fixed tree: a sampled "
+                                                      "chain verified token-wise vs by block verification, a sampled "
+                                                      "tree token-wise vs by traversal verification")] = False,
     threads: ThreadsOpt = 0,
 ) -> None:
     from speculators.serving.bench import bench_command
@@ -259,7 +262,7 @@ def bench(
     bench_command(target=target, speculators=speculator or [], workloads=workloads,
                   rows_per_cohort=rows_per_cohort, temperatures=_floats(temperatures, "--temperatures"),
                   device=device, dtype=dtype, out=out, seed=seed, ngram_graft=ngram_graft, batch=batch,
-                  tree=tree_cfg, include_hf=hf)
+                  tree=tree_cfg, include_hf=hf, compare_verify=compare_verify)
 
 
 def _floats(text: str, name: str) -> list[float]:
@@ -285,8 +288,8 @@ def _tree_config(kind: str | None, depth: int | None, topk: int | None, budget: 
         return None
     from speculators.config import TreeConfig
 
-    if kind is not None and kind not in ("dynamic", "static", "chain"):
-        raise SpeculatorsError(f"--tree must be dynamic, static or chain, got {kind!r}")
+    if kind is not None and kind not in ("dynamic", "static", "chain", "sampled"):
+        raise SpeculatorsError(f"--tree must be dynamic, static, chain or sampled, got {kind!r}")
     if any(v is not None and v < 1 for v in (depth, topk, budget)):
         raise SpeculatorsError(f"--depth must be >= 1 (and --topk, --budget too), got depth={depth}, topk={topk}, "
                                f"budget={budget}")

@@ -136,14 +136,18 @@ class TrainConfig:
 
 @dataclass
 class TreeConfig:
-    """How the runtime drafts: a dynamic top-k tree, a static (Medusa) tree or a chain."""
+    """How the runtime drafts: a dynamic top-k tree, a static (Medusa) tree, a chain, or a sampled tree (at T > 0
+    the first draw of each level is continued, `topk` - 1 more draws without replacement are its siblings)."""
 
-    kind: Literal["dynamic", "static", "chain"] = "dynamic"
+    kind: Literal["dynamic", "static", "chain", "sampled"] = "dynamic"
     depth: int = 5
     topk: int = 4
     budget: int = 16  # verified draft nodes (root excluded)
     choices: list[list[int]] | None = None  # static trees: Medusa-style paths
-    adaptive: bool = True
+    adaptive: bool = True  # per request and cycle: depth, and at T > 0 the kind (chain / sampled / configured)
+    # sampled drafts at T > 0: "sequence" = block (chains) / traversal (sampled trees) verification, never fewer
+    # accepted tokens than "token" = token-wise (iid / without_replacement), kept for comparisons
+    verify: Literal["sequence", "token"] = "sequence"
 
 
 # prompt-lookup nodes the runtime grafts onto a speculator's trees by default (serving/graft.py); measured on the

@@ -8,7 +8,9 @@ Per request (batch 1 here; batching.py runs several in lockstep), one code path 
 1. Prefill: the prompt minus its last token goes through `TargetRunner` into the static KV cache (a shared
    prefix with the previous request is reused, features included); the drafter absorbs those positions.
 2. Each cycle: the root is the last committed token (not yet in the cache). The drafter proposes a tree
-   (depth chosen by `AdaptiveDepth`; the root alone = plain decoding), the target runs ONE forward over it with
+   (depth chosen by `AdaptiveDepth`; the root alone = plain decoding; at T > 0 with a drafter that samples its own
+   law also the kind: the configured tree, a sampled chain verified by block verification, or a sampled tree
+   verified by traversal verification: `SAMPLED_KINDS`), the target runs ONE forward over it with
    the ancestor mask at positions committed + depth, `verify_tree_lazy` picks the accepted path and the next
    token, reading the filtered target law (`sampling.logits_to_probs`, the operator plain decoding uses) of
    only the nodes it visits (`TargetRows` runs the output head for those), the cache keeps only the root +
@@ -39,6 +41,7 @@ grammars, HTTP (server.py).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -60,6 +63,9 @@ from speculators.serving.trees import DraftTree, ancestor_mask
 from speculators.serving.verify import verify_tree_lazy
 
 DEFAULT_MAX_LEN = 8192
+# tree kinds the controller may choose at T > 0 besides the configured one, for drafters that sample their own law:
+# sampled chains (block verification) and sampled trees (traversal verification)
+SAMPLED_KINDS = ("chain", "sampled")
 _NO_ROWS = torch.empty(0, dtype=torch.long)  # forward without the output head (TargetRows makes the rows needed)
 
 
@@ -194,7 +200,7 @@ class Engine:
         self.eos_ids = _eos_ids(target.model, self.tokenizer)
         self.prefix_caching = prefix_caching
         self.cost = CostModel()
-        self._acceptance_prior: list[float] = []
+        self._acceptance_prior: dict[str, list[float]] = {}  # per tree kind, from the previous adaptive request
         self.totals = AcceptanceStats()  # over every request served (the server's /metrics reads it)
 
     # ---- construction -------------------------------------------------------------------------------------------
@@ -219,18 +225,29 @@ class Engine:
         return cls(loaded, drafter, info=info, tree=tree, max_len=max_len, adaptive=adaptive)
 
     def set_tree(self, tree: TreeConfig, adaptive: bool | None = None) -> None:
-        """Drafting settings for the next requests (max depth, top-k, node budget, kind, adaptive on/off)."""
+        """Drafting settings for the next requests (max depth, top-k, node budget, kind, verification of sampled
+        drafts, adaptive on/off: with it on, at T > 0 the kind too is chosen per cycle, see `kinds_for`)."""
         if tree.depth < 1 or tree.budget < 1 or tree.topk < 1:
             raise SpeculatorsError(f"tree depth, topk and budget must be >= 1, got depth={tree.depth}, "
                                    f"topk={tree.topk}, budget={tree.budget}")
-        if tree.kind not in ("dynamic", "static", "chain"):
-            raise SpeculatorsError(f"tree kind must be dynamic, static or chain, got {tree.kind!r}")
+        if tree.kind not in ("dynamic", "static", "chain", "sampled"):
+            raise SpeculatorsError(f"tree kind must be dynamic, static, chain or sampled, got {tree.kind!r}")
+        if tree.verify not in ("sequence", "token"):
+            raise SpeculatorsError(f"tree verify must be sequence or token, got {tree.verify!r}")
         self.tree = tree
         self.adaptive = tree.adaptive if adaptive is None else adaptive
 
     @property
     def device(self) -> torch.device:
         return self.runner.device
+
+    def kinds_for(self, params: SamplingParams, adaptive: bool) -> tuple[str, ...]:
+        """Tree kinds a request may draft, the configured one first: at T > 0 an adaptive request of a drafter that
+        samples its own law may also draft sampled chains and sampled trees (`SAMPLED_KINDS`)."""
+        kinds = (self.tree.kind,)
+        if adaptive and not params.greedy and getattr(self.drafter, "samples_drafts", False):
+            kinds += tuple(k for k in SAMPLED_KINDS if k != self.tree.kind)
+        return kinds
 
     @property
     def cache(self) -> StaticKVCache:
@@ -410,9 +427,10 @@ class Engine:
         stats.prefill_seconds = time.perf_counter() - t0
         # a seeded sampled request must be reproducible: its depths may not depend on measured timings
         seeded = params.seed is not None and not params.greedy
+        adaptive = self.adaptive and not seeded
         ctrl = AdaptiveDepth(cost=self.cost, max_depth=self.tree.depth if self.speculative else 0,
-                             max_new_tokens=params.max_new_tokens, enabled=self.adaptive and not seeded,
-                             prior=self._acceptance_prior)
+                             max_new_tokens=params.max_new_tokens, enabled=adaptive, prior=self._acceptance_prior,
+                             kinds=self.kinds_for(params, adaptive))
         if seeded and self.adaptive and ctrl.mode.startswith("fixed"):
             ctrl.mode += " (seeded sampled request: reproducible)"
         root = prompt_ids[-1]
@@ -420,7 +438,7 @@ class Engine:
         while True:
             remaining = params.max_new_tokens - len(out)
             t_draft = time.perf_counter()
-            depth = ctrl.choose(remaining)
+            kind, depth = ctrl.choose_plan(remaining)
             if depth > 0:
                 if pending:
                     one_cycle = len(pending) == 1  # the last cycle's tokens only (not a plain streak's backlog)
@@ -428,7 +446,7 @@ class Engine:
                     if one_cycle:
                         self.cost.observe_absorb(time.perf_counter() - t_draft)
                 t_propose = time.perf_counter()
-                tree = drafter.propose(state, root, self._tree_for(depth), params, generator)
+                tree = drafter.propose(state, root, self._tree_for(depth, kind), params, generator)
                 # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
                 tree = prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free)
             else:
@@ -451,8 +469,8 @@ class Engine:
             acc.verify_seconds += t_accept - t_verify
             acc.accept_seconds += t_done - t_accept
             if drafted_depth > 0:  # the controller models the drafter's own depths (not a graft beyond them)
-                ctrl.observe(min(drafted_depth, depth), min(len(accepted), depth))
-                self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose)
+                ctrl.observe(min(drafted_depth, depth), min(len(accepted), depth), kind)
+                self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose, kind)
             if not call.shared:  # a forward shared with other requests says little about this tree's cost
                 self.cost.observe_cycle(tree.size, t_done - t_verify)
             if not out:
@@ -474,7 +492,7 @@ class Engine:
             if finish:
                 stats.adaptive = ctrl.report()
                 if ctrl.mode == "adaptive":
-                    self._acceptance_prior = list(ctrl.acceptance)
+                    self._acceptance_prior = {k: list(v) for k, v in ctrl.estimates.items()}
                 yield new, finish
                 return
             if self.speculative:
@@ -486,9 +504,10 @@ class Engine:
             yield new, None
             root = int(next_token)
 
-    def _tree_for(self, depth: int) -> TreeConfig:
-        """The tree settings of one cycle at the chosen depth (`drafters.depth_tree`)."""
-        return depth_tree(self.tree, depth)
+    def _tree_for(self, depth: int, kind: str | None = None) -> TreeConfig:
+        """The tree settings of one cycle: the chosen kind (default: the configured one) at the chosen depth
+        (`drafters.depth_tree`)."""
+        return depth_tree(dataclasses.replace(self.tree, kind=kind) if kind else self.tree, depth)
 
     @staticmethod
     def _absorb(drafter: Any, state: Any, pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
@@ -562,16 +581,21 @@ class Engine:
             self.cost.set_cycle(size, seconds)
 
     def _calibrate_drafting(self, drafter: Any, state: Any, root: int) -> None:
-        """Time greedy proposals at every depth (best of 3 after a warm-up) on the request's real drafter state:
-        proposing writes only scratch slots, so the state (and the request's random stream) is left as it was."""
+        """Time proposals of every kind a request may draft (`kinds_for` at T = 1) at every depth (best of 3 after a
+        warm-up) on the request's real drafter state: proposing writes only scratch slots, so the state is left as
+        it was; sampled kinds draw from a generator of their own (the request's random stream is untouched)."""
         if getattr(state, "last_token", root) != root:
             return
-        params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        for depth in range(1, self.tree.depth + 1):
-            times, nodes = [], 0
-            for _ in range(4):
-                t = time.perf_counter()
-                nodes = drafter.propose(state, root, self._tree_for(depth), params, None).size - 1
-                times.append(time.perf_counter() - t)
-            if nodes > 0:
-                self.cost.set_draft(depth, nodes, min(times[1:]))
+        greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
+        warm = SamplingParams(max_new_tokens=1, temperature=1.0)
+        for kind in self.kinds_for(warm, adaptive=True):
+            params = warm if kind in SAMPLED_KINDS else greedy
+            generator = torch.Generator(device=self.device).manual_seed(0) if kind in SAMPLED_KINDS else None
+            for depth in range(1, self.tree.depth + 1):
+                times, nodes = [], 0
+                for _ in range(4):
+                    t = time.perf_counter()
+                    nodes = drafter.propose(state, root, self._tree_for(depth, kind), params, generator).size - 1
+                    times.append(time.perf_counter() - t)
+                if nodes > 0:
+                    self.cost.set_draft(depth, nodes, min(times[1:]), kind)

@@ -46,8 +46,11 @@ def test_evaluate_writes_reports_plots_selection_and_best(tmp_path: Path, tiny_l
                 for c in s["cohorts"].values():
                     assert len(c["per_position_acceptance"]) == 3 and c["simulated_tau"] >= 1.0
                     assert c["simulated_tau"] == c["tau_by_depth"][-1]
+        block = rep["temperatures"]["1.0"]["speculator_block"]  # block verification prediction at T > 0 only
+        assert "speculator_block" not in rep["temperatures"]["0.0"] and set(block["cohorts"]) == set(rep["cohorts"])
+        assert block["mean_tau"] >= rep["temperatures"]["1.0"]["speculator"]["mean_tau"] - 1e-3
         md = (ev / step / "report.md").read_text()
-        assert "n-gram tau" in md and "## T = 0.0" in md and "copy-heavy" in md
+        assert "n-gram tau" in md and "## T = 0.0" in md and "copy-heavy" in md and "block tau" in md
         assert _png(ev / step / "per_position.png") and _png(ev / step / "tau.png")
     assert _png(ev / "selection.png") and "Best checkpoint" in (ev / "report.md").read_text()
     assert "tau@T=0.0 (n-gram)" in summary and set(summary["tau@T=0.0 (best)"]) == set(rep["cohorts"])
