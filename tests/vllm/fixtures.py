@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import HOUSE_TARGET
 
 from speculators.export.vllm_consumer import VllmServer, find_vllm_python, server_args, server_env
+from tests.conftest import HOUSE_TARGET
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_EAGLE3 = REPO / "data" / "speculators" / "stdlib-lm-eagle3"

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import HOUSE_TARGET
 from safetensors.torch import load_file, save_file
 
 from speculators.config import TargetConfig
 from speculators.export.vllm_consumer import server_env
 from speculators.models.io import load_speculator, target_weights
 from speculators.target import forward_with_taps, load_target
+from tests.conftest import HOUSE_TARGET
 
 pytestmark = pytest.mark.vllm
 

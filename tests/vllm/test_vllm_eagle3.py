@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import HOUSE_TARGET
 
 from speculators.config import load_recipe
 from speculators.data.workloads import load_workloads
 from speculators.evaluate.teacher import encode_row
 from speculators.export import launch
 from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, spec_counters
+from tests.conftest import HOUSE_TARGET
 from tests.vllm.fixtures import cli
 
 pytestmark = pytest.mark.vllm
@@ -120,3 +120,26 @@ def test_full_vocab_export_loads_without_d2t(house_eagle3_run: Path, export_of, 
         before = spec_counters(server.url)
         assert [complete_ids(server.url, model, p, n) for p, n in zip(prompts, lengths, strict=True)] == reference
         assert counts_between(before, spec_counters(server.url), 3).drafts > 0
+
+
+def test_vllm_refusal_surfaces_as_vllms_own_error_line(export_of, vllm_server, tmp_path: Path) -> None:
+    """The bug this suite first found, replayed: a full-vocab export WITH d2t (what older exports wrote). Our validator
+    refuses it naming the field, and real vLLM refuses it too — the failure is one line quoting vLLM's own error."""
+    import shutil
+
+    import pytest
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from speculators.errors import SpeculatorsError
+    from speculators.export.validate import validate_vllm_export
+
+    bad = tmp_path / "export-with-d2t"
+    shutil.copytree(export_of("eagle3", None), bad)
+    state = load_file(str(bad / "model.safetensors"))
+    save_file({**state, "d2t": torch.zeros(8192, dtype=torch.long)}, str(bad / "model.safetensors"))
+    assert any("d2t is present but draft_vocab_size == vocab" in p for p in validate_vllm_export(bad))
+    with pytest.raises(SpeculatorsError, match="draft_id_to_target_id") as err:
+        with vllm_server(["bash", str(bad / "launch.sh")], "eagle3-with-d2t"):
+            pass
+    assert "\n" not in str(err.value)

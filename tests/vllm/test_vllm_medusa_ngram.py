@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import HOUSE_TARGET
 
 from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, spec_counters
+from tests.conftest import HOUSE_TARGET
 from tests.vllm.test_vllm_eagle3 import _rows_and_reference
 
 pytestmark = pytest.mark.vllm

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import HOUSE_TARGET
 
 from speculators.export.vllm_consumer import served_model
+from tests.conftest import HOUSE_TARGET
 from tests.vllm.fixtures import REPO, cli, write_recipe
 
 pytestmark = pytest.mark.vllm
