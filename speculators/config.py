@@ -183,6 +183,19 @@ def _help(text: str) -> dict:
 
 
 @dataclass
+class VllmCheckConfig:
+    """The vllm-check stage: serve the export with the real vLLM and compare its acceptance with the prediction."""
+
+    mode: Literal["auto", "always", "never"] = "auto"  # auto: when a vLLM environment exists (make vllm-env)
+    python: str | None = None  # the vLLM environment's python (default: $SPECULATORS_VLLM_PYTHON, ./.venv-vllm)
+    rows_per_cohort: int = 4
+    max_new_tokens: int = 64
+    port: int = 8431
+    threads: int = 2
+    max_model_len: int = 1024
+
+
+@dataclass
 class ServeConfig:
     """`speculators serve`: the recipe's `serve:` section, the server's limits and the CLI flags are this one
     dataclass (the CLI reads defaults and help from here; flags override the recipe)."""
@@ -275,6 +288,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    vllm: VllmCheckConfig = field(default_factory=VllmCheckConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     source_path: str | None = field(default=None, metadata={"internal": True})
 

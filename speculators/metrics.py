@@ -257,3 +257,80 @@ class AcceptanceStats:
             "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
             "accept_seconds": round(self.accept_seconds, 4),
         }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# chain speculation counted the way vLLM counts it
+
+
+@dataclass
+class ChainCounts:
+    """Counters of chain speculation as vLLM keeps them (`vllm:spec_decode_*` on /metrics): `drafts` verification
+    steps that carried drafts, `draft_tokens` drafted tokens, and accepted[j] = drafts whose first j+1 tokens were
+    all accepted (vLLM's `num_accepted_tokens_per_pos`, an unconditional count)."""
+
+    k: int
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted = self.accepted or [0] * self.k
+
+    def record(self, accepted: int, drafted: int) -> None:
+        if not 0 <= accepted <= drafted <= self.k:
+            raise ValueError(f"accepted {accepted} / drafted {drafted} outside 0..k={self.k}")
+        self.drafts += 1
+        self.draft_tokens += drafted
+        for j in range(accepted):
+            self.accepted[j] += 1
+
+    def merge(self, other: ChainCounts) -> None:
+        if other.k != self.k:
+            raise ValueError(f"cannot merge chain counts of k={other.k} into k={self.k}")
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted = [a + b for a, b in zip(self.accepted, other.accepted, strict=True)]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """vLLM's figure: 1 + accepted tokens / drafts (= tau of a chain, bonus included)."""
+        return 1.0 + sum(self.accepted) / self.drafts if self.drafts else 0.0
+
+    @property
+    def reach(self) -> list[float]:
+        """P(the first j drafts are all accepted), j = 1..k (vLLM's per-position acceptance rate)."""
+        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted]
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """a_k = P(depth k accepted | depths 1..k-1 accepted), as in the glossary."""
+        return per_position_from_reach(self.reach)
+
+    def to_dict(self) -> dict:
+        return {"k": self.k, "drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": list(self.accepted),
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "reach": [round(r, 4) for r in self.reach],
+                "per_position_acceptance": [round(a, 4) for a in self.per_position_acceptance]}
+
+
+def walk_chain(reach: Sequence[int], k: int, total: int) -> ChainCounts:
+    """Greedy chain speculation along one known output, step by step as an engine runs it.
+
+    The first output token comes from the prefill; then every verification step drafts k tokens from the last
+    committed token (output index i), accepts the first reach[i] of them (how many leading drafts equal the
+    target's own next tokens there; capped at k) and commits reach[i] + 1 tokens, until `total` tokens are
+    committed. The last step is counted in full even where it runs past `total` (vLLM verifies all k drafts and
+    counts their acceptance before it truncates at max_tokens or EOS), so reach must cover indices up to total-1.
+    Because it visits exactly the positions an engine visits, it predicts the engine's counters; averaging the
+    acceptance over every position instead (`chain_reach`) weights positions an engine skips."""
+    counts = ChainCounts(k)
+    i, committed = 0, 1
+    while committed < total:
+        if i >= len(reach):
+            raise ValueError(f"reach covers {len(reach)} positions; the walk needs index {i} (total {total})")
+        a = min(int(reach[i]), k)
+        counts.record(a, k)
+        committed += a + 1
+        i += a + 1
+    return counts

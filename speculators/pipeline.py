@@ -40,6 +40,10 @@ class Stage:
             return recipe.data.regenerate.enabled
         if self.name == "capture":
             return recipe.capture.mode == "offline"
+        if self.name == "vllm-check":
+            from speculators.export.vllm_check import enabled
+
+            return enabled(recipe)
         return True
 
 
@@ -50,6 +54,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("train", "speculators.train.loop", "train the speculator (accelerate)"),
     Stage("evaluate", "speculators.evaluate.acceptance", "per-position acceptance on held-out workloads"),
     Stage("export", "speculators.export.vllm", "vLLM-loadable checkpoint + pairing.json"),
+    Stage("vllm-check", "speculators.export.vllm_check", "serve the export with real vLLM: lossless + "
+          "acceptance vs prediction"),
 )
 
 

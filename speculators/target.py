@@ -307,10 +307,24 @@ def _cache_file() -> Path:
     return root / "file-hashes.json"
 
 
-def _file_sha256(path: Path, cache: dict) -> str:
+def cache_kwarg(model: Any) -> str:
+    """Name of the KV-cache argument of `model.forward` (transformers >= 5.2x renamed `past_key_values` to
+    `cache`)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def file_stat_key(path: Path) -> tuple[int, int, int, int]:
+    """(size, mtime, ctime, inode) of a file: a same-size edit with the old mtime put back still changes the
+    ctime (which only the kernel sets), and replacing the file changes the inode."""
     st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def _file_sha256(path: Path, cache: dict) -> str:
     real = path.resolve()
-    key = f"{real}:{st.st_size}:{st.st_mtime_ns}"
+    key = f"{real}:" + ":".join(str(v) for v in file_stat_key(real))
     if key in cache:
         return cache[key]
     # Hugging Face hub blobs are named by their sha256: reuse it instead of rereading gigabytes.

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["tests.vllm.fixtures"]  # the vLLM suite's session fixtures, registered once
 HOUSE_TARGET = REPO / "data" / "targets" / "stdlib-lm"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

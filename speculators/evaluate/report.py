@@ -206,6 +206,20 @@ def plot_selection(selection: dict, path: Path) -> None:
     plt.close(fig)
 
 
+VLLM_SECTION_HEADING = "## vLLM as the consumer (`speculators vllm-check`)"
+
+
+def with_vllm_section(text: str, eval_dir: Path) -> str:
+    """An eval/report.md text with eval/vllm/report.md (written by the vllm-check stage) as its last section,
+    replacing an older copy of that section."""
+    head = text.split(VLLM_SECTION_HEADING)[0].rstrip()
+    try:
+        section = (eval_dir / "vllm" / "report.md").read_text()
+    except OSError:
+        return head + "\n"
+    return head + "\n\n" + section.rstrip() + "\n"
+
+
 def write_overview(eval_dir: Path, selection: dict, reports: dict[str, dict]) -> None:
     plot_selection(selection, eval_dir / "selection.png")
-    write_text_atomic(eval_dir / "report.md", render_overview(selection, reports) + "\n")
+    write_text_atomic(eval_dir / "report.md", with_vllm_section(render_overview(selection, reports), eval_dir))

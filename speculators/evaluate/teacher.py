@@ -25,7 +25,7 @@ import torch
 
 from speculators.data.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
-from speculators.target import forward_with_taps
+from speculators.target import cache_kwarg, forward_with_taps
 
 CONTINUATIONS_FORMAT = "speculators.continuations/v1"
 
@@ -137,6 +137,27 @@ def continuations(model: Any, tokenizer: Any, rows: Sequence[WorkloadRow], tempe
     bar.close()
     if cache_path is not None and dirty:
         _save_cache(cache_path, key, cache)
+    return out
+
+
+def greedy_tokens(model: Any, prompt_ids: Sequence[int], n: int) -> list[int]:
+    """The target's n greedy next tokens after the prompt, EOS included and NOT stopped at (an engine verifying k
+    drafts judges them past the end of the output too). One token per forward with a KV cache, as `generate` runs."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, P]
+    kv = {cache_kwarg(model): DynamicCache()}
+    out: list[int] = []
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=True, **kv).logits  # [1, P, V]
+        for _ in range(n):
+            nxt = int(logits[0, -1].argmax())
+            out.append(nxt)
+            if len(out) == n:
+                break
+            step = torch.tensor([[nxt]], dtype=torch.long, device=device)  # [1, 1]
+            logits = model(input_ids=step, use_cache=True, **kv).logits
     return out
 
 

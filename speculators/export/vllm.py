@@ -40,7 +40,6 @@ SPECULATORS_FORMAT_VERSION = "0.7.0"  # the vLLM speculators-format revision thi
 WEIGHTS_NAME = "model.safetensors"
 REQUIRED_FILES = ("config.json", WEIGHTS_NAME, "pairing.json", "README.md", "launch.sh", "report.json")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-VLLM_METHOD = {"eagle3": "eagle3", "medusa": "medusa", "mtp": "mtp"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -95,15 +94,19 @@ def verifier_name(recipe: Recipe) -> str:
 
 
 def export_tensors(spec: Any, weights: Any, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """state_dict -> exported tensors: floats cast to `dtype`; frozen target copies (TARGET_TENSORS) dropped when
-    they equal the target's. Returns (tensors, target_tensor records for speculators_native)."""
+    """state_dict -> exported tensors: floats cast to `dtype`; frozen target copies (`TARGET_TENSORS`) dropped when
+    they equal the target's unless the family's consumers need them (`EXPORT_TARGET_TENSORS`); buffers the config
+    determines (`derived_tensors()`) left out. Returns (tensors, target_tensor records for speculators_native)."""
     from speculators.models.io import digests_match, tensor_digest
 
     state = spec.state_dict()
-    frozen: dict[str, str] = getattr(spec, "TARGET_TENSORS", {})
+    frozen: dict[str, str] = spec.TARGET_TENSORS
+    derived = spec.derived_tensors()
     records: dict[str, dict] = {}
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
+        if name in derived:
+            continue
         if name in frozen:
             source = frozen[name]
             ref = getattr(weights, source)
@@ -111,8 +114,9 @@ def export_tensors(spec: Any, weights: Any, dtype: torch.dtype) -> tuple[dict[st
             same = tuple(ref.shape) == tuple(t.shape) and (
                 torch.equal(ref.detach().cpu().float(), t.detach().cpu().float())
                 or digests_match(digest, tensor_digest(ref)))
-            records[name] = {"source": source, **tensor_digest(ref), "saved": not same}
-            if same:
+            keep = not same or name in spec.EXPORT_TARGET_TENSORS
+            records[name] = {"source": source, **tensor_digest(ref), "saved": keep}
+            if not keep:
                 continue
         t = t.detach().to("cpu")
         out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
@@ -129,7 +133,7 @@ def export_config(spec: Any, family: str, recipe: Recipe, fingerprint: dict, rec
                               "target_revision": fingerprint["revision"]}})
     cfg["speculators_native"] = native
     cfg["dtype"] = dtype_name
-    if family == "eagle3":
+    if "speculators_config" in cfg:  # the vLLM speculators format: self-describing
         sc = cfg["speculators_config"]
         sc["proposal_methods"][0]["speculative_tokens"] = int(recipe.export.speculative_tokens)
         sc["default_proposal_method"] = sc["proposal_methods"][0]["proposal_type"]
@@ -243,16 +247,16 @@ def evaluation_summary(report: dict | None, selection: dict | None, ckpt: Path) 
             "live": report.get("live")}
 
 
-def plan_launch(recipe: Recipe, spec: Any, family: str, report: dict | None, target_model: Any) -> dict:
+def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: Any) -> dict:
     """k + schedule from measured tau(k) and measured verify cost (or the recipe's k when not evaluated)."""
     from speculators.export import launch
 
-    fixed = family == "medusa"  # vLLM's Medusa proposer drafts exactly num_heads tokens
+    fixed = bool(spec.VLLM_FIXED_K)  # e.g. vLLM's Medusa proposer drafts exactly num_heads tokens
     if report is None:
         k = int(spec.num_steps) if fixed else int(recipe.export.speculative_tokens)
         return {"k": k, "schedule": [{"start_bs": 1, "end_bs": 512, "measured_at": None, "k": k,
                                       "tokens_per_unit_cost": None}],
-                "tau_by_depth": [], "measured": None, "fixed_k": fixed,
+                "tau_by_depth": [], "measured": None, "fixed_k": fixed, "method": spec.VLLM_METHOD,
                 "note": "the exported checkpoint was not evaluated: k is the recipe's export.speculative_tokens "
                         "and no batch-size schedule was derived (run `speculators evaluate` first)"}
     taus = tau_by_depth(report, recipe.evaluate.select_temperature)
@@ -264,6 +268,9 @@ def plan_launch(recipe: Recipe, spec: Any, family: str, report: dict | None, tar
                                f"e.g. [1, 4, 16, 64]")
     measured = launch.measure_verify_cost(target_model, max_k, tuple(cs))
     rows = launch.schedule(taus, measured, allowed)
+    note = f"tau(k) at T={float(recipe.evaluate.select_temperature)} (evaluate.select_temperature)"
+    if fixed and len({r["k"] for r in rows}) > 1:
+        rows, note = launch.without_off_buckets(rows), note + "; " + launch.FIXED_K_NOTE
     k = max(r["k"] for r in rows)
     sampled = [t for t, e in report["temperatures"].items() if "speculator_block" in e]
     block = None if fixed else launch.block_choice(
@@ -271,25 +278,21 @@ def plan_launch(recipe: Recipe, spec: Any, family: str, report: dict | None, tar
         {t: tau_by_depth(report, float(t), "speculator_block") for t in sampled},
         k or int(recipe.export.speculative_tokens))  # k = 0 (speculation off here): the config's k, for the record
     return {"k": k, "k_at_concurrency_1": rows[0]["k"], "schedule": rows, "tau_by_depth": taus,
-            "measured": measured, "fixed_k": fixed, "block": block,
-            "note": f"tau(k) at T={float(recipe.evaluate.select_temperature)} (evaluate.select_temperature)"}
+            "measured": measured, "fixed_k": fixed, "method": spec.VLLM_METHOD, "block": block, "note": note}
 
 
-def write_launch_files(directory: Path, recipe: Recipe, family: str, plan: dict, config_k: int) -> str:
-    """Write launch.sh; return the README section that explains it."""
+def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict) -> str:
+    """Write launch.sh; return the README section that explains it. A speculators-format config (with
+    `speculators_config`) is self-describing: `vllm serve <dir>` works and takes its k from the config."""
     from speculators.export import launch
 
-    method = VLLM_METHOD[family]
+    method = plan["method"]
     target = verifier_name(recipe)
-    self_describing = family == "eagle3"
+    self_describing = "speculators_config" in config
+    config_k = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]) if self_describing \
+        else plan["k"]
     if plan["measured"] is None:
-        script = "\n".join([
-            "#!/usr/bin/env bash", "# Serve this speculator with vLLM (written by `speculators export`).",
-            f"# {plan['note']}.", "set -euo pipefail",
-            'EXPORT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"', f'TARGET="${{TARGET:-{target}}}"',
-            f'K="${{K:-{plan["k"]}}}"',
-            'exec vllm serve "$TARGET" --speculative-config "{\\"model\\": \\"$EXPORT_DIR\\", \\"method\\": \\"'
-            + method + '\\", \\"num_speculative_tokens\\": $K}" "$@"', ""])
+        script = launch.unevaluated_script(target=target, method=method, k=plan["k"], note=plan["note"])
         section = "\n".join(["## Serving with vLLM", "", "```bash",
                              f"vllm serve {target} --speculative-config "
                              f"'{json.dumps({'model': '<export_dir>', 'method': method, 'num_speculative_tokens': plan['k']})}'",
@@ -349,10 +352,8 @@ def export_vllm(recipe: Recipe, ckpt: Path, family: str, target: Any, fingerprin
         raise SpeculatorsError(f"export of {ckpt} failed its round trip: {'; '.join(problems[:3])}")
     report, selection = evaluation_for(recipe, ckpt)
     summary = evaluation_summary(report, selection, ckpt)
-    plan = plan_launch(recipe, spec, family, report, target.model)
-    config_k = int(config.get("speculators_config", {}).get("proposal_methods", [{}])[0].get(
-        "speculative_tokens", plan["k"])) if family == "eagle3" else plan["k"]
-    section = write_launch_files(out_dir, recipe, family, plan, config_k)
+    plan = plan_launch(recipe, spec, report, target.model)
+    section = write_launch_files(out_dir, recipe, plan, config)
     write_text_atomic(out_dir / "README.md", readme(recipe, family, ckpt, summary, section))
     write_json_atomic(out_dir / "report.json", {"format": EXPORT_FORMAT, "source_checkpoint": str(ckpt),
                                                 "evaluation": report, "launch": plan})
@@ -366,7 +367,8 @@ def export_vllm(recipe: Recipe, ckpt: Path, family: str, target: Any, fingerprin
                           extra={"export": {"format": EXPORT_FORMAT, "kind": family,
                                             "source_checkpoint": str(ckpt),
                                             "source_revision": draft_revision(ckpt),
-                                            "vllm_method": VLLM_METHOD[family], "vllm_loadable": True,
+                                            "vllm_method": spec.VLLM_METHOD, "vllm_loadable": True,
+                                            "vllm_served": spec.VLLM_SERVED,
                                             "launch_k": plan["k"]}})
 
 
@@ -395,7 +397,8 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         write_pairing(tmp, record)  # the manifest: last
     summary: dict[str, Any] = {"export": str(out), "source": str(ckpt), "family": family,
                                "format": record["export"]["kind"], "vllm_method": record["export"]["vllm_method"],
-                               "k": record["export"]["launch_k"], "draft_revision": record["draft"]["revision"][:19]}
+                               "k": record["export"]["launch_k"], "draft_revision": record["draft"]["revision"][:19],
+                               "vllm": record["export"].get("vllm_served")}
     ev = record.get("evaluation")
     if ev:
         t = str(float(recipe.evaluate.select_temperature))

@@ -56,6 +56,20 @@ class Speculator(nn.Module, ABC):
     """Base class of every speculator family. Subclasses set `family` and implement the abstract methods."""
 
     family: ClassVar[str]
+    # frozen copies of target tensors: parameter name -> TargetWeights field (io.py saves them only when changed)
+    TARGET_TENSORS: ClassVar[dict[str, str]] = {}
+    # frozen target copies that a vLLM-format export writes even when they equal the target's (a consumer needs them)
+    EXPORT_TARGET_TENSORS: ClassVar[frozenset[str]] = frozenset()
+    # how vLLM serves the family's export: its speculative `method`, whether k is fixed to num_steps (no
+    # per-batch-size schedule then), and what the vLLM conformance tests (tests/vllm/) showed
+    VLLM_METHOD: ClassVar[str | None] = None
+    VLLM_FIXED_K: ClassVar[bool] = False
+    VLLM_SERVED: ClassVar[str] = "no vLLM serves this family; only the bundled runtime does"
+
+    def derived_tensors(self) -> frozenset[str]:
+        """Buffers a file may leave out because the config alone determines them (they keep their constructed
+        value when absent, e.g. EAGLE-3's identity d2t / t2d when the draft vocab is the target's)."""
+        return frozenset()
 
     # ---- construction / identity ------------------------------------------------------------------------------
     @classmethod

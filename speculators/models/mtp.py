@@ -51,6 +51,10 @@ class SharedHead(nn.Module):
 
 class MTPSpeculator(RecurrentSpeculator):
     family: ClassVar[str] = "mtp"
+    VLLM_METHOD: ClassVar[str | None] = "mtp"
+    VLLM_SERVED: ClassVar[str] = ("vLLM serves MTP only stitched into a target with a native MTP slot (DeepSeek-V3 "
+                                  "style, Qwen3-Next, Qwen3.5; not run in tests here); for every other target (Llama, "
+                                  "the house target) no vLLM serves it: only the bundled runtime")
     TARGET_TENSORS: ClassVar[dict[str, str]] = {"embed_tokens.weight": "embed_tokens",
                                                 "shared_head.head.weight": "lm_head"}
 

@@ -25,7 +25,7 @@ from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 
 
-def _engine(target: str, speculator: str | None, device: str, dtype: str, allow_revision_mismatch: bool,
+def _engine(target: str | None, speculator: str | None, device: str, dtype: str, allow_revision_mismatch: bool,
             tree: str | None = None, depth: int | None = None, topk: int | None = None,
             budget: int | None = None, draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> Any:
     from speculators.serving.engine import Engine
@@ -53,7 +53,7 @@ def _print_stats(stats: Any) -> None:
           f"finish {s.finish_reason} | adaptive {s.adaptive.get('mode', '-')}", file=sys.stderr)
 
 
-def generate_command(*, target: str, speculator: str | None, prompt: str | None, chat: str | None,
+def generate_command(*, target: str | None, speculator: str | None, prompt: str | None, chat: str | None,
                      workload: Path | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                      seed: int | None, device: str, dtype: str, tree: str | None, depth: int | None,
                      topk: int | None, budget: int | None, allow_revision_mismatch: bool, as_json: bool,
@@ -128,7 +128,7 @@ def _print_cohorts(per_cohort: dict[str, dict], as_json: bool) -> None:
         print(f"{cohort:<20} {s['rows']:>5} {s['tokens']:>7} {s['tokens_per_second']:>7.1f} {s['tau']:>6.2f}   {acc}")
 
 
-def serve_command(*, target: str, speculator: str | None, device: str, dtype: str, config: ServeConfig) -> None:
+def serve_command(*, target: str | None, speculator: str | None, device: str, dtype: str, config: ServeConfig) -> None:
     """Load the engine once and serve it with the settings of `config` (the recipe's serve: section with the CLI's
     flags applied)."""
     try:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from speculators.config import TargetConfig
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest
 from speculators.serving.ngram import ngram_continuations
@@ -210,18 +211,22 @@ def resolve_speculator_dir(path: str | Path) -> Path:
 
 
 def _stat_key(path: str) -> tuple:
+    """What changes whenever a file of the directory changes: size, mtime, and ctime + inode (which no user tool
+    can set back: restoring the old mtime after a same-size edit still moves the ctime)."""
+    from speculators.target import file_stat_key
+
     p = Path(path)
     if not p.is_dir():
         return (path,)
-    return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in p.iterdir() if f.is_file()))
+    return tuple(sorted((f.name, *file_stat_key(f)) for f in p.iterdir() if f.is_file()))
 
 
 _FINGERPRINTS: dict[tuple, dict] = {}
 
 
 def target_fingerprint(target: LoadedTarget) -> dict:
-    """`fingerprint_target(...).to_dict()` of a loaded target, cached in-process by the files' size and mtime
-    (file hashes are cached on disk by `speculators.target` as well)."""
+    """`fingerprint_target(...).to_dict()` of a loaded target, cached in-process by the files' size, mtime, ctime
+    and inode (file hashes are cached on disk by `speculators.target` under the same key)."""
     from speculators.target import base_model, fingerprint_target
 
     cfg = target.cfg
@@ -265,6 +270,21 @@ def prepare_for_drafting(spec: torch.nn.Module, device: torch.device | str, dtyp
     return "float16 weights, float32 activations" if packed else str(dtype).removeprefix("torch.")
 
 
+def paired_target(speculator: str | os.PathLike | None) -> TargetConfig:
+    """The target a speculator directory's pairing.json names (its hub commit for hub targets, its adapter), or
+    the house target when there is no such directory (plain decoding, n-gram)."""
+    from speculators.export.pairing import read_pairing
+
+    if speculator is None or str(speculator) in ("", "none", "ngram"):
+        return TargetConfig()
+    want = read_pairing(resolve_speculator_dir(speculator))["target"]
+    hub = not str(want.get("revision", "")).startswith("local:")
+    adapter_rev = want.get("adapter_revision")
+    return TargetConfig(name_or_path=want["name_or_path"], revision=want["revision"] if hub else None,
+                        adapter=want.get("adapter"),
+                        adapter_revision=adapter_rev if adapter_rev and not adapter_rev.startswith("local:") else None)
+
+
 def load_drafter(speculator: str | os.PathLike | None, target: LoadedTarget, *,
                  allow_revision_mismatch: bool = False, draft_dtype: str | torch.dtype | None = "auto",
                  ngram_graft: int = 0) -> tuple[Any, DrafterInfo]:
@@ -282,7 +302,8 @@ def load_drafter(speculator: str | os.PathLike | None, target: LoadedTarget, *,
 
     directory = resolve_speculator_dir(speculator)
     record = read_pairing(directory)
-    warnings = check_pairing(record, target_fingerprint(target), allow_revision_mismatch=allow_revision_mismatch)
+    warnings = check_pairing(record, target_fingerprint(target), allow_revision_mismatch=allow_revision_mismatch,
+                             check_draft_dir=directory)
     spec = load_speculator(directory, target_weights(target.model))
     want = record.get("draft", {}).get("layer_ids")
     taps = spec.required_features().tap_layer_ids

@@ -54,7 +54,15 @@ from speculators.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.adaptive import AdaptiveDepth, CostModel
-from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, depth_tree, load_drafter, prune_tree
+from speculators.serving.drafters import (
+    DrafterInfo,
+    NoDrafter,
+    default_tree,
+    depth_tree,
+    load_drafter,
+    paired_target,
+    prune_tree,
+)
 from speculators.serving.kv_cache import StaticKVCache
 from speculators.serving.sampling import SamplingParams, logits_to_probs
 from speculators.serving.target_rows import TargetRows, TokenLogprob
@@ -205,12 +213,13 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, target: str | Any, speculator: str | None = None, *, device: str = "auto",
+    def from_pretrained(cls, target: str | Any | None, speculator: str | None = None, *, device: str = "auto",
                         dtype: str = "auto", tree: TreeConfig | None = None, max_len: int | None = None,
                         adaptive: bool | None = None, allow_revision_mismatch: bool = False,
                         revision: str | None = None, draft_dtype: str = "auto",
                         ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> Engine:
-        """Load a target (dir / hub id, or an already loaded `LoadedTarget`) and a drafter: None or "none"
+        """Load a target (dir / hub id, an already loaded `LoadedTarget`, or None: the target a speculator
+        directory's pairing.json names, else the house target) and a drafter: None or "none"
         (plain decoding), "ngram" (prompt lookup) or a speculator directory (its pairing.json is checked against
         the target: another tokenizer is always refused, another revision unless `allow_revision_mismatch`),
         drafting in `draft_dtype` (see `drafters.draft_dtype_for`; the target's dtype is never changed).
@@ -218,8 +227,12 @@ class Engine:
         speculator alone)."""
         from speculators.target import load_target
 
-        loaded = target if hasattr(target, "model") and hasattr(target, "tokenizer") else load_target(
-            TargetConfig(name_or_path=str(target), revision=revision, device=device, dtype=dtype))
+        if hasattr(target, "model") and hasattr(target, "tokenizer"):
+            loaded = target
+        else:
+            cfg = TargetConfig(name_or_path=str(target), revision=revision) if target is not None \
+                else paired_target(speculator)
+            loaded = load_target(dataclasses.replace(cfg, device=device, dtype=dtype))
         drafter, info = load_drafter(speculator, loaded, allow_revision_mismatch=allow_revision_mismatch,
                                      draft_dtype=draft_dtype, ngram_graft=ngram_graft)
         return cls(loaded, drafter, info=info, tree=tree, max_len=max_len, adaptive=adaptive)

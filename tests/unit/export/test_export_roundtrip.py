@@ -59,19 +59,37 @@ def test_round_trip_catches_a_tampered_export(tmp_path: Path, tiny_llama: Path) 
     assert any("drafts differently" in p for p in problems)
 
 
-def test_embed_tokens_exported_only_when_it_differs(tmp_path: Path, tiny_llama: Path) -> None:
+@pytest.mark.parametrize("changed", [False, True])
+def test_eagle3_export_always_carries_its_embedding(tmp_path: Path, tiny_llama: Path, changed: bool) -> None:
+    """vLLM's speculators library drafts with an all-zero embedding when the file has none, so the EAGLE-3 export
+    holds embed_tokens whether or not it still equals the target's (training checkpoints leave an unchanged one
+    out)."""
     recipe = make_recipe(tmp_path, tiny_llama, "eagle3", extra=("export.checkpoint=latest",))
     loaded = load_target(recipe.target)
     fp = fingerprint_target(recipe.target, tokenizer=loaded.tokenizer, model_config=loaded.model.config).to_dict()
     spec = build_speculator(recipe, loaded)
-    with torch.no_grad():
-        spec.embed_tokens.weight.mul_(2.0)  # no longer the target's embedding
+    if changed:
+        with torch.no_grad():
+            spec.embed_tokens.weight.mul_(2.0)  # no longer the target's embedding
     save_checkpoint(recipe, spec, 10, fp)
+    ckpt_names = set(load_file(str(recipe.paths.checkpoints / "step-0000010" / "model.safetensors")))
+    assert ("embed_tokens.weight" in ckpt_names) == changed
     vllm.run(recipe)
     names = load_file(str(recipe.paths.export / "model.safetensors"))
-    assert names["embed_tokens.weight"].shape == (8192, 64)
+    w = target_weights(loaded.model)
+    want = spec.embed_tokens.weight if changed else w.embed_tokens
+    assert torch.equal(names["embed_tokens.weight"], want.to(torch.bfloat16))
     cfg = json.loads((recipe.paths.export / "config.json").read_text())
     assert cfg["speculators_native"]["target_tensors"]["embed_tokens.weight"]["saved"] is True
+
+
+def test_full_vocab_export_has_no_vocab_map_and_reloads(tmp_path: Path, tiny_llama: Path) -> None:
+    recipe = make_run(tmp_path, tiny_llama, "eagle3", steps=(10,), num_steps=2, extra=("export.checkpoint=latest",))
+    vllm.run(recipe)
+    out = recipe.paths.export
+    assert not set(load_file(str(out / "model.safetensors"))) & {"d2t", "t2d"}
+    reloaded = load_speculator(out, target_weights(load_target(recipe.target).model))
+    assert torch.equal(reloaded.draft_to_target, torch.arange(8192)) and bool(reloaded.t2d.all())
 
 
 def test_bundled_runtime_serves_the_export(tmp_path: Path, tiny_llama: Path) -> None:

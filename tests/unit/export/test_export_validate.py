@@ -90,6 +90,8 @@ EAGLE3_BREAKS = {
     "NaN": (None, lambda s: {**s, "norm.weight": torch.full_like(s["norm.weight"], float("nan"))}, "NaN"),
     "dtype mismatch": (_set("dtype", "float32"), None, "declares dtype float32"),
     "t2d": (None, lambda s: {**s, "t2d": torch.ones_like(s["t2d"])}, "t2d does not mark exactly"),
+    "no embed_tokens": (None, lambda s: {k: v for k, v in s.items() if k != "embed_tokens.weight"},
+                        "embed_tokens.weight is missing"),
 }
 
 
@@ -129,6 +131,20 @@ def test_missing_files_and_unknown_configs(good_exports: dict[str, Path], tmp_pa
     (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
     _one(validate_vllm_export(d), "neither the speculators format")
     _one(validate_vllm_export(tmp_path / "nope"), "is not a directory")
+
+
+def test_d2t_with_the_full_vocab_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM >= 0.30 creates no draft_id_to_target_id when draft vocab == vocab and refuses a file holding d2t."""
+    (tmp_path / "run").mkdir()
+    recipe = make_run(tmp_path / "run", tiny_llama, "eagle3", steps=(10,), num_steps=2,
+                      extra=("export.checkpoint=latest",))
+    vllm.run(recipe)
+    good = recipe.paths.export
+    assert validate_vllm_export(good) == []
+    names = set(load_file(str(good / "model.safetensors")))
+    assert not names & {"d2t", "t2d"} and "embed_tokens.weight" in names
+    d = _broken(good, tmp_path, tensors=lambda s: {**s, "d2t": torch.zeros(8192, dtype=torch.long)})
+    _one(validate_vllm_export(d), "d2t is present but draft_vocab_size == vocab (8192)")
 
 
 def test_pairing_shapes_are_cross_checked(good_exports: dict[str, Path], tmp_path: Path) -> None:

@@ -115,3 +115,46 @@ def test_draft_dtype_auto_is_float16_on_cpu_and_never_touches_the_target(tiny_ll
     with pytest.raises(SpeculatorsError, match="draft dtype must be auto") as err:
         Engine.from_pretrained(target, str(spec_dir), draft_dtype="fp8")
     assert "\n" not in str(err.value)
+
+
+def _same_size_edit_keeping_mtime(path: Path) -> None:
+    """Flip one byte in the middle of a file and put its old mtime back (what `cp -p` or a careful edit does)."""
+    import os
+
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_draft_edited_after_export_is_refused_at_every_load(tiny_llama, spec_dir, tmp_path) -> None:
+    edited = tmp_path / "edited"
+    shutil.copytree(spec_dir, edited)
+    target = loaded_target(str(tiny_llama))
+    assert Engine.from_pretrained(target, str(edited)).info.family == "medusa"
+    _same_size_edit_keeping_mtime(edited / "model.safetensors")
+    with pytest.raises(PairingError, match="draft weights in .* changed since pairing.json was written"):
+        Engine.from_pretrained(target, str(edited))
+
+
+def test_target_fingerprint_sees_an_edit_that_keeps_size_and_mtime(tmp_path) -> None:
+    """Both fingerprint caches (in-process and the on-disk file-hash cache) key on ctime and inode as well."""
+    from speculators.serving.drafters import target_fingerprint
+
+    target_dir = make_tiny_target(tmp_path / "t", "llama", seed=3)
+    before = target_fingerprint(loaded_target(str(target_dir)))
+    _same_size_edit_keeping_mtime(target_dir / "model.safetensors")
+    after = target_fingerprint(loaded_target(str(target_dir)))
+    assert after["content_hash"] != before["content_hash"] and after["revision"] != before["revision"]
+
+
+def test_target_defaults_to_the_one_pairing_json_names(tiny_llama, spec_dir) -> None:
+    """`--speculator DIR` without `--target` serves the target the speculator was trained for, not the house one."""
+    from speculators.serving.drafters import paired_target
+
+    assert paired_target(str(spec_dir)).name_or_path == str(tiny_llama)
+    assert paired_target("ngram").name_or_path == "data/targets/stdlib-lm"
+    engine = Engine.from_pretrained(None, str(spec_dir), device="cpu", dtype="float32")
+    assert engine.target.cfg.name_or_path == str(tiny_llama) and engine.info.family == "medusa"

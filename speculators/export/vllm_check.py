@@ -1,0 +1,201 @@
+"""The `vllm-check` stage (after export): serve the export with the real vLLM and hold what it measures against our prediction.
+
+On `recipe.vllm.rows_per_cohort` held-out rows per cohort (outputs capped at `recipe.vllm.max_new_tokens`), at T=0:
+  1. vLLM without a speculator (the target alone, same dtype) generates every row: the reference output;
+  2. vLLM started with the export's own `launch.sh` (the exact command `speculators export` wrote; the chain length
+     k is the launch plan's k at concurrency 1, or the config's when that plan switches speculation off) generates
+     the same rows one at a time, and its `vllm:spec_decode_*` counters are read around every request;
+  3. `chain_prediction.predict_rows` predicts the same counters from the teacher-forced evaluation, and the
+     bundled runtime runs the same chain of k live (`chain_prediction.live_chain_counts`).
+Writes eval/vllm/report.json and report.md (lossless: vLLM with the speculator emits exactly what vLLM alone
+emits; agreement of both with our float32 target; predicted / live / vLLM per cohort and position) and adds that
+section to eval/report.md. Exports vLLM cannot serve (MTP for a Llama target) get a report that says so.
+
+`recipe.vllm.mode`: auto (run when the vLLM environment exists: `make vllm-env`), always (fail without it), never.
+This stage does not import vLLM (see `vllm_consumer`) and never branches on a speculator family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from speculators.config import Recipe
+from speculators.data.workloads import WorkloadRow, load_workloads
+from speculators.errors import SpeculatorsError
+from speculators.evaluate.chain_prediction import (
+    comparison,
+    comparison_markdown,
+    live_chain_counts,
+    predict_rows,
+)
+from speculators.evaluate.report import VLLM_SECTION_HEADING, with_vllm_section
+from speculators.export.atomic import write_json_atomic, write_text_atomic
+from speculators.export.pairing import draft_revision, read_pairing
+from speculators.export.vllm import require_valid_export, verifier_name
+from speculators.export.vllm_consumer import (
+    VllmServer,
+    complete_ids,
+    counts_between,
+    find_vllm_python,
+    served_model,
+    server_args,
+    server_env,
+    spec_counters,
+)
+from speculators.metrics import ChainCounts
+from speculators.models.io import load_speculator, target_weights
+from speculators.serving import Engine
+from speculators.target import load_target
+
+CHECK_FORMAT = "speculators.vllm-check/v1"
+
+
+def vllm_python(recipe: Recipe) -> Path | None:
+    return Path(recipe.vllm.python) if recipe.vllm.python else find_vllm_python()
+
+
+def enabled(recipe: Recipe) -> bool:
+    """Whether `speculators run` runs this stage: mode always, or auto with a vLLM environment present."""
+    return recipe.vllm.mode == "always" or (recipe.vllm.mode == "auto" and vllm_python(recipe) is not None)
+
+
+def check_rows(recipe: Recipe) -> list[WorkloadRow]:
+    rows = load_workloads(recipe.evaluate.workloads, recipe.vllm.rows_per_cohort)
+    if not rows:
+        raise SpeculatorsError(f"evaluate.workloads {recipe.evaluate.workloads} hold no rows for the vLLM check")
+    cap = int(recipe.vllm.max_new_tokens)
+    return [dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, cap)) for r in rows]
+
+
+def check_key(recipe: Recipe, export_dir: Path, rows: list[WorkloadRow]) -> str:
+    h = hashlib.sha256(json.dumps([CHECK_FORMAT, draft_revision(export_dir), recipe.vllm.max_new_tokens,
+                                   [[r.id, r.max_new_tokens] for r in rows]]).encode())
+    return h.hexdigest()[:32]
+
+
+def launch_k(export_dir: Path) -> tuple[int, dict[str, str]]:
+    """(k vLLM drafts at batch size 1 with the export's launch.sh, extra env for launch.sh)."""
+    plan = json.loads((export_dir / "report.json").read_text()).get("launch") or {}
+    k1 = int(plan.get("k_at_concurrency_1", plan.get("k", 0)))
+    if k1 > 0:
+        return k1, {}
+    config = json.loads((export_dir / "config.json").read_text())
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    k = int(methods[0].get("speculative_tokens") or config.get("num_heads") or 1)
+    return k, {"K": str(k)}  # the plan switched speculation off at batch 1: measure the config's k
+
+
+def _vllm_outputs(server: VllmServer, rows: list[WorkloadRow], prompts: list[list[int]], k: int,
+                  counted: bool) -> tuple[list[list[int]], list[ChainCounts | None]]:
+    model = served_model(server.url)
+    outs, counts = [], []
+    for row, prompt in zip(rows, prompts, strict=True):
+        before = spec_counters(server.url) if counted else None
+        outs.append(complete_ids(server.url, model, prompt, row.max_new_tokens))
+        counts.append(counts_between(before, spec_counters(server.url), k) if counted else None)
+    return outs, counts
+
+
+def run(recipe: Recipe, *, force: bool = False) -> dict:
+    python = vllm_python(recipe)
+    if python is None or not python.is_file():
+        raise SpeculatorsError("no vLLM environment: build it with `make vllm-env` (or set vllm.python / "
+                               "SPECULATORS_VLLM_PYTHON to the python of an environment with vLLM)")
+    export_dir = recipe.paths.export
+    require_valid_export(export_dir)
+    out_dir = recipe.paths.eval / "vllm"
+    record = read_pairing(export_dir)
+    rows = check_rows(recipe)
+    key = check_key(recipe, export_dir, rows)
+    if not record.get("export", {}).get("vllm_loadable", True):
+        report = {"format": CHECK_FORMAT, "key": key, "servable": False, "vllm": record["export"].get("vllm_served")}
+        _write(out_dir, recipe.paths.eval, report, f"vLLM cannot serve this export: {report['vllm']}.\n")
+        return {"servable": False}
+    k, launch_env = launch_k(export_dir)
+    target = load_target(recipe.target, device="cpu", dtype="float32")
+    engine = Engine.from_pretrained(target, str(export_dir), draft_dtype="float32", ngram_graft=0)
+    spec = load_speculator(export_dir, target_weights(target.model))
+    predicted = predict_rows(spec, target.model, target.tokenizer, rows, k, engine.eos_ids)
+    prompts = [p.prompt_ids for p in predicted]
+    live = [live_chain_counts(engine, p, r.max_new_tokens, k) for p, r in zip(prompts, rows, strict=True)]
+    env = server_env(python, recipe.vllm.threads)
+    args = server_args(recipe.vllm.port, max_model_len=recipe.vllm.max_model_len)
+    plain_cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", verifier_name(recipe), *args]
+    with VllmServer(plain_cmd, port=recipe.vllm.port, env=env, log=out_dir / "vllm-plain.log") as server:
+        plain, _ = _vllm_outputs(server, rows, prompts, k, counted=False)
+    spec_cmd = ["bash", str(export_dir / "launch.sh"), *args]
+    with VllmServer(spec_cmd, port=recipe.vllm.port, env={**env, **launch_env},
+                    log=out_dir / "vllm-speculator.log") as server:
+        served, counts = _vllm_outputs(server, rows, prompts, k, counted=True)
+    report = build_report(key, k, rows, predicted, live, plain, served, counts, record)
+    _write(out_dir, recipe.paths.eval, report, render(report))
+    all_ = report["comparison"]["all"]
+    return {"k": k, "rows": len(rows), "lossless_rows": report["lossless"]["identical_rows"],
+            "vllm_mean_acceptance_length": all_["vllm"]["mean_acceptance_length"],
+            "predicted_mean_acceptance_length": all_["predicted"]["mean_acceptance_length"],
+            "report": str(out_dir / "report.md")}
+
+
+def build_report(key: str, k: int, rows: list[WorkloadRow], predicted: list, live: list, plain: list[list[int]],
+                 served: list[list[int]], counts: list[ChainCounts | None], record: dict) -> dict[str, Any]:
+    cohorts: dict[str, dict[str, ChainCounts]] = {}
+    per_row = []
+    for i, row in enumerate(rows):
+        per = cohorts.setdefault(row.cohort, {"predicted": ChainCounts(k), "live": ChainCounts(k),
+                                              "vllm": ChainCounts(k)})
+        per["predicted"].merge(predicted[i].counts)
+        per["live"].merge(live[i][1])
+        per["vllm"].merge(counts[i])
+        per_row.append({"id": row.id, "cohort": row.cohort, "vllm_equals_vllm_plain": served[i] == plain[i],
+                        "vllm_equals_ours_fp32": served[i] == predicted[i].output_ids,
+                        "runtime_equals_ours_fp32": live[i][0] == predicted[i].output_ids,
+                        "first_difference_vs_ours": _first_difference(served[i], predicted[i].output_ids),
+                        "tokens": len(served[i]), "vllm_plain_output": plain[i],
+                        "predicted": predicted[i].counts.to_dict(),
+                        "vllm": counts[i].to_dict(), "live": live[i][1].to_dict()})
+    return {"format": CHECK_FORMAT, "key": key, "servable": True, "k": k, "temperature": 0.0,
+            "draft_revision": record["draft"]["revision"], "vllm": record["export"].get("vllm_served"),
+            "lossless": {"rows": len(rows), "identical_rows": sum(r["vllm_equals_vllm_plain"] for r in per_row),
+                         "equal_to_ours_fp32": sum(r["vllm_equals_ours_fp32"] for r in per_row),
+                         "runtime_equal_to_ours_fp32": sum(r["runtime_equals_ours_fp32"] for r in per_row)},
+            "comparison": comparison(cohorts), "rows": per_row}
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def render(report: dict[str, Any]) -> str:
+    ll = report["lossless"]
+    lines = [f"Chain of k = {report['k']} drafts, T = 0. vLLM: {report['vllm']}.", "",
+             f"- lossless in vLLM: {ll['identical_rows']} / {ll['rows']} rows with the speculator are token-identical "
+             "to vLLM without it (same dtype, float32)",
+             f"- vLLM vs this toolkit's float32 target (HF forward, greedy): {ll['equal_to_ours_fp32']} / {ll['rows']} "
+             f"rows identical; the bundled runtime's chain: {ll['runtime_equal_to_ours_fp32']} / {ll['rows']}",
+             "- predicted = the teacher-forced evaluation walked through the positions an engine visits "
+             "(`metrics.walk_chain`); live = the bundled runtime with the same fixed chain (it drafts fewer than k "
+             "tokens in a request's last step, vLLM does not); vllm = vLLM's /metrics counters", "",
+             comparison_markdown(report["comparison"], "Predicted vs live vs vLLM")]
+    return "\n".join(lines)
+
+
+def _write(out_dir: Path, eval_dir: Path, report: dict, body: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out_dir / "report.json", report)
+    write_text_atomic(out_dir / "report.md", f"{VLLM_SECTION_HEADING}\n\n{body}")
+    overview = eval_dir / "report.md"
+    base = overview.read_text() if overview.is_file() else "# Evaluation overview\n"
+    write_text_atomic(overview, with_vllm_section(base, eval_dir))
+
+
+def is_complete(recipe: Recipe) -> bool:
+    try:
+        report = json.loads((recipe.paths.eval / "vllm" / "report.json").read_text())
+        return report.get("key") == check_key(recipe, recipe.paths.export, check_rows(recipe))
+    except (OSError, json.JSONDecodeError, SpeculatorsError):
+        return False

@@ -1,0 +1,188 @@
+"""vLLM as the consumer: serve an export with the real vLLM and read the acceptance it measures.
+
+- `find_vllm_python()`: the interpreter of the vLLM environment (`SPECULATORS_VLLM_PYTHON`, else `.venv-vllm/` of
+  the working directory, which `make vllm-env` builds), or None.
+- `VllmServer`: one vLLM OpenAI server process on 127.0.0.1 — started with the export's own `launch.sh` (the exact
+  command `speculators export` wrote), with the short form (`--model <export dir>`) or with a plain target — that
+  waits for `/health`, and on failure raises one line quoting vLLM's own error.
+- `complete_ids(url, model, prompt_ids, ...)`: one /v1/completions request with a token-id prompt; returns the
+  generated token ids (vLLM's `return_token_ids`), so prompts are byte-identical to what the evaluation scored.
+- `spec_counters(url)` / `counts_between(before, after)`: vLLM's `vllm:spec_decode_*` counters from /metrics as a
+  `metrics.ChainCounts` (drafts, draft tokens, accepted per position).
+
+This module never imports vLLM: vLLM runs in its own environment (it pins other transformers versions) and is
+spoken to over HTTP only. It does not predict acceptance (`evaluate.chain_prediction`) or write reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from speculators.errors import SpeculatorsError
+from speculators.metrics import ChainCounts
+
+VLLM_PYTHON_ENV = "SPECULATORS_VLLM_PYTHON"
+_COUNTER = re.compile(r'^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
+
+
+def find_vllm_python(root: Path | None = None) -> Path | None:
+    """The vLLM environment's python: $SPECULATORS_VLLM_PYTHON, else `<root or cwd>/.venv-vllm/bin/python`."""
+    explicit = os.environ.get(VLLM_PYTHON_ENV)
+    if explicit:
+        return Path(explicit)
+    candidate = (root or Path.cwd()) / ".venv-vllm" / "bin" / "python"
+    return candidate if candidate.is_file() else None
+
+
+def server_env(python: Path, threads: int = 2) -> dict[str, str]:
+    """Environment for a vLLM CPU server: its venv first on PATH (launch.sh runs `python3` / `vllm` from there),
+    a small KV cache, no thread pinning (other processes share the cores), no hub access."""
+    env = dict(os.environ)
+    env.update({"PATH": f"{python.parent}{os.pathsep}{env.get('PATH', '')}", "PYTHON": str(python),
+                "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def server_args(port: int, *, max_model_len: int = 1024, dtype: str = "float32", seed: int = 0) -> list[str]:
+    """The engine flags every test server uses: loopback, eager mode (no compile on CPU), one dtype."""
+    return ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--dtype", dtype, "--seed", str(seed), "--max-num-seqs", "8"]
+
+
+class VllmServer:
+    """A vLLM server process (own process group) logging to `log`; a context manager that waits for /health."""
+
+    def __init__(self, command: list[str], *, port: int, env: dict[str, str], log: Path,
+                 startup_timeout: float = 600.0) -> None:
+        self.command, self.port, self.env, self.log = command, port, env, Path(log)
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> VllmServer:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("w") as fh:
+            self.proc = subprocess.Popen(self.command, stdout=fh, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SpeculatorsError(f"vLLM exited with status {self.proc.returncode} before serving: "
+                                       f"{last_error_line(self.log)} (command: {' '.join(self.command)}; log {self.log})")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(2)
+        self.stop()
+        raise SpeculatorsError(f"vLLM did not answer /health within {self.startup_timeout:.0f} s: "
+                               f"{last_error_line(self.log)} (log {self.log})")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def last_error_line(log: Path) -> str:
+    """vLLM's own error: the last line of its log that names an error (else the last line)."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    errors = [ln for ln in lines if re.search(r"(Error|Exception|error:)", ln) and not ln.startswith("File ")]
+    return (errors or lines or ["empty log"])[-1][:400]
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise SpeculatorsError(f"vLLM answered {exc.code} to {url}: {exc.read()[:300]!r}") from None
+
+
+def complete_ids(url: str, model: str, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0,
+                 seed: int | None = None, ignore_eos: bool = False, timeout: float = 600.0) -> list[int]:
+    """Generated token ids of one /v1/completions request whose prompt is given as token ids."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                            "temperature": temperature, "return_token_ids": True, "ignore_eos": ignore_eos}
+    if seed is not None:
+        body["seed"] = seed
+    out = _post(f"{url}/v1/completions", body, timeout)
+    ids = out["choices"][0].get("token_ids")
+    if ids is None:
+        raise SpeculatorsError("vLLM returned no token_ids (it predates `return_token_ids`); use vLLM >= 0.11")
+    return [int(t) for t in ids]
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
+        return str(json.loads(resp.read())["data"][0]["id"])
+
+
+def spec_counters(url: str) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters, read from its /metrics (see `parse_spec_counters`)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        return parse_spec_counters(resp.read().decode())
+
+
+def parse_spec_counters(text: str) -> dict[str, Any]:
+    """{"drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos": {position: count}} from Prometheus text."""
+    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_pos": {}}
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+    for line in text.splitlines():
+        m = _COUNTER.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos:
+                out["accepted_per_pos"][int(pos.group(1))] = value
+        elif name in names:
+            out[names[name]] = value
+    return out
+
+
+def counts_between(before: dict[str, Any], after: dict[str, Any], k: int) -> ChainCounts:
+    """The counters' increase between two reads, as ChainCounts of chain length k."""
+    return ChainCounts(k=k, drafts=round(after["drafts"] - before["drafts"]),
+                       draft_tokens=round(after["draft_tokens"] - before["draft_tokens"]),
+                       accepted=[round(after["accepted_per_pos"].get(j, 0.0) - before["accepted_per_pos"].get(j, 0.0))
+                                 for j in range(k)])
