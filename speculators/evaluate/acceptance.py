@@ -37,6 +37,7 @@ from speculators.config import Recipe, to_dict
 from speculators.data.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_alpha, truncate
+from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain
 from speculators.evaluate.select import (
     SELECTION_FORMAT,
     checkpoint_family,
@@ -130,6 +131,7 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
     depths = {name: min(depth, int(spec.num_steps)) for name, spec in specs.items()}
     spec_acc = {name: {_tkey(t): AlphaAccumulator(depths[name]) for t in sequences} for name in specs}
     ngram_acc = {_tkey(t): AlphaAccumulator(depth) for t in sequences}
+    cycles: dict[str, dict[str, dict[str, CycleCounts]]] = {name: {_tkey(t): {} for t in sequences} for name in specs}
     total = sum(len(v) for v in sequences.values())
     bar = tqdm(total=total, desc="teacher-forced acceptance", unit="seq", disable=not progress)
     for t, seqs in sequences.items():
@@ -146,15 +148,36 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
                          **feats}
                 with torch.no_grad():
                     steps = spec.forward_train(batch)  # K x [1, T, Vd]
-                alpha, valid = speculator_alpha([s[0].float().cpu() for s in steps], tp.logits.cpu(),
-                                                spec.draft_to_target.cpu(), seq.prompt_len, params, depths[name])
+                step_logits = [s[0].float().cpu() for s in steps]
+                alpha, valid = speculator_alpha(step_logits, tp.logits.cpu(), spec.draft_to_target.cpu(),
+                                                seq.prompt_len, params, depths[name])
                 spec_acc[name][_tkey(t)].add(seq.row.cohort, alpha, valid)
+                # the same chain at the positions where a server's cycles start (replay.py)
+                w = chain_weights(step_logits, tp.logits.cpu(), seq.token_ids, seq.prompt_len,
+                                  spec.draft_to_target.cpu(), params, depths[name])
+                counts = replay_chain(w, seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, depths[name])
+                cycles[name][_tkey(t)].setdefault(seq.row.cohort, CycleCounts(depths[name])).merge(counts)
             alpha, valid = ngram_alpha(seq.token_ids, tp.logits.cpu(), seq.prompt_len, params, depth, ngram_propose)
             ngram_acc[_tkey(t)].add(seq.row.cohort, alpha, valid)
             bar.update(1)
     bar.close()
-    return ({name: {t: a.summary() for t, a in accs.items()} for name, accs in spec_acc.items()},
-            {t: a.summary() for t, a in ngram_acc.items()}, depths)
+    sums = {name: {t: {**a.summary(), "cycle_starts": _cycle_summary(cycles[name][t])} for t, a in accs.items()}
+            for name, accs in spec_acc.items()}
+    return sums, {t: a.summary() for t, a in ngram_acc.items()}, depths
+
+
+def _cycle_summary(per_cohort: dict[str, CycleCounts]) -> dict:
+    """Predicted chain acceptance at cycle starts per cohort (+ pooled "overall" and the mean tau over cohorts)."""
+    if not per_cohort:
+        return {"cohorts": {}, "overall": None, "mean_tau": None}
+    overall = None
+    for c in per_cohort.values():
+        if overall is None:
+            overall = CycleCounts(c.depth)
+        overall.merge(c)
+    cohorts = {c: v.to_dict() for c, v in sorted(per_cohort.items())}
+    return {"cohorts": cohorts, "overall": overall.to_dict() if overall else None,
+            "mean_tau": round(sum(v["tau"] for v in cohorts.values()) / len(cohorts), 4)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -211,17 +234,32 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
         del specs
     best = choose_best(reports, ev.select_temperature)
     if ev.live and (force or reports[best].get("live") is None or best in {c.name for c in todo}):
-        from speculators.evaluate.live import live_acceptance
-
-        reports[best]["live"] = live_acceptance(target, str(recipe.paths.checkpoints / best), rows,
-                                                ev.temperatures, ev.live_rows_per_cohort, recipe.seed,
-                                                recipe.serve.allow_revision_mismatch, progress)
+        reports[best]["live"] = _live(recipe, target, fp, rows, best, progress)
         reports[best]["live_rows_per_cohort"] = ev.live_rows_per_cohort
         todo_names = {c.name for c in todo} | {best}
     else:
         todo_names = {c.name for c in todo}
     _write_outputs(recipe, reports, best, todo_names)
     return _summary(recipe, reports, best, len(todo))
+
+
+def _live(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], best: str, progress: bool) -> dict:
+    """Predicted vs live acceptance of the best checkpoint on `evaluate.live_rows_per_cohort` rows per cohort
+    (`agreement.serving_agreement`: the same chain / tree / n-gram chain on the same rows)."""
+    from speculators.evaluate.agreement import serving_agreement
+    from speculators.evaluate.live import pick_rows
+    from speculators.models.io import load_speculator, target_weights
+
+    ev = recipe.evaluate
+    chosen = pick_rows(rows, ev.live_rows_per_cohort)
+    seqs = continuations(target.model, target.tokenizer, chosen, ev.temperatures, recipe.seed,
+                         fp["revision"] + fp["content_hash"], recipe.paths.eval / "continuations-live.json", progress)
+    spec_dir = recipe.paths.checkpoints / best
+    spec = load_speculator(spec_dir, target_weights(target.model))
+    spec.to(target.device).float().eval()
+    k = ev.serving_chain_depth or recipe.export.speculative_tokens
+    return serving_agreement(target, spec, str(spec_dir), seqs, k, recipe.seed, recipe.serve.allow_revision_mismatch,
+                             progress)
 
 
 def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed: set[str]) -> None:
@@ -250,10 +288,18 @@ def _summary(recipe: Recipe, reports: dict[str, dict], best: str, evaluated: int
         f"tau@T={t} (n-gram)": {c: s["simulated_tau"] for c, s in entry["ngram"]["cohorts"].items()},
         "mean tau (best / n-gram)": f"{entry['speculator']['mean_tau']:.3f} / {entry['ngram']['mean_tau']:.3f}",
     }
+    cyc = entry["speculator"].get("cycle_starts") or {}
+    if cyc.get("mean_tau") is not None:
+        out["mean tau at cycle starts (best, predicted serving)"] = f"{cyc['mean_tau']:.3f}"
     live = (reports[best].get("live") or {}).get(t)
     if live:
         out[f"live tau@T={t} (best / n-gram)"] = (f"{live['speculator']['overall']['tau']:.3f} / "
-                                                   f"{live['ngram']['overall']['tau']:.3f}")
+                                                   f"{live['ngram_live']['overall']['tau']:.3f}")
+        for name in ("chain", "tree"):
+            o = live[name]["cohorts"].get("overall") or {}
+            if o:
+                out[f"{name} tau@T={t} predicted / live"] = (f"{o['predicted']['tau']:.3f} / {o['live']['tau']:.3f}"
+                                                             f" ({'agree' if o['agree'] else 'DISAGREE'})")
     out["report"] = str(recipe.paths.eval / "report.md")
     return out
 

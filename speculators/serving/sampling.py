@@ -21,8 +21,8 @@ Filter order (fixed; part of the contract):
 `sample` draws one token from a row by inverse CDF on a float64 uniform from the caller's generator.
 It never returns a zero-probability token (also when the uniform is exactly 0).
 
-Not here: repetition/presence penalties, min-p, logit bias, grammar masks, stop-string matching (`stop`
-is carried for the engine), and batched sampling of many rows at once.
+Not here: repetition/presence penalties, min-p, logit bias, grammar masks, stop-string matching (`stop` and
+`stop_token_ids` are carried for the engine), and batched sampling of many rows at once.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None  # generation also ends after any of these tokens (besides EOS)
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +69,11 @@ class SamplingParams:
             not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
         ):
             raise ValueError(f"stop must be a list of non-empty strings or None, got {self.stop!r}")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)
+        ):
+            raise ValueError(f"stop_token_ids must be a list of token ids >= 0 or None, got {self.stop_token_ids!r}")
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -78,8 +84,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     vocab = logits.shape[-1]
     if params.temperature == 0:
-        best = torch.argmax(logits, dim=-1)  # [...] first maximal index
-        return torch.nn.functional.one_hot(best, vocab).to(dtype)  # [..., V]
+        best = torch.argmax(logits, dim=-1, keepdim=True)  # [..., 1] first maximal index
+        return torch.zeros(logits.shape, dtype=dtype, device=logits.device).scatter_(-1, best, 1.0)  # [..., V]
     z = logits.to(dtype) / params.temperature  # [..., V]
     probs = torch.softmax(z, dim=-1)  # [..., V]
     top_k = params.top_k if 0 < params.top_k < vocab else 0
