@@ -106,6 +106,11 @@ class SpeculatorConfig:
     intermediate_size: int | None = None  # None = the target's (dense) intermediate size
     step_loss_decay: float = 0.8  # per-step (per-head) loss weight = decay ** k
     init_lm_head_from_target: bool = True
+    # eagle3, EAGLE 3.1 normalisation (vLLM reads the same flags): one RMSNorm per tap before fc (fc_norm), or one
+    # over the concatenated taps (norm_before_fc); feed the final-normed output back to the next step (norm_output)
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
 
 
 @dataclass
@@ -115,6 +120,9 @@ class TrainConfig:
     batch_size: int = 8  # sequences per process per optimizer micro-step
     grad_accum: int = 1
     lr: float = 3e-4
+    loss: Literal["kl", "tv", "lk", "hybrid"] = "kl"  # train/loss.py: forward KL, 1 - alpha, -log alpha, a mix
+    teacher_temperature: float = 1.0  # the teacher law the draft learns (1 = the target's sampling law)
+    teacher_rest_mass: bool = False  # top-k teacher: keep the mass outside the top-k as one bucket (no renorm)
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_ratio: float = 0.03

@@ -36,8 +36,7 @@ import torch
 from speculators.config import Recipe, to_dict
 from speculators.data.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
-from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_alpha, truncate
-from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain
+from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, truncate
 from speculators.evaluate.select import (
     SELECTION_FORMAT,
     checkpoint_family,
@@ -49,6 +48,7 @@ from speculators.evaluate.select import (
     step_number,
     write_pointer,
 )
+from speculators.evaluate.tally import CeilingTally, SpeculatorTally
 from speculators.evaluate.teacher import EvalSequence, continuations, teacher_pass
 from speculators.export.atomic import atomic_dir, write_json_atomic
 from speculators.export.pairing import check_pairing, draft_revision, read_pairing
@@ -117,8 +117,12 @@ def _existing_report(eval_dir: Path, ckpt: Path, key: str) -> dict | None:
 
 
 def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSequence]], depth: int,
-                       model: Any, progress: bool = True) -> tuple[dict[str, dict], dict[str, dict], dict[str, int]]:
-    """Teacher-forced acceptance of every speculator and of the n-gram baseline on the given sequences.
+                       model: Any, progress: bool = True, teacher_topk: int = 20
+                       ) -> tuple[dict[str, dict], dict[str, dict], dict[str, int]]:
+    """Teacher-forced acceptance of every speculator and of the n-gram baseline on the given sequences: every
+    position ("cohorts"), at a server's cycle starts ("cycle_starts"; at T > 0 also with argmax drafts,
+    "cycle_starts_argmax_drafts") and, at T > 0, the ceilings a top-k teacher / the draft vocabulary put on a
+    sampled draft ("ceilings"); see `tally.py`.
 
     Returns (per-speculator {"<T>": summary}, n-gram {"<T>": summary}, per-speculator depth).
     """
@@ -129,15 +133,16 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
     requests = {name: spec.required_features() for name, spec in specs.items()}
     union = sorted({i for r in requests.values() for i in (r.tap_layer_ids or ())})
     depths = {name: min(depth, int(spec.num_steps)) for name, spec in specs.items()}
-    spec_acc = {name: {_tkey(t): AlphaAccumulator(depths[name]) for t in sequences} for name in specs}
+    tallies = {name: SpeculatorTally(depths[name], spec.draft_to_target, list(sequences)) for name, spec in specs.items()}
+    ceilings = CeilingTally(depth, teacher_topk, next(iter(specs.values())).draft_to_target, list(sequences))
     ngram_acc = {_tkey(t): AlphaAccumulator(depth) for t in sequences}
-    cycles: dict[str, dict[str, dict[str, CycleCounts]]] = {name: {_tkey(t): {} for t in sequences} for name in specs}
-    total = sum(len(v) for v in sequences.values())
-    bar = tqdm(total=total, desc="teacher-forced acceptance", unit="seq", disable=not progress)
+    bar = tqdm(total=sum(len(v) for v in sequences.values()), desc="teacher-forced acceptance", unit="seq",
+               disable=not progress)
     for t, seqs in sequences.items():
         params = SamplingParams(temperature=float(t))
         for seq in seqs:
             tp = teacher_pass(model, seq.token_ids, union)
+            teacher_logits = tp.logits.cpu()
             ids = torch.tensor([seq.token_ids], dtype=torch.long)  # [1, T]
             for name, spec in specs.items():
                 param = next(spec.parameters())
@@ -148,36 +153,14 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
                          **feats}
                 with torch.no_grad():
                     steps = spec.forward_train(batch)  # K x [1, T, Vd]
-                step_logits = [s[0].float().cpu() for s in steps]
-                alpha, valid = speculator_alpha(step_logits, tp.logits.cpu(), spec.draft_to_target.cpu(),
-                                                seq.prompt_len, params, depths[name])
-                spec_acc[name][_tkey(t)].add(seq.row.cohort, alpha, valid)
-                # the same chain at the positions where a server's cycles start (replay.py)
-                w = chain_weights(step_logits, tp.logits.cpu(), seq.token_ids, seq.prompt_len,
-                                  spec.draft_to_target.cpu(), params, depths[name])
-                counts = replay_chain(w, seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, depths[name])
-                cycles[name][_tkey(t)].setdefault(seq.row.cohort, CycleCounts(depths[name])).merge(counts)
-            alpha, valid = ngram_alpha(seq.token_ids, tp.logits.cpu(), seq.prompt_len, params, depth, ngram_propose)
+                tallies[name].add(seq, [s[0].float().cpu() for s in steps], teacher_logits, t)
+            ceilings.add(seq, teacher_logits, t)
+            alpha, valid = ngram_alpha(seq.token_ids, teacher_logits, seq.prompt_len, params, depth, ngram_propose)
             ngram_acc[_tkey(t)].add(seq.row.cohort, alpha, valid)
             bar.update(1)
     bar.close()
-    sums = {name: {t: {**a.summary(), "cycle_starts": _cycle_summary(cycles[name][t])} for t, a in accs.items()}
-            for name, accs in spec_acc.items()}
+    sums = {name: {_tkey(t): tally.summary(_tkey(t), ceilings) for t in sequences} for name, tally in tallies.items()}
     return sums, {t: a.summary() for t, a in ngram_acc.items()}, depths
-
-
-def _cycle_summary(per_cohort: dict[str, CycleCounts]) -> dict:
-    """Predicted chain acceptance at cycle starts per cohort (+ pooled "overall" and the mean tau over cohorts)."""
-    if not per_cohort:
-        return {"cohorts": {}, "overall": None, "mean_tau": None}
-    overall = None
-    for c in per_cohort.values():
-        if overall is None:
-            overall = CycleCounts(c.depth)
-        overall.merge(c)
-    cohorts = {c: v.to_dict() for c, v in sorted(per_cohort.items())}
-    return {"cohorts": cohorts, "overall": overall.to_dict() if overall else None,
-            "mean_tau": round(sum(v["tau"] for v in cohorts.values()) / len(cohorts), 4)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -216,7 +199,8 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
             specs[c.name] = spec
         seqs = continuations(target.model, target.tokenizer, rows, ev.temperatures, recipe.seed,
                              fp["revision"] + fp["content_hash"], eval_dir / "continuations.json", progress)
-        spec_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress)
+        spec_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress,
+                                                           recipe.capture.teacher_topk)
         for c in todo:
             reports[c.name] = {
                 "format": EVAL_FORMAT, "checkpoint": c.name, "step": step_number(c),

@@ -78,6 +78,12 @@ def render_markdown(report: dict) -> str:
         lines += ["", f"Mean over cohorts: speculator tau **{_fmt(spec['mean_tau'])}** (every position), "
                       f"{_fmt((spec.get('cycle_starts') or {}).get('mean_tau'))} at cycle starts; n-gram tau "
                       f"{_fmt(ngram['mean_tau'])}.", ""]
+        if spec.get("ceilings"):
+            ceil = ", ".join(f"{name.replace('_', ' ')} {_fmt(c['mean_tau'])}" for name, c in spec["ceilings"].items())
+            argmax = (spec.get("cycle_starts_argmax_drafts") or {}).get("mean_tau")
+            lines += [f"Sampling diagnostics: chain tau if the draft matched everything it can learn — {ceil} "
+                      f"(a top-k teacher teaches the renormalised top-k; the reduced vocabulary loses the rest); at "
+                      f"cycle starts with argmax drafts instead of sampled ones: {_fmt(argmax)}.", ""]
         lines += _agreement_lines(lv, t)
     lines += ["`tau` averages the chain over every position; `tau at cycle starts` walks the cycles a server runs "
               "(`evaluate/replay.py`): the number serving measures.", ""]
