@@ -117,11 +117,11 @@ def ngram_alpha(token_ids: Sequence[int], teacher_logits: torch.Tensor, prompt_l
 
 def teacher_ceilings(teacher_logits: torch.Tensor, prompt_len: int, params: SamplingParams, depth: int, topk: int,
                      draft_to_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Upper bounds of a sampled draft's per-position acceptance sum_v min(p, q) at T > 0, set by what the draft can
-    learn rather than by how well it learned it: a draft that matches the target's top-`topk` renormalised (what a
-    top-k teacher teaches) gets the top-k mass of p; a draft over the reduced vocabulary gets at most p's mass on
-    that vocabulary. Returns (top-k ceiling [N, D], draft-vocab ceiling [N, D], valid [N, D]), laid out like
-    `speculator_alpha`."""
+    """What a sampled draft's per-position acceptance sum_v min(p, q) at T > 0 can reach, set by what it is taught
+    rather than by how well it learned it: a draft equal to the target's top-`topk` renormalised (the optimum of a
+    top-k teacher) gets the top-k mass of p; no draft over the reduced vocabulary gets more than p's mass on that
+    vocabulary (a true upper bound). Returns (top-k optimum [N, D], draft-vocab bound [N, D], valid [N, D]), laid
+    out like `speculator_alpha`."""
     total = teacher_logits.shape[0]
     pos = positions(total, prompt_len)  # [N]
     valid = valid_matrix(pos, total, depth)  # [N, D]

@@ -81,9 +81,10 @@ def render_markdown(report: dict) -> str:
         if spec.get("ceilings"):
             ceil = ", ".join(f"{name.replace('_', ' ')} {_fmt(c['mean_tau'])}" for name, c in spec["ceilings"].items())
             argmax = (spec.get("cycle_starts_argmax_drafts") or {}).get("mean_tau")
-            lines += [f"Sampling diagnostics: chain tau if the draft matched everything it can learn — {ceil} "
-                      f"(a top-k teacher teaches the renormalised top-k; the reduced vocabulary loses the rest); at "
-                      f"cycle starts with argmax drafts instead of sampled ones: {_fmt(argmax)}.", ""]
+            lines += [f"Sampling diagnostics: chain tau of a draft equal to what it is taught — {ceil} (a top-k "
+                      f"teacher's optimum is the renormalised top-k; no draft over the reduced vocabulary exceeds "
+                      f"the target's mass on it); at cycle starts with argmax drafts instead of sampled ones: "
+                      f"{_fmt(argmax)}.", ""]
         lines += _agreement_lines(lv, t)
     lines += ["`tau` averages the chain over every position; `tau at cycle starts` walks the cycles a server runs "
               "(`evaluate/replay.py`): the number serving measures.", ""]

@@ -42,7 +42,19 @@ def test_evaluate_writes_reports_plots_selection_and_best(tmp_path: Path, tiny_l
                 for c in s["cohorts"].values():
                     assert len(c["per_position_acceptance"]) == 3 and c["simulated_tau"] >= 1.0
                     assert c["simulated_tau"] == c["tau_by_depth"][-1]
+            spec = entry["speculator"]
+            cyc = spec["cycle_starts"]  # the same chain at a server's cycle starts (evaluate/replay.py)
+            assert set(cyc["cohorts"]) == set(rep["cohorts"]) and cyc["mean_tau"] >= 1.0
+            for c in cyc["cohorts"].values():
+                assert c["target_calls"] > 0 and 1.0 <= c["tau"] <= 4.0
+        hot = rep["temperatures"]["1.0"]["speculator"]  # sampling diagnostics at T > 0 only
+        assert set(hot["ceilings"]) == {"top20_teacher", "draft_vocab"}
+        # no draft over the reduced vocabulary accepts more than the target's mass on it
+        assert hot["ceilings"]["draft_vocab"]["mean_tau"] >= hot["mean_tau"] - 1e-9
+        assert hot["cycle_starts_argmax_drafts"]["mean_tau"] >= 1.0
+        assert "ceilings" not in rep["temperatures"]["0.0"]["speculator"]
         md = (ev / step / "report.md").read_text()
+        assert "tau at cycle starts" in md and "Sampling diagnostics" in md
         assert "n-gram tau" in md and "## T = 0.0" in md and "copy-heavy" in md
         assert _png(ev / step / "per_position.png") and _png(ev / step / "tau.png")
     assert _png(ev / "selection.png") and "Best checkpoint" in (ev / "report.md").read_text()
