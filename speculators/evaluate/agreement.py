@@ -59,12 +59,22 @@ def _spec_inputs(spec: Any, tp: Any, seq: EvalSequence) -> tuple[list[torch.Tens
     return [s[0].float().cpu() for s in steps], {k: v[0] for k, v in feats.items()}
 
 
+def by_cohort(per_row: dict[str, CycleCounts], sequences: Sequence[EvalSequence]) -> dict[str, CycleCounts]:
+    """Per-row counts merged per cohort, plus "overall" (last)."""
+    out: dict[str, CycleCounts] = {}
+    for seq in sequences:
+        counts = per_row[seq.row.id]
+        for key in (seq.row.cohort, "overall"):
+            out.setdefault(key, CycleCounts(counts.depth)).merge(counts)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] == "overall", kv[0])))
+
+
 def predict_chain(spec: Any, target_model: Any, sequences: Sequence[EvalSequence], k: int, draft: str = "sampled",
                   progress: bool = False) -> dict[str, CycleCounts]:
     """Predicted acceptance of a depth-k chain (`draft` "sampled" = the runtime's chain at T > 0, "argmax" =
-    vLLM-style argmax drafts; both greedy at T = 0) per cohort (+ "overall") on sequences produced by
-    `teacher.continuations` (prompt + the target's continuation at the sequence's temperature). `spec` is a
-    loaded speculator (float32, eval mode) and `target_model` the target. -> {cohort: CycleCounts}"""
+    vLLM-style argmax drafts; both greedy at T = 0) PER ROW (row id -> counts; `by_cohort` merges them) on
+    sequences produced by `teacher.continuations` (prompt + the target's continuation at the sequence's
+    temperature). `spec` is a loaded speculator (float32, eval mode) and `target_model` the target."""
     from tqdm.auto import tqdm
 
     depth = min(int(k), int(spec.num_steps))
@@ -75,17 +85,15 @@ def predict_chain(spec: Any, target_model: Any, sequences: Sequence[EvalSequence
         params = SamplingParams(temperature=seq.temperature)
         w = chain_weights(steps, tp.logits.cpu(), seq.token_ids, seq.prompt_len, spec.draft_to_target.cpu(), params,
                           depth, draft)
-        counts = replay_chain(w, seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, depth)
-        for key in (seq.row.cohort, "overall"):
-            out.setdefault(key, CycleCounts(depth)).merge(counts)
-    return dict(sorted(out.items(), key=lambda kv: (kv[0] == "overall", kv[0])))
+        out[seq.row.id] = replay_chain(w, seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, depth)
+    return out
 
 
 def predict_drafter(drafter: Any, target_model: Any, sequences: Sequence[EvalSequence], engine: Any,
                     progress: bool = False) -> dict[str, CycleCounts]:
-    """Predicted acceptance of a deterministic drafter with `engine`'s fixed tree (`replay.replay_drafter`), per
-    cohort (+ "overall"). The drafter gets the teacher pass's features; the tree settings per depth are the
-    engine's own (`Engine._tree_for`)."""
+    """Predicted acceptance of a deterministic drafter with `engine`'s fixed tree (`replay.replay_drafter`) PER
+    ROW. The drafter gets the teacher pass's features; the tree settings per depth are the engine's own
+    (`Engine._tree_for`)."""
     from tqdm.auto import tqdm
 
     req = drafter.required_features()
@@ -97,11 +105,9 @@ def predict_drafter(drafter: Any, target_model: Any, sequences: Sequence[EvalSeq
         param = next(drafter.parameters(), None) if hasattr(drafter, "parameters") else None
         feats = {k: v[0] if param is None else v[0].to(device=param.device, dtype=param.dtype)
                  for k, v in tp.features(req.tap_layer_ids, req.last_hidden).items()}
-        counts = replay_drafter(drafter, feats, seq.token_ids, seq.prompt_len, seq.row.max_new_tokens,
-                                engine._tree_for, SamplingParams(temperature=seq.temperature), depth)
-        for key in (seq.row.cohort, "overall"):
-            out.setdefault(key, CycleCounts(depth)).merge(counts)
-    return dict(sorted(out.items(), key=lambda kv: (kv[0] == "overall", kv[0])))
+        out[seq.row.id] = replay_drafter(drafter, feats, seq.token_ids, seq.prompt_len, seq.row.max_new_tokens,
+                                         engine._tree_for, SamplingParams(temperature=seq.temperature), depth)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -118,8 +124,27 @@ def _live_entry(stats: metrics.AcceptanceStats, depth: int) -> dict:
             "committed_tokens": stats.committed_tokens}
 
 
-def compare(pred: CycleCounts, live: metrics.AcceptanceStats, temperature: float, why_greedy: str) -> dict:
-    """Predicted vs live for one cohort (see the module docstring)."""
+def paired_gap_interval(pred_rows: Sequence[CycleCounts], live_rows: Sequence[metrics.AcceptanceStats],
+                        resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of the relative tau gap (predicted / live - 1) from a bootstrap over rows, each row keeping its
+    predicted and live counts together: rows differ in difficulty and the two sides draw different continuations
+    at T > 0, which an interval over cycles (binomial) ignores."""
+    n = len(pred_rows)
+    if n < 2:
+        return (-float("inf"), float("inf"))
+    table = torch.tensor([[p.committed, p.calls, float(s.committed_tokens), float(s.target_calls)]
+                          for p, s in zip(pred_rows, live_rows, strict=True)], dtype=torch.float64)  # [n, 4]
+    idx = torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(seed))  # [B, n]
+    sums = table[idx].sum(1)  # [B, 4]
+    gap = (sums[:, 0] / sums[:, 1].clamp_min(1e-9)) / (sums[:, 2] / sums[:, 3].clamp_min(1e-9)) - 1.0
+    lo, hi = torch.quantile(gap, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return (lo, hi)
+
+
+def compare(pred: CycleCounts, live: metrics.AcceptanceStats, temperature: float, why_greedy: str,
+            pairs: tuple[Sequence[CycleCounts], Sequence[metrics.AcceptanceStats]] | None = None) -> dict:
+    """Predicted vs live for one cohort (see the module docstring); `pairs`: the cohort's rows, predicted and live,
+    for the paired interval of the gap."""
     depth = pred.depth
     lv = _live_entry(live, depth)
     p_pos = pred.per_position()
@@ -135,14 +160,19 @@ def compare(pred: CycleCounts, live: metrics.AcceptanceStats, temperature: float
     if temperature == 0:
         agree = abs(pred.tau - live.tau) <= TOLERANCE * max(live.tau, 1e-9)
         why = "" if agree and not differing else why_greedy
-    else:
+    gap = (pred.tau - live.tau) / max(live.tau, 1e-9)
+    gap_lo, gap_hi = paired_gap_interval(*pairs) if pairs else (-float("inf"), float("inf"))
+    paired = gap_lo <= 0.0 <= gap_hi
+    if temperature != 0:
         agree = lv["tau_interval"][0] <= pred.tau <= lv["tau_interval"][1]
         why = "" if agree and not differing else (
-            "sampling noise or estimator bias: the live run draws its own continuations; a 95% interval misses the "
-            "truth 1 time in 20 per comparison")
+            f"the live run draws its own continuations (a different sample than the evaluated one); the paired row "
+            f"bootstrap of the gap [{100 * gap_lo:+.1f}%, {100 * gap_hi:+.1f}%] "
+            + ("contains 0: rows differ in difficulty more than a binomial interval over cycles allows" if paired
+               else "excludes 0 too: a real difference, or 1 chance in 20"))
     return {"predicted": {**pred.to_dict(), "per_position_acceptance": [round(a, 4) for a in p_pos]},
-            "live": lv, "vllm": None, "agree": bool(agree),
-            "tau_gap": round((pred.tau - live.tau) / max(live.tau, 1e-9), 4),
+            "live": lv, "vllm": None, "agree": bool(agree), "tau_gap": round(gap, 4),
+            "tau_gap_interval_paired_rows": [round(gap_lo, 4), round(gap_hi, 4)], "agree_paired_rows": bool(paired),
             "differing_positions": differing, "why": why}
 
 
@@ -155,10 +185,18 @@ def _why_greedy(run: LiveRun, sequences: Sequence[EvalSequence]) -> str:
             f"runtime's cached forward, the prediction in float32 from one full-sequence forward")
 
 
-def _block(pred: dict[str, CycleCounts], run: LiveRun, temperature: float, sequences: Sequence[EvalSequence],
+def _block(pred_rows: dict[str, CycleCounts], run: LiveRun, temperature: float, sequences: Sequence[EvalSequence],
            settings: dict) -> dict:
     why = _why_greedy(run, sequences) if temperature == 0 else ""
-    cohorts = {c: compare(p, run.stats[c], temperature, why) for c, p in pred.items() if c in run.stats}
+    members: dict[str, list[str]] = {"overall": []}
+    for s in sequences:
+        members.setdefault(s.row.cohort, []).append(s.row.id)
+        members["overall"].append(s.row.id)
+    cohorts = {}
+    for c, p in by_cohort(pred_rows, sequences).items():
+        if c in run.stats:
+            pairs = ([pred_rows[i] for i in members[c]], [run.rows[i] for i in members[c]])
+            cohorts[c] = compare(p, run.stats[c], temperature, why, pairs)
     return {**settings, "tree": run.tree, "live_precision": run.precision, "cohorts": cohorts,
             "agree": all(v["agree"] for v in cohorts.values())}
 

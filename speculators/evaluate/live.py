@@ -45,6 +45,7 @@ class LiveRun:
 
     stats: dict[str, metrics.AcceptanceStats]  # per cohort, plus "overall"
     outputs: dict[str, list[int]]  # row id -> generated ids
+    rows: dict[str, metrics.AcceptanceStats]  # row id -> that row's counters
     tree: dict  # the drafting settings used (TreeConfig as a dict)
     precision: str  # how the drafter computed (float16 weights, ...)
 
@@ -71,13 +72,15 @@ def run_live(engine: Any, rows: Sequence[WorkloadRow], temperature: float, seed:
     per_cohort: dict[str, metrics.AcceptanceStats] = {}
     overall = metrics.AcceptanceStats()
     outputs: dict[str, list[int]] = {}
+    per_row: dict[str, metrics.AcceptanceStats] = {}
     for r in tqdm(rows, desc=desc, unit="row", disable=not progress):
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=float(temperature), seed=seed)
         out = engine.generate(r.messages if r.messages is not None else r.prompt, params)
         per_cohort.setdefault(r.cohort, metrics.AcceptanceStats()).merge(out.stats.acceptance)
         overall.merge(out.stats.acceptance)
         outputs[r.id] = list(out.token_ids)
+        per_row[r.id] = out.stats.acceptance
     stats = dict(sorted(per_cohort.items()))
     stats["overall"] = overall
-    return LiveRun(stats=stats, outputs=outputs, tree={**dataclasses.asdict(engine.tree), "adaptive": engine.adaptive},
+    return LiveRun(stats=stats, outputs=outputs, rows=per_row, tree={**dataclasses.asdict(engine.tree), "adaptive": engine.adaptive},
                    precision=getattr(engine.info, "precision", "") or "")

@@ -97,6 +97,12 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _gap(v: dict) -> str:
+    lo, hi = v.get("tau_gap_interval_paired_rows") or (None, None)
+    band = f" [{100 * lo:+.1f}, {100 * hi:+.1f}]" if lo is not None and abs(lo) < 1e9 and abs(hi) < 1e9 else ""
+    return f"{100 * v['tau_gap']:+.1f}%{band}"
+
+
 def _agreement_lines(lv: dict, t: str) -> list[str]:
     """Predicted vs live vs vLLM for each compared drafting shape at one temperature."""
     lines: list[str] = []
@@ -110,18 +116,20 @@ def _agreement_lines(lv: dict, t: str) -> list[str]:
         extra = f", drafts: {block['draft']}" if block.get("draft") else ""
         lines += [f"### T = {t}: predicted vs live vs vLLM — {title} ({shape}{extra}; live drafting: "
                   f"{block.get('live_precision') or '?'})", "",
-                  "| cohort | predicted tau | live tau [95%] | vLLM tau | gap | a_k predicted | a_k live | "
-                  "a_k vLLM | agree | positions that differ |", "|" + "---|" * 10]
+                  "| cohort | predicted tau | live tau [95% binomial] | vLLM tau | gap [95% paired rows] | "
+                  "a_k predicted | a_k live | a_k vLLM | agree (binomial / paired) | positions that differ |",
+                  "|" + "---|" * 10]
         whys = []
         for c, v in block["cohorts"].items():
             p, lvv, vl = v["predicted"], v["live"], v.get("vllm") or {}
             lo, hi = lvv["tau_interval"]
             lines.append(" | ".join([
                 f"| {c}", _fmt(p["tau"]), f"{_fmt(lvv['tau'])} [{_fmt(lo)}, {_fmt(hi)}]", _fmt(vl.get("tau")),
-                f"{100 * v['tau_gap']:+.1f}%", " ".join(_fmt(a, 2) for a in p["per_position_acceptance"]),
+                _gap(v), " ".join(_fmt(a, 2) for a in p["per_position_acceptance"]),
                 " ".join(_fmt(a, 2) for a in lvv["per_position_acceptance"]),
                 " ".join(_fmt(a, 2) for a in vl.get("per_position_acceptance", [])) or "–",
-                "yes" if v["agree"] else "**no**", ", ".join(map(str, v["differing_positions"])) or "–"]) + " |")
+                ("yes" if v["agree"] else "**no**") + " / " + ("yes" if v.get("agree_paired_rows", True) else "**no**"),
+                ", ".join(map(str, v["differing_positions"])) or "–"]) + " |")
             if v.get("why"):
                 whys.append(f"{c}: {v['why']}")
         lines += [""] + [f"- {w}" for w in whys] + ([""] if whys else [])
