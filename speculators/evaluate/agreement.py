@@ -125,13 +125,13 @@ def _live_entry(stats: metrics.AcceptanceStats, depth: int) -> dict:
 
 
 def paired_gap_interval(pred_rows: Sequence[CycleCounts], live_rows: Sequence[metrics.AcceptanceStats],
-                        resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+                        resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
     """95% interval of the relative tau gap (predicted / live - 1) from a bootstrap over rows, each row keeping its
     predicted and live counts together: rows differ in difficulty and the two sides draw different continuations
     at T > 0, which an interval over cycles (binomial) ignores."""
     n = len(pred_rows)
     if n < 2:
-        return (-float("inf"), float("inf"))
+        return None  # one row: no spread to resample
     table = torch.tensor([[p.committed, p.calls, float(s.committed_tokens), float(s.target_calls)]
                           for p, s in zip(pred_rows, live_rows, strict=True)], dtype=torch.float64)  # [n, 4]
     idx = torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(seed))  # [B, n]
@@ -161,7 +161,8 @@ def compare(pred: CycleCounts, live: metrics.AcceptanceStats, temperature: float
         agree = abs(pred.tau - live.tau) <= TOLERANCE * max(live.tau, 1e-9)
         why = "" if agree and not differing else why_greedy
     gap = (pred.tau - live.tau) / max(live.tau, 1e-9)
-    gap_lo, gap_hi = paired_gap_interval(*pairs) if pairs else (-float("inf"), float("inf"))
+    band = paired_gap_interval(*pairs) if pairs else None
+    gap_lo, gap_hi = band if band is not None else (-float("inf"), float("inf"))
     paired = gap_lo <= 0.0 <= gap_hi
     if temperature != 0:
         agree = lv["tau_interval"][0] <= pred.tau <= lv["tau_interval"][1]
@@ -172,7 +173,8 @@ def compare(pred: CycleCounts, live: metrics.AcceptanceStats, temperature: float
                else "excludes 0 too: a real difference, or 1 chance in 20"))
     return {"predicted": {**pred.to_dict(), "per_position_acceptance": [round(a, 4) for a in p_pos]},
             "live": lv, "vllm": None, "agree": bool(agree), "tau_gap": round(gap, 4),
-            "tau_gap_interval_paired_rows": [round(gap_lo, 4), round(gap_hi, 4)], "agree_paired_rows": bool(paired),
+            "tau_gap_interval_paired_rows": [round(gap_lo, 4), round(gap_hi, 4)] if band else None,
+            "agree_paired_rows": bool(paired),
             "differing_positions": differing, "why": why}
 
 

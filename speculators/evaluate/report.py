@@ -99,7 +99,7 @@ def render_markdown(report: dict) -> str:
 
 def _gap(v: dict) -> str:
     lo, hi = v.get("tau_gap_interval_paired_rows") or (None, None)
-    band = f" [{100 * lo:+.1f}, {100 * hi:+.1f}]" if lo is not None and abs(lo) < 1e9 and abs(hi) < 1e9 else ""
+    band = f" [{100 * lo:+.1f}, {100 * hi:+.1f}]" if lo is not None else ""
     return f"{100 * v['tau_gap']:+.1f}%{band}"
 
 
