@@ -152,6 +152,11 @@ class TreeConfig:
     budget: int = 16  # verified draft nodes (root excluded)
     choices: list[list[int]] | None = None  # static trees: Medusa-style paths
     adaptive: bool = True
+    # sampled requests (T > 0) with a dynamic tree: draft one chain sampled from the draft law (verified with
+    # min(1, p/q)) — a top-k tree is verified by accepting a child with the target's probability of it, which loses
+    # under sampling (house EAGLE-3, T = 1: sampled chain of 3 live tau 1.59 vs top-2 tree of depth 5 1.44) — or
+    # keep the tree ("tree")
+    sampling: Literal["chain", "tree"] = "chain"
 
 
 # prompt-lookup nodes the runtime grafts onto a speculator's trees by default (serving/graft.py); measured on the

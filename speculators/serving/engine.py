@@ -415,7 +415,7 @@ class Engine:
                     if one_cycle:
                         self.cost.observe_absorb(time.perf_counter() - t_draft)
                 t_propose = time.perf_counter()
-                tree = drafter.propose(state, root, self._tree_for(depth), params, generator)
+                tree = drafter.propose(state, root, self._tree_for(depth, params), params, generator)
                 # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
                 tree = prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free)
             else:
@@ -477,10 +477,13 @@ class Engine:
             yield new, None
             root = int(next_token)
 
-    def _tree_for(self, depth: int) -> TreeConfig:
+    def _tree_for(self, depth: int, params: SamplingParams | None = None) -> TreeConfig:
         """The tree settings of one cycle: the chosen depth, and a node budget that grows with it (top-k nodes
-        per level, capped by the configured budget) so that shallow trees stay small."""
+        per level, capped by the configured budget) so that shallow trees stay small. A sampled request with a
+        dynamic tree drafts a sampled chain of that depth instead (`TreeConfig.sampling`)."""
         t = self.tree
+        if params is not None and not params.greedy and t.kind == "dynamic" and t.sampling == "chain":
+            return dataclasses.replace(t, kind="chain", depth=depth, topk=1, budget=depth)
         budget = t.budget if t.kind == "chain" else min(t.budget, max(1, t.topk * depth))
         return dataclasses.replace(t, depth=depth, budget=budget)
 

@@ -25,13 +25,13 @@ pytestmark = pytest.mark.integration
 SAMPLES = 1000
 FAMILY_ALPHA = 1e-6
 CASES = [  # (drafter, tree, sampling)
-    ("ngram", TreeConfig(kind="dynamic", depth=3, topk=2, budget=4, adaptive=False),
+    ("ngram", TreeConfig(kind="dynamic", depth=3, topk=2, budget=4, adaptive=False, sampling="tree"),
      dict(temperature=1.0, top_k=0, top_p=1.0)),
     ("ngram", TreeConfig(kind="chain", depth=3, adaptive=False), dict(temperature=0.7, top_k=8, top_p=1.0)),
     ("eagle3", TreeConfig(kind="chain", depth=2, adaptive=False), dict(temperature=1.2, top_k=0, top_p=0.8)),
-    ("medusa", TreeConfig(kind="dynamic", depth=2, topk=3, budget=5, adaptive=False),
+    ("medusa", TreeConfig(kind="dynamic", depth=2, topk=3, budget=5, adaptive=False, sampling="tree"),
      dict(temperature=0.9, top_k=20, top_p=0.9)),
-    ("eagle3+ngram", TreeConfig(kind="dynamic", depth=2, topk=2, budget=3, adaptive=False),
+    ("eagle3+ngram", TreeConfig(kind="dynamic", depth=2, topk=2, budget=3, adaptive=False, sampling="tree"),
      dict(temperature=1.0, top_k=0, top_p=0.95)),
 ]
 NUM_TESTS = len(CASES) + 3  # Bonferroni over every chi-square this module runs (controls, batched case included)

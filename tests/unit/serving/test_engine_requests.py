@@ -77,7 +77,12 @@ def test_sampled_chain_is_verified_with_draft_probabilities(tiny_llama, tmp_path
     eng.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
     assert ("iid", True) in seen
     seen.clear()
-    eng.set_tree(TreeConfig(kind="dynamic", depth=3, topk=2, budget=5, adaptive=False))
+    eng.set_tree(TreeConfig(kind="dynamic", depth=3, topk=2, budget=5, adaptive=False))  # sampling: "chain"
+    eng.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
+    assert ("iid", True) in seen  # sampled requests draft a sampled chain (plain cycles excepted: root alone)
+    assert seen.count(("deterministic", False)) <= 1
+    seen.clear()
+    eng.set_tree(TreeConfig(kind="dynamic", depth=3, topk=2, budget=5, adaptive=False, sampling="tree"))
     eng.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
     assert ("deterministic", False) in seen and all(m != "iid" for m, _ in seen)
     seen.clear()
