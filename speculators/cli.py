@@ -1,7 +1,8 @@
 """`speculators <stage>`: the command line (typer). The only place that parses arguments.
 
 Recipe stages take `RECIPE [section.key=value ...]` (dotted overrides) plus `--force` and `--dry-run`; `run`
-runs them all in order and skips complete ones. `generate`, `serve` and `bench` drive the bundled runtime.
+runs them all in order and skips complete ones. `generate`, `serve` and `bench` drive the bundled runtime;
+`profile` is the speedup oracle (measured costs of this device + a speculator's acceptance -> predicted speedup).
 User errors (`SpeculatorsError`) print one line, `error: ...`, and exit with status 2 — never a traceback.
 """
 
@@ -145,7 +146,7 @@ def generate(
     seed: Annotated[int | None, typer.Option()] = None,
     device: Annotated[str, typer.Option()] = "auto",
     dtype: Annotated[str, typer.Option()] = "auto",
-    tree: Annotated[str | None, typer.Option(help="dynamic | static | chain (default: the drafter's own)")] = None,
+    tree: Annotated[str | None, typer.Option(help="dynamic | static | chain | sampled (default: the drafter's own)")] = None,
     depth: Annotated[int | None, typer.Option()] = None,
     topk: Annotated[int | None, typer.Option()] = None,
     budget: Annotated[int | None, typer.Option()] = None,
@@ -169,32 +170,59 @@ def generate(
                      ngram_graft=ngram_graft, batch=batch)
 
 
-@app.command(help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics).")
+def _serve_opt(name: str, flag: str | None = None) -> Any:
+    """A `serve` flag whose help and default come from `config.ServeConfig` (the recipe's serve: section)."""
+    from speculators.config import ServeConfig, setting_help
+
+    return typer.Option(*([flag] if flag else []), help=setting_help(ServeConfig, name))
+
+
+@app.command(help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics). Settings come from "
+                  "the recipe's serve: section (--recipe) or their defaults; flags override them.")
 @_user_errors
 def serve(
-    target: Annotated[str, typer.Option()] = "data/targets/stdlib-lm",
-    speculator: Annotated[str, typer.Option(help="speculator dir, 'ngram', or 'none'")] = "none",
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
-    api_key_env: Annotated[str | None, typer.Option(help="env var holding the API key (off if unset)")] = None,
-    max_prompt_tokens: Annotated[int, typer.Option()] = 2048,
-    max_new_tokens: Annotated[int, typer.Option()] = 512,
-    max_concurrent_requests: Annotated[int, typer.Option(help="requests running or waiting; more get 429")] = 4,
-    max_batch_size: Annotated[int, typer.Option(help="running requests that share each target forward")] = 4,
-    device: Annotated[str, typer.Option()] = "auto",
-    dtype: Annotated[str, typer.Option()] = "auto",
-    allow_revision_mismatch: Annotated[bool, typer.Option()] = False,
-    ngram_graft: GraftOpt = DEFAULT_GRAFT,
+    recipe: Annotated[Path | None, typer.Option(help="take the target, the speculator (the run's export, when it "
+                                                     "exists) and the serve: section from this recipe")] = None,
+    overrides: OverridesArg = None,
+    target: Annotated[str | None, typer.Option(help="target dir or hub id (default: the recipe's, else "
+                                                    "data/targets/stdlib-lm)")] = None,
+    speculator: Annotated[str | None, typer.Option(help="speculator dir, 'ngram', or 'none' (default: the recipe's "
+                                                        "export when it exists, else none)")] = None,
+    host: Annotated[str | None, _serve_opt("host")] = None,
+    port: Annotated[int | None, _serve_opt("port")] = None,
+    api_key_env: Annotated[str | None, _serve_opt("api_key_env")] = None,
+    max_prompt_tokens: Annotated[int | None, _serve_opt("max_prompt_tokens")] = None,
+    max_new_tokens: Annotated[int | None, _serve_opt("max_new_tokens")] = None,
+    max_concurrent_requests: Annotated[int | None, _serve_opt("max_concurrent_requests")] = None,
+    max_batch_size: Annotated[int | None, _serve_opt("max_batch_size")] = None,
+    max_request_bytes: Annotated[int | None, _serve_opt("max_request_bytes")] = None,
+    allow_revision_mismatch: Annotated[bool | None, _serve_opt(
+        "allow_revision_mismatch", "--allow-revision-mismatch/--no-allow-revision-mismatch")] = None,
+    ngram_graft: Annotated[int | None, _serve_opt("ngram_graft")] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda (default: the recipe's target.device)")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto | float32 | bfloat16 | float16 (default: the recipe's "
+                                                   "target.dtype)")] = None,
     threads: ThreadsOpt = 0,
 ) -> None:
+    import dataclasses
+
+    from speculators.config import ServeConfig, load_recipe
     from speculators.serving.commands import serve_command
 
     _set_threads(threads)
-    serve_command(target=target, speculator=speculator, host=host, port=port, api_key_env=api_key_env,
-                  max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
-                  max_concurrent_requests=max_concurrent_requests, device=device, dtype=dtype,
-                  allow_revision_mismatch=allow_revision_mismatch, ngram_graft=ngram_graft,
-                  max_batch_size=max_batch_size)
+    r = load_recipe(recipe, overrides or []) if recipe is not None or overrides else None
+    flags = {"host": host, "port": port, "api_key_env": api_key_env, "max_prompt_tokens": max_prompt_tokens,
+             "max_new_tokens": max_new_tokens, "max_concurrent_requests": max_concurrent_requests,
+             "max_batch_size": max_batch_size, "max_request_bytes": max_request_bytes,
+             "allow_revision_mismatch": allow_revision_mismatch, "ngram_graft": ngram_graft}
+    config = dataclasses.replace(r.serve if r is not None else ServeConfig(),
+                                 **{k: v for k, v in flags.items() if v is not None})
+    if speculator is None:
+        export = r.paths.export if r is not None else None
+        speculator = str(export) if export is not None and (export / "config.json").is_file() else "none"
+    serve_command(target=target or (r.target.name_or_path if r is not None else "data/targets/stdlib-lm"),
+                  speculator=speculator, device=device or (r.target.device if r is not None else "auto"),
+                  dtype=dtype or (r.target.dtype if r is not None else "auto"), config=config)
 
 
 @app.command(help="Speculative vs plain decoding vs Hugging Face generate (and assisted decoding), as ratios.")
@@ -214,14 +242,112 @@ def bench(
                                                   "grafted onto its trees (0: no such rows)")] = DEFAULT_GRAFT,
     batch: Annotated[int, typer.Option(help="also run every runtime method on all rows with this many requests "
                                             "sharing each target forward (0: no such rows)")] = 0,
+    tree: Annotated[str | None, typer.Option(help="the speculators' tree kind: dynamic | static | chain | sampled "
+                                                  "(default: each one's own)")] = None,
+    depth: Annotated[int | None, typer.Option(help="the speculators' (maximum) draft depth")] = None,
+    topk: Annotated[int | None, typer.Option()] = None,
+    budget: Annotated[int | None, typer.Option(help="draft nodes per tree")] = None,
+    adaptive: Annotated[bool | None, typer.Option("--adaptive/--no-adaptive", help="adaptive depth (default: on); "
+                                                  "--no-adaptive drafts every cycle to the full depth")] = None,
+    hf: Annotated[bool, typer.Option("--hf/--no-hf", help="include the Hugging Face generate rows")] = True,
+    compare_verify: Annotated[bool, typer.Option(help="at T > 0 also run each speculator at a fixed tree: a sampled "
+                                                      "chain verified token-wise vs by block verification, a sampled "
+                                                      "tree token-wise vs by traversal verification")] = False,
     threads: ThreadsOpt = 0,
 ) -> None:
     from speculators.serving.bench import bench_command
 
     _set_threads(threads)
+    tree_cfg = _tree_config(tree, depth, topk, budget, adaptive)
     bench_command(target=target, speculators=speculator or [], workloads=workloads,
-                  rows_per_cohort=rows_per_cohort, temperatures=[float(t) for t in temperatures.split(",")],
-                  device=device, dtype=dtype, out=out, seed=seed, ngram_graft=ngram_graft, batch=batch)
+                  rows_per_cohort=rows_per_cohort, temperatures=_floats(temperatures, "--temperatures"),
+                  device=device, dtype=dtype, out=out, seed=seed, ngram_graft=ngram_graft, batch=batch,
+                  tree=tree_cfg, include_hf=hf, compare_verify=compare_verify)
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SpeculatorsError(f"{name} must be comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str | None, name: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SpeculatorsError(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
+def _tree_config(kind: str | None, depth: int | None, topk: int | None, budget: int | None,
+                 adaptive: bool | None):
+    """A TreeConfig from the tree options, or None when none is given (each drafter keeps its own)."""
+    if all(v is None for v in (kind, depth, topk, budget, adaptive)):
+        return None
+    from speculators.config import TreeConfig
+
+    if kind is not None and kind not in ("dynamic", "static", "chain", "sampled"):
+        raise SpeculatorsError(f"--tree must be dynamic, static, chain or sampled, got {kind!r}")
+    if any(v is not None and v < 1 for v in (depth, topk, budget)):
+        raise SpeculatorsError(f"--depth must be >= 1 (and --topk, --budget too), got depth={depth}, topk={topk}, "
+                               f"budget={budget}")
+    base = TreeConfig()
+    kind = kind or base.kind
+    depth = depth if depth is not None else base.depth
+    chain = kind == "chain"
+    return TreeConfig(kind=kind, depth=depth, topk=1 if chain else (topk or base.topk),
+                      budget=depth if chain and budget is None else (budget or base.budget),
+                      adaptive=base.adaptive if adaptive is None else adaptive)
+
+
+@app.command(help="The speedup oracle: measure what speculation costs on this device for a model shape and "
+                  "predict tokens/s and speedup per batch size from a speculator's acceptance.")
+@_user_errors
+def profile(
+    target: Annotated[str | None, typer.Option(help="a target checkpoint (dir or hub id), e.g. "
+                                                    "data/targets/stdlib-lm")] = None,
+    shape: Annotated[str | None, typer.Option(help="a model shape with random weights: a name in data/shapes "
+                                                   "(llama-3.1-8b, qwen3-8b, tiny-llama) or a config.json")] = None,
+    speculator: Annotated[str | None, typer.Option(help="time this speculator dir instead of random heads")] = None,
+    acceptance: Annotated[str | None, typer.Option(help="per-position acceptance: an evaluation report.json, an "
+                                                        "eval/ dir, an export dir, or a list like 0.8,0.7,0.6")]
+    = None,
+    families: Annotated[str | None, typer.Option(help="random heads to time: eagle3,medusa,mtp (default: the "
+                                                      "acceptance's family, else all)")] = None,
+    batch_sizes: Annotated[str | None, typer.Option(help="comma-separated (default: 1,2,4 on CPU; "
+                                                         "1,2,4,...,64 on CUDA)")] = None,
+    nodes: Annotated[str | None, typer.Option(help="verified tokens per sequence to time, comma-separated, "
+                                                   "including 1 (default: up to 16 on CPU, 128 on CUDA)")] = None,
+    context_len: Annotated[int, typer.Option(help="tokens already in each KV cache")] = 256,
+    budget_s: Annotated[float, typer.Option(help="seconds for all measurements (the grid shrinks to fit)")] = 120.0,
+    max_depth: Annotated[int, typer.Option(help="deepest draft to time")] = 5,
+    temperature: Annotated[float, typer.Option(help="the acceptance's temperature")] = 0.0,
+    check_rows: Annotated[int, typer.Option(help="also measure plain vs fixed-depth chains on this many workload "
+                                                 "rows per cohort and print predicted vs measured (0: off)")] = 0,
+    check_depths: Annotated[str, typer.Option(help="chain depths of the check, comma-separated")] = "3",
+    workloads: Annotated[str, typer.Option(help="glob of workload files for the check")] = "data/workloads/*.jsonl",
+    device: Annotated[str, typer.Option()] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | "
+                                            "float16")] = "auto",
+    draft_dtype: Annotated[str, typer.Option()] = "auto",
+    out: Annotated[Path | None, typer.Option(help="write profile.json + profile.md here")] = None,
+    threads: ThreadsOpt = 0,
+) -> None:
+    from speculators.serving.profile import profile_command
+
+    _set_threads(threads)
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise SpeculatorsError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    _, text = profile_command(
+        target=target, shape=shape, speculator=speculator, acceptance=acceptance,
+        families=[f.strip() for f in families.split(",") if f.strip()] if families else [], device=device,
+        dtype=dtype, batch_sizes=_ints(batch_sizes, "--batch-sizes"), nodes=_ints(nodes, "--nodes"),
+        context_len=context_len, budget_s=budget_s, max_depth=max_depth, temperature=temperature,
+        check_rows=check_rows, check_depths=_ints(check_depths, "--check-depths") or [], workloads=workloads,
+        out=out, draft_dtype=draft_dtype)
+    typer.echo(text)
 
 
 @app.command(name="train-bench", help="Training throughput (tokens/s per process) and peak memory of each family.")
@@ -245,6 +371,9 @@ def train_bench(
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
+    from speculators.logs import configure
+
+    configure()
     try:
         app(args=argv, prog_name="speculators")
     except SpeculatorsError as exc:  # raised outside a command (should not happen, but never a traceback)

@@ -69,6 +69,7 @@ class RegenerateConfig:
     concurrency: int = 8  # engine backend: requests sharing each forward; openai backend: requests in flight
     max_retries: int = 3  # openai backend: attempts per request beyond the first (timeouts, 429, 5xx)
     request_timeout: float = 300.0  # openai backend: seconds per request
+    max_failed_fraction: float = 0.01  # more rows failed than this (after retries): the stage fails, nothing written
 
 
 @dataclass
@@ -138,25 +139,27 @@ class TrainConfig:
     resume: Literal["auto", "never"] | str = "auto"  # auto: latest checkpoint in run_dir; or a checkpoint path
     trackers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard", "wandb"])
     wandb_project: str = "speculators"
+    wandb_entity: str | None = None  # W&B team / user (None: the credentials' default entity)
+    wandb_group: str | None = None  # groups related runs in the W&B UI
+    wandb_tags: list[str] = field(default_factory=list)
     log_every: int = 10
     num_workers: int = 0
 
 
 @dataclass
 class TreeConfig:
-    """How the runtime drafts: a dynamic top-k tree, a static (Medusa) tree or a chain."""
+    """How the runtime drafts: a dynamic top-k tree, a static (Medusa) tree, a chain, or a sampled tree (at T > 0
+    the first draw of each level is continued, `topk` - 1 more draws without replacement are its siblings)."""
 
-    kind: Literal["dynamic", "static", "chain"] = "dynamic"
+    kind: Literal["dynamic", "static", "chain", "sampled"] = "dynamic"
     depth: int = 5
     topk: int = 4
     budget: int = 16  # verified draft nodes (root excluded)
     choices: list[list[int]] | None = None  # static trees: Medusa-style paths
-    adaptive: bool = True
-    # sampled requests (T > 0) with a dynamic tree: draft one chain sampled from the draft law (verified with
-    # min(1, p/q)) — a top-k tree is verified by accepting a child with the target's probability of it, which loses
-    # under sampling (house EAGLE-3, T = 1: sampled chain of 3 live tau 1.59 vs top-2 tree of depth 5 1.44) — or
-    # keep the tree ("tree")
-    sampling: Literal["chain", "tree"] = "chain"
+    adaptive: bool = True  # per request and cycle: depth, and at T > 0 the kind (chain / sampled / configured)
+    # sampled drafts at T > 0: "sequence" = block (chains) / traversal (sampled trees) verification, never fewer
+    # accepted tokens than "token" = token-wise (iid / without_replacement), kept for comparisons
+    verify: Literal["sequence", "token"] = "sequence"
 
 
 # prompt-lookup nodes the runtime grafts onto a speculator's trees by default (serving/graft.py); measured on the
@@ -188,17 +191,55 @@ class ExportConfig:
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
 
 
+def _help(text: str) -> dict:
+    """Field metadata: the help text the CLI shows for a setting (one place for recipe, server and flags)."""
+    return {"help": text}
+
+
 @dataclass
 class ServeConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key_env: str | None = None  # name of an env var holding the API key; None = no auth
-    max_prompt_tokens: int = 2048
-    max_new_tokens: int = 512
-    max_concurrent_requests: int = 4
-    max_batch_size: int = 4
-    allow_revision_mismatch: bool = False
-    tree: TreeConfig = field(default_factory=TreeConfig)
+    """`speculators serve`: the recipe's `serve:` section, the server's limits and the CLI flags are this one
+    dataclass (the CLI reads defaults and help from here; flags override the recipe)."""
+
+    host: str = field(default="127.0.0.1", metadata=_help("interface to listen on (127.0.0.1: this machine only)"))
+    port: int = field(default=8000, metadata=_help("TCP port"))
+    api_key_env: str | None = field(default=None, metadata=_help(
+        "name of an environment variable holding the API key; /v1/* then needs 'Authorization: Bearer <key>' "
+        "(unset: no key)"))
+    max_prompt_tokens: int | None = field(default=None, metadata=_help(
+        "longest prompt accepted, in tokens (unset: the model's context minus one)"))
+    max_new_tokens: int = field(default=512, metadata=_help(
+        "most tokens one request may generate; a request without max_tokens gets this, or what still fits in the "
+        "context"))
+    max_concurrent_requests: int = field(default=4, metadata=_help(
+        "requests running or waiting; more get 429 with Retry-After"))
+    max_batch_size: int = field(default=4, metadata=_help("running requests that share each target forward"))
+    max_request_bytes: int = field(default=4 * 1024 * 1024, metadata=_help(
+        "largest request body accepted, in bytes (larger: 413 before the body is read)"))
+    allow_revision_mismatch: bool = field(default=False, metadata=_help(
+        "serve a speculator trained on another target revision (never another tokenizer)"))
+    ngram_graft: int = field(default=DEFAULT_NGRAM_GRAFT, metadata=_help(
+        "graft at most this many prompt-lookup (n-gram) nodes onto a speculator's trees (0: off)"))
+    tree: TreeConfig = field(default_factory=TreeConfig, metadata=_help("draft tree settings (recipe only)"))
+
+    def validate(self) -> None:
+        """One-line SpeculatorsError for a setting out of range."""
+        for name in ("max_new_tokens", "max_concurrent_requests", "max_batch_size", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise SpeculatorsError(f"serve.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise SpeculatorsError(f"serve.max_prompt_tokens must be >= 1 (or unset), got {self.max_prompt_tokens}")
+        if not 0 < self.port < 65536:
+            raise SpeculatorsError(f"serve.port must be in [1, 65535], got {self.port}")
+        if self.ngram_graft < 0:
+            raise SpeculatorsError(f"serve.ngram_graft must be >= 0 (0 = off), got {self.ngram_graft}")
+
+
+def setting_help(cls: type, name: str) -> str:
+    """The help text of a recipe setting, with its default (what the CLI shows for the matching flag)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    default = f.default if f.default is not dataclasses.MISSING else None
+    return f"{f.metadata.get('help', '')} (default: {'unset' if default is None else default})"
 
 
 @dataclass

@@ -11,12 +11,18 @@ Glossary (DESIGN §5):
     sampling: alpha_{t,k} = sum_v min(p(v), q(v))   (p, q after the same temperature / top-k / top-p)
   chain reach E_k = mean_t prod_{j<=k} alpha_{t,j};  a_k = E_k / E_{k-1};  simulated tau = 1 + sum_k E_k
   (= 1 + sum_k prod_{j<=k} a_j).
+- block verification of a sampled chain (Sun et al. 2024; `serving.verify` mode "block"), per position t:
+    P(>= k drafts accepted) = E[w_k],  w_0 = 1,  w_k = min(1, w_{k-1} p_k(X_k) / q_k(X_k)),  X_k ~ q_k
+  with the depth-k laws taken as given (the same teacher-forced approximation as alpha). Never below
+  prod_{j<=k} alpha_{t,j} (w_k >= prod_j min(1, p_j/q_j)); `block_reach` computes it on a log-grid (bounds),
+  and `block_alpha` turns it into per-depth ratios that `chain_reach` / `simulated_tau` summarise as above.
 
 This module only computes numbers; it does not run models, load files or print reports.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,6 +43,19 @@ def simulated_tau(per_position: Sequence[float]) -> float:
         reach *= a
         total += reach
     return total
+
+
+def committed_distribution(per_position: Sequence[float], depth: int) -> list[float]:
+    """P(one call commits j tokens), j = 1..depth+1, for a chain drafted to `depth` with conditional acceptance a_k:
+    j-1 drafts accepted then one rejected (the corrected token makes j), or all `depth` accepted plus the bonus.
+    sum_j j * P(j) = simulated_tau(per_position[:depth])."""
+    out, reach = [], 1.0
+    for k in range(depth):
+        a = float(per_position[k]) if k < len(per_position) else 0.0
+        out.append(reach * (1.0 - a))
+        reach *= a
+    out.append(reach)
+    return out
 
 
 def greedy_alpha(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -72,6 +91,78 @@ def chain_reach(alpha: torch.Tensor, valid: torch.Tensor | None = None) -> list[
     num, den = reach.sum(0), before.sum(0)  # [K]
     cond = torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))  # [K] a_k
     return torch.cumprod(cond, dim=0).tolist()
+
+
+BLOCK_GRID_BINS = 2048  # log-weight bins on [log BLOCK_GRID_FLOOR, 0]
+BLOCK_GRID_FLOOR = 1e-4  # weights below it count as 0 (lower bound) or as the floor (upper bound)
+
+
+def block_reach_bounds(target_probs: Sequence[torch.Tensor], draft_probs: Sequence[torch.Tensor],
+                       bins: int = BLOCK_GRID_BINS, floor: float = BLOCK_GRID_FLOOR
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower and upper bounds of P(block verification accepts >= k drafts) for every row, k = 1..K.
+
+    target_probs / draft_probs: K tensors [N, V], the depth-k target and draft laws of each row (the chain's
+    depth-k draft is X_k ~ q_k, independent across depths). The law of log w_k is carried on a grid of `bins`
+    steps h over [log floor, 0]: the log-ratios log(p/q) of each depth are rounded down (lower bound) or up (upper
+    bound) to multiples of h, w below the floor counts as 0 (lower) or as the floor (upper); each depth is one
+    convolution (FFT) of the carried law with the histogram of log-ratios under q, folded at 0 (w <= 1). Both bounds
+    are exact expectations of a chain whose ratios are rounded monotonically, so they bracket the true value; their
+    gap is at most about k h relative plus the floor. Returns (lower [N, K], upper [N, K]) float64."""
+    import torch
+
+    n_rows = int(target_probs[0].shape[0]) if len(target_probs) else 0
+    k_max = len(target_probs)
+    h = -math.log(floor) / bins
+    size = 1
+    while size < 3 * bins + 2:
+        size *= 2
+    out = []
+    for upper in (False, True):
+        law = torch.zeros(n_rows, bins + 1, dtype=torch.float64)  # [N, G+1] mass at log w = (j - G) h
+        law[:, bins] = 1.0
+        reach = torch.zeros(n_rows, k_max, dtype=torch.float64)  # [N, K]
+        values = torch.exp((torch.arange(bins + 1, dtype=torch.float64) - bins) * h)  # [G+1]
+        for k in range(k_max):
+            p = target_probs[k].to(torch.float64)  # [N, V]
+            q = draft_probs[k].to(torch.float64)  # [N, V]
+            ratio = torch.log(p) - torch.log(q)  # [N, V]; -inf where p = 0
+            steps = torch.ceil(ratio / h) if upper else torch.floor(ratio / h)
+            steps = steps.nan_to_num(nan=-(bins + 1), neginf=-(bins + 1), posinf=bins).clamp(-(bins + 1), bins)
+            kernel = torch.zeros(n_rows, 2 * bins + 2, dtype=torch.float64)  # [N, 2G+2]: shift s at s + G + 1
+            mass = torch.where(q > 0, q, torch.zeros_like(q))
+            if upper:  # a token the target excludes sends w to 0 in both bounds
+                mass = torch.where(p > 0, mass, torch.zeros_like(mass))
+            kernel.scatter_add_(1, (steps + bins + 1).long(), mass)
+            if not upper:
+                kernel[:, 0] = 0.0  # shifts that leave the grid from every point: w -> 0
+            full = torch.fft.irfft(torch.fft.rfft(law, size) * torch.fft.rfft(kernel, size), size)  # [N, size]
+            full = full[:, : 3 * bins + 2].clamp_min_(0.0)  # index m <-> log w = (m - G - 1) h
+            new = torch.zeros_like(law)
+            new[:, :bins] = full[:, bins + 1: 2 * bins + 1]
+            new[:, bins] = full[:, 2 * bins + 1:].sum(-1)  # w capped at 1
+            if upper:
+                new[:, 0] += full[:, : bins + 1].sum(-1)  # below the floor: counted at the floor
+            law = new
+            reach[:, k] = law @ values
+        out.append(reach)
+    return out[0], torch.maximum(out[1], out[0])
+
+
+def block_reach(target_probs: Sequence[torch.Tensor], draft_probs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """P(block verification accepts >= k drafts) per row: the midpoint of `block_reach_bounds`.  -> [N, K]"""
+    lower, upper = block_reach_bounds(target_probs, draft_probs)
+    return (lower + upper) / 2
+
+
+def block_alpha(target_probs: Sequence[torch.Tensor], draft_probs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-depth ratios reach_k / reach_{k-1} of `block_reach` (0 where nothing is left), so that `chain_reach` of
+    them is the block reach, with the same validity masks as token-wise alpha.  -> [N, K] float64"""
+    import torch
+
+    reach = block_reach(target_probs, draft_probs)  # [N, K]
+    before = torch.cat([torch.ones_like(reach[:, :1]), reach[:, :-1]], dim=1)  # [N, K]
+    return torch.where(before > 0, reach / before.clamp_min(1e-300), torch.zeros_like(reach)).clamp_(0.0, 1.0)
 
 
 def per_position_from_reach(reach: Sequence[float]) -> list[float]:

@@ -3,7 +3,10 @@
 The token-dataset format (`prepared/` and `regenerated/`): a `datasets` Arrow dir (`save_to_disk`) with columns
 `id` (string), `input_ids` (int32 list), `loss_mask` (int8 list, 1 = assistant token incl. its end-of-turn token)
 and `conversation` (the normalised conversation as JSON, so regenerate can re-render it), plus `manifest.json`
-(format `speculators.prepared/v1`, written last; `complete: true`).
+(format `speculators.prepared/v1`, written last; `complete: true`; `files`: every file of the dir with its size and
+sha256). `load_token_dataset` verifies those checksums and the values (loss_mask in {0, 1}, token ids in
+[0, vocab), one mask per id) before anything reads a row, so a dataset altered after it was written fails with one
+line naming the file (or the row) instead of flowing into feature shards.
 
 This module does not tokenize, run models or decide stage policy.
 """
@@ -26,6 +29,14 @@ MANIFEST = "manifest.json"
 
 def hash_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -70,6 +81,25 @@ def try_manifest(directory: Path, fmt: str) -> dict | None:
         return read_manifest(directory, fmt, "output")
     except SpeculatorsError:
         return None
+
+
+def partial_dir(directory: Path, inputs_hash: str, inputs: dict, force: bool) -> bool:
+    """Keep `directory` (a stage's resumable work dir) when it was made for the same inputs, else start it over
+    (also when forced); returns True when it was (re)created empty."""
+    directory = Path(directory)
+    marker = directory / "inputs.json"
+    if directory.exists():
+        try:
+            same = json.loads(marker.read_text()).get("inputs_hash") == inputs_hash
+        except (OSError, json.JSONDecodeError):
+            same = False
+        if force or not same:
+            shutil.rmtree(directory)
+    if directory.exists():
+        return False
+    directory.mkdir(parents=True)
+    write_json_atomic(marker, {"inputs_hash": inputs_hash, "inputs": inputs})
+    return True
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
@@ -124,30 +154,92 @@ def token_features() -> Any:
                               "conversation": datasets.Value("string")})
 
 
-def save_token_dataset(rows: dict[str, list], directory: Path) -> None:
+def save_token_dataset(rows: dict[str, list], directory: Path) -> list[dict]:
+    """Write the rows as a token dataset; returns the `files` record (name, bytes, sha256) for the manifest."""
     import datasets
 
     datasets.disable_progress_bars()
     ds = datasets.Dataset.from_dict(rows, features=token_features())
     ds.save_to_disk(str(directory))
+    return [{"file": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(Path(directory).iterdir()) if p.is_file() and p.name != MANIFEST]
 
 
-def load_token_dataset(directory: Path, what: str = "prepared data") -> tuple[Any, dict]:
-    """(datasets.Dataset, manifest) of a complete prepared/regenerated dir, validated."""
+def verify_files(directory: Path, manifest: dict, what: str, stage: str) -> None:
+    """Every file the manifest lists is there with its size and sha256 (one-line SpeculatorsError otherwise)."""
+    files = manifest.get("files")
+    if not isinstance(files, list) or not files:
+        raise SpeculatorsError(f"{what} at {directory} has no checksums in its manifest (written by an older "
+                               f"speculators); re-run `speculators {stage} --force`")
+    for rec in files:
+        path = Path(directory) / str(rec.get("file"))
+        if not path.is_file():
+            raise SpeculatorsError(f"{what} at {directory} is missing {path.name}; re-run `speculators {stage} --force`")
+        if path.stat().st_size != rec.get("bytes") or sha256_file(path) != rec.get("sha256"):
+            raise SpeculatorsError(f"{what} at {directory}: {path.name} fails its checksum (altered after "
+                                   f"`speculators {stage}` wrote it); re-run `speculators {stage} --force`")
+
+
+def intact(directory: Path, manifest: dict) -> bool:
+    """Whether the files of a complete output still match their checksums."""
+    try:
+        verify_files(directory, manifest, "output", "prepare")
+    except SpeculatorsError:
+        return False
+    return True
+
+
+def check_token_values(ds: Any, directory: Path, what: str, stage: str, vocab_size: int | None = None) -> None:
+    """loss_mask in {0, 1}, token ids in [0, vocab_size), as many mask values as ids in every row."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ids_col = pa.chunked_array(ds.data.column("input_ids").chunks).combine_chunks()
+    mask_col = pa.chunked_array(ds.data.column("loss_mask").chunks).combine_chunks()
+
+    def bad(row: int, detail: str) -> SpeculatorsError:
+        return SpeculatorsError(f"{what} at {directory} is corrupt: row {row} ({ds[row]['id']!r}) {detail}; re-run "
+                                f"`speculators {stage} --force`")
+
+    unequal = np.flatnonzero(pc.list_value_length(ids_col).to_numpy(zero_copy_only=False)
+                             != pc.list_value_length(mask_col).to_numpy(zero_copy_only=False))
+    if unequal.size:
+        raise bad(int(unequal[0]), "has a different number of input_ids and loss_mask values")
+    offsets = ids_col.offsets.to_numpy()
+    ids = ids_col.flatten().to_numpy(zero_copy_only=False)
+    mask = mask_col.flatten().to_numpy(zero_copy_only=False)
+    for values, wrong, detail in (
+            (mask, (mask != 0) & (mask != 1), "has loss_mask {v} (expected 0 or 1)"),
+            (ids, (ids < 0) | (ids >= (vocab_size if vocab_size is not None else np.iinfo(np.int64).max)),
+             f"has token id {{v}} outside the vocabulary [0, {vocab_size})")):
+        where = np.flatnonzero(wrong)
+        if where.size:
+            row = int(np.searchsorted(offsets, where[0], side="right") - 1)
+            raise bad(row, detail.format(v=int(values[where[0]])))
+
+
+def load_token_dataset(directory: Path, what: str = "prepared data", vocab_size: int | None = None,
+                       stage: str = "prepare") -> tuple[Any, dict]:
+    """(datasets.Dataset, manifest) of a complete prepared/regenerated dir: checksums and values verified
+    (`check_token_values`; token ids against `vocab_size` when given)."""
     import datasets
 
     directory = Path(directory)
     manifest = read_manifest(directory, PREPARED_FORMAT, what)
+    stage = str(manifest.get("stage") or stage)
+    verify_files(directory, manifest, what, stage)
     datasets.disable_progress_bars()
     try:
         ds = datasets.load_from_disk(str(directory))
     except Exception as exc:  # noqa: BLE001 - arrow/datasets errors vary
         raise SpeculatorsError(f"{what} at {directory} is unreadable ({(str(exc).splitlines() or ['?'])[0]}); "
-                               "re-run the stage with --force") from None
+                               f"re-run `speculators {stage} --force`") from None
     missing = {"id", "input_ids", "loss_mask"} - set(ds.column_names)
     if missing:
         raise SpeculatorsError(f"{what} at {directory} lacks columns {sorted(missing)}; re-run the stage")
     if len(ds) != manifest.get("counts", {}).get("rows"):
         raise SpeculatorsError(f"{what} at {directory} has {len(ds)} rows but its manifest says "
-                               f"{manifest.get('counts', {}).get('rows')}; re-run the stage with --force")
+                               f"{manifest.get('counts', {}).get('rows')}; re-run `speculators {stage} --force`")
+    check_token_values(ds, directory, what, stage, vocab_size)
     return ds, manifest

@@ -163,7 +163,6 @@ def make_job(recipe: Recipe) -> Job:
 
     data_dir = recipe.training_data_dir
     stage = "regenerate" if recipe.data.regenerate.enabled else "prepare"
-    ds, data_manifest = artifacts.load_token_dataset(data_dir, f"training data (`speculators {stage}`)")
     check_target_location(recipe.target.name_or_path)
     try:
         config = text_config(AutoConfig.from_pretrained(recipe.target.name_or_path, revision=recipe.target.revision,
@@ -172,6 +171,8 @@ def make_job(recipe: Recipe) -> Job:
         raise SpeculatorsError(f"cannot read the config of {recipe.target.name_or_path}: "
                                f"{str(exc).splitlines()[0]}") from None
     num_layers, hidden, vsize = int(config.num_hidden_layers), int(config.hidden_size), int(config.vocab_size)
+    # checksums and values (masks in {0, 1}, ids < vocab) before any output is touched
+    ds, data_manifest = artifacts.load_token_dataset(data_dir, f"training data (`speculators {stage}`)", vsize, stage)
     _validate_capture_cfg(recipe, vsize)
     request = feature_request(recipe, num_layers)
     tokenizer = load_tokenizer(recipe.target)
@@ -224,17 +225,7 @@ def _valid_shard(directory: Path, i: int, job: Job, check_sha: bool = True) -> d
 
 def setup_partial(job: Job, force: bool) -> None:
     """Create (or keep, for resume) `features.partial/`; reuse valid shards of an earlier `features/` output."""
-    marker = job.partial / "inputs.json"
-    if job.partial.exists():
-        try:
-            same = json.loads(marker.read_text()).get("inputs_hash") == job.inputs_hash
-        except (OSError, json.JSONDecodeError):
-            same = False
-        if force or not same:
-            shutil.rmtree(job.partial)
-    if not job.partial.exists():
-        job.partial.mkdir(parents=True)
-        artifacts.write_json_atomic(marker, {"inputs_hash": job.inputs_hash, "inputs": job.inputs})
+    if artifacts.partial_dir(job.partial, job.inputs_hash, job.inputs, force):
         if not force and job.final.is_dir():  # an earlier output with the same inputs: keep its valid shards
             for i in range(len(job.plan)):
                 if _valid_shard(job.final, i, job) is not None:
@@ -333,7 +324,7 @@ def _dataset(job: Job) -> Any:
     key = str(job.data_dir)
     if key not in _DATASETS:
         _DATASETS.clear()
-        _DATASETS[key] = artifacts.load_token_dataset(job.data_dir, "training data")[0]
+        _DATASETS[key] = artifacts.load_token_dataset(job.data_dir, "training data", job.vocab_size)[0]
     return _DATASETS[key]
 
 

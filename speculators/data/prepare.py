@@ -3,9 +3,10 @@
 Reads every `data.sources` entry (hub id or local jsonl/json/parquet/arrow, schemas in `schemas.py`), encodes each
 row with `chat.ChatEncoder` (the target's template, or `target.chat_template`), applies the length policy
 (`data.max_length`, drop or truncate; both counted) and writes `prepared/` (token-dataset format, see
-`artifacts.py`) with `manifest.json` last. Malformed rows fail the stage with their id, or are skipped and listed
-in the manifest when `data.on_bad_row: skip`. `is_complete` is true only when the manifest is complete and the
-inputs (source contents, tokenizer + template, length policy) are unchanged.
+`artifacts.py`) with `manifest.json` last, listing every file's sha256. Malformed rows fail the stage with their id, or are skipped and listed
+in the manifest when `data.on_bad_row: skip`. `is_complete` is true only when the manifest is complete, the
+inputs (source contents, tokenizer + template, length policy) are unchanged and every file still matches its
+checksum (an altered output is redone, never trusted).
 
 This module does not generate text (regenerate.py) or run the target.
 """
@@ -156,9 +157,10 @@ def is_complete(recipe: Recipe) -> bool:
 
     try:
         tok = load_tokenizer(recipe.target)
-        return manifest.get("inputs_hash") == artifacts.hash_json(inputs_fingerprint(recipe, tok))
+        same = manifest.get("inputs_hash") == artifacts.hash_json(inputs_fingerprint(recipe, tok))
     except SpeculatorsError:
         return False
+    return same and artifacts.intact(recipe.paths.prepared, manifest)
 
 
 def summary_of(manifest: dict, status: str) -> dict:
@@ -178,7 +180,8 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     tokenizer = load_tokenizer(recipe.target)
     inputs = inputs_fingerprint(recipe, tokenizer)
     existing = artifacts.try_manifest(out_dir, artifacts.PREPARED_FORMAT)
-    if not force and existing and existing.get("inputs_hash") == artifacts.hash_json(inputs):
+    if not force and existing and existing.get("inputs_hash") == artifacts.hash_json(inputs) and \
+            artifacts.intact(out_dir, existing):
         return summary_of(existing, "complete (skipped)")
     encoder = make_encoder(recipe, tokenizer)
     writer = RowEncoder(encoder, recipe.data)
@@ -213,10 +216,10 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
                                f"{recipe.data.max_length}); check the data and the recipe")
     seconds = max(time.time() - t0, 1e-6)
     tmp = artifacts.temp_dir_for(out_dir)
-    artifacts.save_token_dataset(writer.rows, tmp)
+    files = artifacts.save_token_dataset(writer.rows, tmp)
     stats = artifacts.token_stats(tally.lengths, tally.masked)
     manifest = {
-        "format": artifacts.PREPARED_FORMAT, "stage": "prepare", "complete": True, "created": artifacts.now(),
+        "format": artifacts.PREPARED_FORMAT, "stage": "prepare", "files": files, "complete": True, "created": artifacts.now(),
         "output": str(out_dir), "inputs": inputs, "inputs_hash": artifacts.hash_json(inputs),
         "sources": [vars(i) for i in infos],
         "tokenizer": {"name_or_path": recipe.target.name_or_path, "tokenizer_hash": inputs["tokenizer_hash"],

@@ -14,142 +14,37 @@ Backends (`data.regenerate.backend`):
   also run through HF `generate` (batches of `batch_size`, as `local` runs), timed and compared side by side (the
   manifest's `generation.crosscheck`);
 - `local`: batched in-process `model.generate` (left padding) on the target's device;
-- `openai`: any OpenAI-compatible server (vLLM, SGLang, `speculators serve`) at `data.regenerate.endpoint`,
-  `POST {endpoint}/chat/completions` (raw rows: `/completions`) from a pool of `concurrency` threads, with
-  retries (timeouts, 429, 5xx).
-Sampling: temperature / top_p / max_new_tokens from the recipe, seeded from `recipe.seed`. Resumable: finished
-chunks of rows live in `regenerated.partial/`; a re-run skips the rows done and retries the rows that failed
-(e.g. while the server was down). Rows that fail (server errors, prompts
-longer than `data.max_length`, generated text that cannot be re-encoded) are listed by id in the summary and the
-manifest, never dropped silently.
+- `openai`: any OpenAI-compatible server (vLLM, SGLang, `speculators serve`) at `data.regenerate.endpoint`, through
+  the `openai` client (regen_openai.py; the endpoint and the model are checked before the first row).
+Sampling: temperature / top_p / max_new_tokens from the recipe, seeded from `recipe.seed`.
+
+No row is ever lost (regen_rows.py keeps every row's state in `regenerated.partial/` across runs): a row is
+complete, rejected (it can never be regenerated: prompt longer than `data.max_length`, a request the server refuses
+as invalid, text that cannot be re-encoded — listed with its reason) or failed (server error, timeout ...: pending,
+tried again by every later run). When more than `data.regenerate.max_failed_fraction` of the rows failed, the stage
+fails with one line and writes nothing (the results so far stay in `regenerated.partial/`; the next run tries only
+the failed rows). At or below it, `regenerated/` is written without the failed rows, which stay pending:
+`is_complete` is false until they succeed, so the next `regenerate` or `run` tries them again and rewrites the output.
 
 This module does not capture hidden states and does not serve models.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
+import logging
 import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from speculators.config import Recipe
 from speculators.data import artifacts
 from speculators.data.prepare import RowEncoder, make_encoder
+from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState, Turn
 from speculators.data.schemas import Conversation, RowError
 from speculators.errors import SpeculatorsError
 
+log = logging.getLogger(__name__)
+
 MAX_LISTED_FAILURES = 100
-
-
-@dataclass
-class Turn:
-    """One generated answer."""
-
-    text: str
-    finished: bool  # stopped on an end-of-turn token (not max tokens / another special token)
-    tokens: int
-    reasoning: str | None = None
-    retokenized_same: bool | None = None  # local backend: decode -> encode gives back the generated ids
-
-
-class RowFailed(Exception):
-    """A row that could not be regenerated (one-line reason)."""
-
-
-@dataclass
-class RowResult:
-    index: int
-    id: str
-    ok: bool
-    conversation: str | None = None
-    error: str | None = None
-    stats: dict = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(vars(self), ensure_ascii=False)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# turn-by-turn driver (backend-independent)
-
-
-class RowState:
-    """Walks one conversation, asking for a generation at each assistant turn to rewrite."""
-
-    def __init__(self, index: int, conv: Conversation) -> None:
-        self.index, self.conv = index, conv
-        self.history: list[dict] = []
-        self.pos = 0
-        self.done = False
-        self.failed: str | None = None
-        self.stats = {"turns": 0, "unfinished": 0, "kept_tool_turns": 0, "generated_tokens": 0,
-                      "retokenization_mismatch": 0, "cut_at_max_length": 0}
-        self.completion: str | None = None
-        if conv.is_chat:
-            self._advance()
-
-    def _advance(self) -> None:
-        msgs = self.conv.messages
-        while self.pos < len(msgs):
-            m = msgs[self.pos]
-            if m["role"] == "assistant" and not m.get("tool_calls"):
-                return  # generation needed here
-            if m["role"] == "assistant":
-                self.stats["kept_tool_turns"] += 1
-            self.history.append(dict(m))
-            self.pos += 1
-        if self.history and self.history[-1]["role"] != "assistant":
-            return  # a final answer is needed
-        self.done = True
-
-    @property
-    def needs_generation(self) -> bool:
-        return not self.done and self.failed is None
-
-    def accept(self, turn: Turn) -> None:
-        self.stats["turns"] += 1
-        self.stats["generated_tokens"] += turn.tokens
-        self.stats["unfinished"] += int(not turn.finished)
-        self.stats["retokenization_mismatch"] += int(turn.retokenized_same is False)
-        if not self.conv.is_chat:
-            self.completion = turn.text
-            self.done = True
-            return
-        msg: dict[str, Any] = {"role": "assistant", "content": turn.text}
-        if turn.reasoning:
-            msg["reasoning_content"] = turn.reasoning
-        self.history.append(msg)
-        if self.pos < len(self.conv.messages):
-            self.pos += 1
-            self._advance()
-        else:
-            self.done = True
-
-    def cut(self) -> None:
-        """The prompt no longer fits data.max_length: keep what was regenerated so far."""
-        if self.stats["turns"] == 0:
-            self.failed = "the prompt is longer than data.max_length (nothing left to generate)"
-            return
-        while self.history and self.history[-1]["role"] != "assistant":
-            self.history.pop()
-        self.stats["cut_at_max_length"] += 1
-        self.done = True
-
-    def result(self) -> RowResult:
-        if self.failed:
-            return RowResult(self.index, self.conv.id, False, error=self.failed, stats=self.stats)
-        if self.conv.is_chat:
-            out = Conversation(id=self.conv.id, messages=self.history, tools=self.conv.tools)
-        else:
-            out = Conversation(id=self.conv.id, prompt=self.conv.prompt, completion=self.completion)
-        return RowResult(self.index, self.conv.id, True, conversation=out.to_json(), stats=self.stats)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -264,7 +159,7 @@ class LocalBackend:
                 try:
                     p = self.prompt_ids(st)
                 except Exception as exc:  # noqa: BLE001 - template errors on a regenerated history
-                    st.failed = f"cannot render the conversation: {(str(exc).splitlines() or ['?'])[0]}"
+                    st.fail(f"cannot render the conversation: {(str(exc).splitlines() or ['?'])[0]}", permanent=True)
                     continue
                 budget = min(rg.max_new_tokens, max_len - len(p) - 1)  # room for the end-of-turn token
                 if budget < 1:
@@ -277,84 +172,6 @@ class LocalBackend:
                 for st, turn in zip(ready, self.generate(prompts, budgets, seed * 1_000_003 + round_), strict=True):
                     st.accept(turn)
             round_ += 1
-
-
-class OpenAIBackend:
-    """An OpenAI-compatible server: /chat/completions (chat rows) and /completions (raw rows)."""
-
-    def __init__(self, recipe: Recipe) -> None:
-        rg = recipe.data.regenerate
-        if not rg.endpoint:
-            raise SpeculatorsError("data.regenerate.backend=openai needs data.regenerate.endpoint "
-                                   "(e.g. http://127.0.0.1:8000/v1)")
-        if not rg.endpoint.startswith(("http://", "https://")):
-            raise SpeculatorsError(f"data.regenerate.endpoint {rg.endpoint!r} must start with http:// or https://")
-        self.recipe = recipe
-        self.base = rg.endpoint.rstrip("/")
-        self.model = rg.model or recipe.target.name_or_path
-        self.key = os.environ.get(rg.api_key_env) if rg.api_key_env else None
-
-    def _post(self, path: str, body: dict) -> dict:
-        rg = self.recipe.data.regenerate
-        data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.key:
-            headers["Authorization"] = f"Bearer {self.key}"
-        last = "no attempt"
-        for attempt in range(rg.max_retries + 1):
-            if attempt:
-                time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
-            req = urllib.request.Request(self.base + path, data=data, headers=headers, method="POST")
-            try:
-                with urllib.request.urlopen(req, timeout=rg.request_timeout) as resp:
-                    return json.loads(resp.read().decode())
-            except urllib.error.HTTPError as exc:
-                detail = exc.read().decode(errors="replace")[:200].replace("\n", " ")
-                last = f"HTTP {exc.code} from {self.base}{path}: {detail}"
-                if exc.code != 429 and exc.code < 500:
-                    break
-            except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as exc:
-                last = f"{self.base}{path}: {getattr(exc, 'reason', exc)}"
-        raise RowFailed(last)
-
-    def _turn(self, st: RowState) -> Turn:
-        rg = self.recipe.data.regenerate
-        body: dict[str, Any] = {"model": self.model, "max_tokens": rg.max_new_tokens, "temperature": rg.temperature,
-                                "top_p": rg.top_p, "seed": self.recipe.seed * 1_000_003 + st.index + st.stats["turns"]}
-        if st.conv.is_chat:
-            body["messages"] = st.history
-            if st.conv.tools:
-                body["tools"] = st.conv.tools
-            if self.recipe.data.chat_template_kwargs:
-                body["chat_template_kwargs"] = self.recipe.data.chat_template_kwargs
-            out = self._post("/chat/completions", body)
-        else:
-            body["prompt"] = st.conv.prompt
-            out = self._post("/completions", body)
-        try:
-            choice = out["choices"][0]
-            if st.conv.is_chat:
-                msg = choice["message"]
-                text, reasoning = msg.get("content") or "", msg.get("reasoning_content") or msg.get("reasoning")
-            else:
-                text, reasoning = choice["text"], None
-        except (KeyError, IndexError, TypeError):
-            raise RowFailed(f"unexpected response from {self.base}: {json.dumps(out)[:200]}") from None
-        usage = out.get("usage") or {}
-        return Turn(text=text, finished=choice.get("finish_reason") != "length", reasoning=reasoning,
-                    tokens=int(usage.get("completion_tokens", 0)))
-
-    def _row(self, st: RowState) -> None:
-        try:
-            while st.needs_generation:
-                st.accept(self._turn(st))
-        except RowFailed as exc:
-            st.failed = str(exc)
-
-    def run_chunk(self, states: list[RowState], seed: int) -> None:
-        del seed  # per-request seeds come from the row index
-        with ThreadPoolExecutor(max_workers=max(1, self.recipe.data.regenerate.concurrency)) as pool:
-            list(pool.map(self._row, states))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -370,6 +187,8 @@ def _check_enabled(recipe: Recipe) -> None:
             not 0 < rg.top_p <= 1:
         raise SpeculatorsError("data.regenerate: max_new_tokens, batch_size, concurrency must be >= 1, "
                                "temperature >= 0 and 0 < top_p <= 1")
+    if not 0 <= rg.max_failed_fraction < 1:
+        raise SpeculatorsError(f"data.regenerate.max_failed_fraction must be in [0, 1), got {rg.max_failed_fraction}")
 
 
 def inputs_fingerprint(recipe: Recipe, prepared_manifest: dict, tokenizer: Any) -> dict:
@@ -387,6 +206,12 @@ def inputs_fingerprint(recipe: Recipe, prepared_manifest: dict, tokenizer: Any) 
             "chat_template_kwargs": recipe.data.chat_template_kwargs, "tokenizer_hash": tokenizer_hash(tokenizer)}
 
 
+def _finished(m: dict | None, inputs_hash: str, out_dir: Any) -> bool:
+    """A complete output of these inputs, intact, with no row left to try."""
+    return bool(m) and m.get("inputs_hash") == inputs_hash and not m.get("counts", {}).get("failed") and \
+        artifacts.intact(out_dir, m)
+
+
 def is_complete(recipe: Recipe) -> bool:
     m = artifacts.try_manifest(recipe.paths.regenerated, artifacts.PREPARED_FORMAT)
     if m is None or not recipe.data.regenerate.enabled:
@@ -398,17 +223,18 @@ def is_complete(recipe: Recipe) -> bool:
         fp = inputs_fingerprint(recipe, prepared, load_tokenizer(recipe.target))
     except SpeculatorsError:
         return False
-    return m.get("inputs_hash") == artifacts.hash_json(fp)
+    return _finished(m, artifacts.hash_json(fp), recipe.paths.regenerated)
 
 
 def summary_of(m: dict, status: str) -> dict:
     c, t, g = m["counts"], m["tokens"], m["generation"]
     return {"status": status, "output": m.get("output"), "rows": c["rows"], "failed_rows": c["failed"],
-            "tokens": t["total"], "masked_share": t["masked_share"], "turns_regenerated": g["turns"],
-            "unfinished_turns": g["unfinished"], "generated_tokens": g["generated_tokens"],
-            "tokens_per_s": g["tokens_per_s"], "bytes_per_token": m.get("bytes_per_token"),
-            "dropped_too_long": c["dropped_too_long"],
-            "truncated": c["truncated"], "failed_ids": [f["id"] for f in m.get("failed_rows", [])[:10]]}
+            "rejected_rows": c.get("rejected", 0), "tokens": t["total"], "masked_share": t["masked_share"],
+            "turns_regenerated": g["turns"], "unfinished_turns": g["unfinished"],
+            "generated_tokens": g["generated_tokens"], "tokens_per_s": g["tokens_per_s"],
+            "bytes_per_token": m.get("bytes_per_token"), "dropped_too_long": c["dropped_too_long"],
+            "truncated": c["truncated"], "failed_ids": [f["id"] for f in m.get("failed_rows", [])[:10]],
+            "rejected_ids": [f["id"] for f in m.get("rejected_rows", [])[:10]]}
 
 
 def engine_report(backend: Any) -> dict:
@@ -419,31 +245,40 @@ def engine_report(backend: Any) -> dict:
     return {"engine": engine.report(), "crosscheck": backend.crosscheck}
 
 
-def _chunks(n: int, size: int) -> list[tuple[int, int]]:
-    return [(a, min(a + size, n)) for a in range(0, n, size)]
+def _generate(recipe: Recipe, ds: Any, store: PartialStore, backend: Any) -> float:
+    """Run the backend over every row still to try, chunk by chunk; returns the generation seconds."""
+    from tqdm import tqdm
+
+    seconds = 0.0
+    left = store.pending()
+    with tqdm(total=len(ds), initial=len(ds) - left, desc="regenerate", unit=" rows", dynamic_ncols=True) as bar:
+        for ci, (a, b) in enumerate(store.chunks):
+            todo = store.todo(a, b)  # new rows + rows that failed before
+            if not todo:
+                continue
+            states = [RowState(i, Conversation.from_json(ds[i]["id"], ds[i]["conversation"])) for i in todo]
+            t0 = time.time()
+            backend.run_chunk(states, recipe.seed * 7919 + ci)
+            seconds += time.time() - t0
+            store.record(a, b, [st.result() for st in states])
+            bar.update(len(todo))
+    return seconds
 
 
-def _part_file(partial: Path, a: int, b: int) -> Path:
-    return partial / f"part-{a:08d}-{b:08d}.jsonl"
-
-
-def _read_part(partial: Path, a: int, b: int) -> dict[int, RowResult]:
-    path = _part_file(partial, a, b)
-    if not path.is_file():
-        return {}
-    out = {}
-    for line in path.read_text().splitlines():
-        try:
-            res = RowResult(**json.loads(line))
-        except (json.JSONDecodeError, TypeError):
-            return {}  # unreadable part: redo the chunk
-        out[res.index] = res
-    return out
+def _check_failures(recipe: Recipe, store: PartialStore, n: int) -> list[RowResult]:
+    """The failed rows; SpeculatorsError (nothing written) when there are more than max_failed_fraction of them."""
+    failed = store.by_status(FAILED)
+    limit = recipe.data.regenerate.max_failed_fraction
+    if len(failed) > limit * n:
+        done = len(store.by_status(COMPLETE))
+        raise SpeculatorsError(f"regenerate: {len(failed)} of {n} rows failed ({len(failed) / n:.1%} > "
+                               f"data.regenerate.max_failed_fraction {limit:.1%}); first: {failed[0].id}: "
+                               f"{failed[0].error}. The {done} finished rows are kept in {store.dir}: re-run to try "
+                               f"the failed ones again")
+    return failed
 
 
 def run(recipe: Recipe, *, force: bool = False) -> dict:
-    from tqdm import tqdm
-
     from speculators.target import load_tokenizer
 
     _check_enabled(recipe)
@@ -455,90 +290,72 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     inputs_hash = artifacts.hash_json(inputs)
     out_dir = recipe.paths.regenerated
     existing = artifacts.try_manifest(out_dir, artifacts.PREPARED_FORMAT)
-    if not force and existing and existing.get("inputs_hash") == inputs_hash:
+    if not force and _finished(existing, inputs_hash, out_dir):
         return summary_of(existing, "complete (skipped)")
 
     rg = recipe.data.regenerate
-    backend: LocalBackend | OpenAIBackend = OpenAIBackend(recipe) if rg.backend == "openai" else LocalBackend(recipe)
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    marker = partial / "inputs.json"
-    if partial.exists():
-        try:
-            same = json.loads(marker.read_text()).get("inputs_hash") == inputs_hash
-        except (OSError, json.JSONDecodeError):
-            same = False
-        if force or not same:
-            shutil.rmtree(partial)
-    if not partial.exists():
-        partial.mkdir(parents=True)
-        artifacts.write_json_atomic(marker, {"inputs_hash": inputs_hash, "inputs": inputs})
+    if rg.backend in ("local", "engine"):
+        backend: Any = LocalBackend(recipe)
+    else:
+        from speculators.data.regen_openai import OpenAIBackend
 
-    n = len(ds)
+        backend = OpenAIBackend(recipe)
+        backend.check()  # the endpoint and the model, before the first row
     chunk = rg.batch_size if rg.backend == "local" else max(rg.concurrency * 4, rg.batch_size)
-    chunks = _chunks(n, chunk)
-    done: dict[tuple[int, int], dict[int, RowResult]] = {c: _read_part(partial, *c) for c in chunks}
-    left = sum(1 for a, b in chunks for i in range(a, b) if not (i in done[(a, b)] and done[(a, b)][i].ok))
-    gen_seconds = 0.0
-    with tqdm(total=n, initial=n - left, desc="regenerate", unit=" rows", dynamic_ncols=True) as bar:
-        for ci, (a, b) in enumerate(chunks):
-            results = done[(a, b)]
-            todo = [i for i in range(a, b) if not (i in results and results[i].ok)]  # new rows + earlier failures
-            if not todo:
-                continue
-            states = [RowState(i, Conversation.from_json(ds[i]["id"], ds[i]["conversation"])) for i in todo]
-            t0 = time.time()
-            backend.run_chunk(states, recipe.seed * 7919 + ci)
-            gen_seconds += time.time() - t0
-            for st in states:
-                results[st.index] = st.result()
-            tmp = _part_file(partial, a, b).with_suffix(".tmp")
-            tmp.write_text("".join(results[i].to_json() + "\n" for i in range(a, b)))
-            os.replace(tmp, _part_file(partial, a, b))
-            bar.update(len(todo))
+    store = PartialStore(out_dir, inputs_hash, inputs, len(ds), chunk, force)
+    gen_seconds = _generate(recipe, ds, store, backend)
+    failed = _check_failures(recipe, store, len(ds))
+    manifest = _assemble(recipe, tokenizer, store, len(ds), (inputs, inputs_hash, prepared_manifest), gen_seconds,
+                         engine_report(backend))
+    if failed:  # within the tolerance: written without them; they stay pending for the next run
+        log.warning("%d of %d rows failed (<= data.regenerate.max_failed_fraction); they are left out of %s and "
+                    "will be tried again by the next regenerate / run (first: %s: %s)", len(failed), len(ds),
+                    out_dir, failed[0].id, failed[0].error)
+    else:
+        store.remove()
+    return summary_of(manifest, "done")
 
-    # assemble: every row from the parts, re-encoded exactly like prepare
+
+def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, n: int, identity: tuple[dict, str, dict],
+              gen_seconds: float, engine_info: dict) -> dict:
+    """Re-encode every complete row exactly like prepare and write `regenerated/` (manifest last); `identity`:
+    (inputs, inputs hash, the prepared data's manifest); `engine_info`: the engine backend's report."""
+    inputs, inputs_hash, prepared_manifest = identity
+    out_dir = recipe.paths.regenerated
     writer = RowEncoder(make_encoder(recipe, tokenizer), recipe.data)
-    failed: list[RowError] = []
+    rejected: list[RowError] = [RowError(r.id, r.error or "unknown error") for r in store.by_status(REJECTED)]
+    failed = [RowError(r.id, f"{r.error} (tried {r.attempts}x; pending)") for r in store.by_status(FAILED)]
     gen = {"turns": 0, "unfinished": 0, "kept_tool_turns": 0, "generated_tokens": 0, "retokenization_mismatch": 0,
            "cut_at_max_length": 0}
-    for a, b in chunks:
-        for i in range(a, b):
-            res = done[(a, b)][i]
-            for k in gen:
-                gen[k] += int(res.stats.get(k, 0))
-            if not res.ok:
-                failed.append(RowError(res.id, res.error or "unknown error"))
-                continue
-            err = writer.add(Conversation.from_json(res.id, res.conversation))
-            if err is not None:
-                failed.append(RowError(res.id, f"generated text cannot be re-encoded: {err.reason}"))
+    for res in store.by_status(COMPLETE):
+        for k in gen:
+            gen[k] += int(res.stats.get(k, 0))
+        err = writer.add(Conversation.from_json(res.id, res.conversation))
+        if err is not None:
+            rejected.append(RowError(res.id, f"generated text cannot be re-encoded: {err.reason}"))
     tally = writer.tally
     if tally.rows == 0:
-        first = failed[0] if failed else None
-        raise SpeculatorsError(f"regeneration produced no usable rows ({len(failed)} failed"
-                               + (f"; first: {first.id}: {first.reason}" if first else "")
-                               + f"); partial results are kept in {partial}")
-    total_gen_seconds = gen_seconds or 1e-9
+        first = (rejected + failed)[0] if rejected or failed else None
+        raise SpeculatorsError(f"regeneration produced no usable rows ({len(rejected)} rejected, {len(failed)} "
+                               "failed" + (f"; first: {first.id}: {first.reason}" if first else "")
+                               + f"); partial results are kept in {store.dir}")
     tmp_dir = artifacts.temp_dir_for(out_dir)
-    artifacts.save_token_dataset(writer.rows, tmp_dir)
+    files = artifacts.save_token_dataset(writer.rows, tmp_dir)
     stats = artifacts.token_stats(tally.lengths, tally.masked)
     manifest = {
         "format": artifacts.PREPARED_FORMAT, "stage": "regenerate", "complete": True, "created": artifacts.now(),
-        "output": str(out_dir), "inputs": inputs, "inputs_hash": inputs_hash,
+        "output": str(out_dir), "files": files, "inputs": inputs, "inputs_hash": inputs_hash,
         "source": {"prepared": str(recipe.paths.prepared), "rows": n},
         "tokenizer": prepared_manifest.get("tokenizer", {}), "mask_methods": tally.methods,
         "max_length": recipe.data.max_length, "length_policy": recipe.data.length_policy,
-        "counts": {"rows_in": n, **tally.counts(), "failed": len(failed)},
+        "counts": {"rows_in": n, **tally.counts(), "failed": len(failed), "rejected": len(rejected)},
         "failed_rows": [vars(f) for f in failed[:MAX_LISTED_FAILURES]],
-        "generation": {**gen, "backend": rg.backend, "seconds_this_run": round(gen_seconds, 2),
-                       "tokens_per_s": round(gen["generated_tokens"] / total_gen_seconds, 1) if gen_seconds else None,
-                       **engine_report(backend)},
+        "rejected_rows": [vars(f) for f in rejected[:MAX_LISTED_FAILURES]],
+        "generation": {**gen, "backend": recipe.data.regenerate.backend, "seconds_this_run": round(gen_seconds, 2),
+                       "tokens_per_s": round(gen["generated_tokens"] / gen_seconds, 1) if gen_seconds else None,
+                       **engine_info},
         "tokens": stats, "bytes_per_token": round(artifacts.dir_bytes(tmp_dir) / max(stats["total"], 1), 2),
     }
     artifacts.write_json_atomic(tmp_dir / artifacts.MANIFEST, manifest)
     artifacts.replace_dir(tmp_dir, out_dir)
-    shutil.rmtree(partial, ignore_errors=True)
-    if failed:
-        print(f"warning: {len(failed)} of {n} rows could not be regenerated; they are listed in "
-              f"{out_dir / artifacts.MANIFEST} (failed_rows)")
-    return summary_of(manifest, "done")
+    return manifest

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speculators.data.artifacts import sha256_file
 from speculators.errors import SpeculatorsError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -87,14 +88,6 @@ class SourceInfo:
 # reading
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def source_kind(path: str) -> str:
     p = Path(path)
     if p.is_dir():
@@ -119,9 +112,9 @@ def source_fingerprint(path: str, split: str) -> str:
         h = hashlib.sha256()
         for f in sorted(x for x in p.rglob("*") if x.is_file()):
             h.update(str(f.relative_to(p)).encode())
-            h.update(_sha256_file(f).encode())
+            h.update(sha256_file(f).encode())
         return h.hexdigest()
-    return _sha256_file(p)
+    return sha256_file(p)
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:

@@ -13,15 +13,15 @@ format, shard index, row ids), so the bytes are deterministic. Bytes/token are r
 SpecForge layout (bf16 taps + bf16 last hidden = 8·H bytes/token).
 
 `manifest.json` (format `speculators.features/v1`, written last) lists every shard with its sha256, rows and
-tokens. `FeatureStore` validates the manifest eagerly and each shard lazily on first use (size, sha256, offsets,
-shapes, NaN/Inf), then reads sequences as memory-mapped slices and returns float32 (dequantised) tensors.
+tokens. `FeatureStore` validates the manifest eagerly, every shard's checksum when asked (`verify_checksums`:
+training does before step 1) and each shard's contents lazily on first use (offsets, shapes, NaN/Inf), then reads
+sequences as memory-mapped slices and returns float32 (dequantised) tensors.
 
 This module does not run the target (capture.py does).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from speculators.data.artifacts import sha256_file
 from speculators.errors import SpeculatorsError
 
 FEATURES_FORMAT = "speculators.features/v1"
@@ -97,14 +98,6 @@ def teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------------------
 # writing
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_finite(name: str, x: torch.Tensor, where: str) -> None:
@@ -189,7 +182,8 @@ class FeatureStore:
                                    f"{self.manifest['counts']['sequences']} sequences); re-run capture --force")
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()
         self._cache_size = max(1, cache_shards)
-        self._verified: set[int] = set()
+        self._verified: set[int] = set()  # shards fully validated (checksum, offsets, shapes, finite values)
+        self._checksummed: set[int] = set()  # shards whose size and sha256 were checked
         self._lengths: list[int] | None = None
 
     def __len__(self) -> int:
@@ -258,6 +252,14 @@ class FeatureStore:
                                    f"{rec['bytes']}); re-run capture to rewrite it")
         if sha256_file(path) != rec["sha256"]:
             raise SpeculatorsError(f"feature shard {path} fails its checksum; re-run capture to rewrite it")
+        self._checksummed.add(s)
+
+    def verify_checksums(self) -> None:
+        """Size and sha256 of every shard against the manifest (training runs this before its first step, so a
+        damaged shard fails at once instead of when an epoch reaches it)."""
+        for s in range(len(self.manifest["shards"])):
+            if s not in self._checksummed:
+                self.verify_shard(s)
 
     def verify(self) -> None:
         """Check every shard (checksums and contents)."""
@@ -279,7 +281,7 @@ class FeatureStore:
         if s in self._open:
             self._open.move_to_end(s)
             return self._open[s]
-        if s not in self._verified:
+        if s not in self._verified and s not in self._checksummed:
             self.verify_shard(s)
         handle = self._handle(s)
         try:

@@ -6,18 +6,20 @@ For every row of `recipe.evaluate.workloads` and every temperature in `recipe.ev
   2. one tapped target forward over prompt + continuation (`teacher.teacher_pass`) gives the features every
      speculator asks for (`required_features()`) and the teacher logits;
   3. every checkpoint's `forward_train` gives per-step draft logits, scored per position and depth by
-     `alpha.speculator_alpha`; the n-gram baseline (`serving.ngram.ngram_propose`) by `alpha.ngram_alpha`;
+     `alpha.speculator_alpha` (and at T > 0 by `alpha.speculator_block_alpha`: block verification of the same sampled
+     chain); the n-gram baseline (`serving.ngram.ngram_propose`) by `alpha.ngram_alpha`;
   4. per cohort: chain reach -> a_k -> simulated tau (`speculators.metrics`, via `alpha.summarize`).
 Then `select.choose_best` picks the highest mean simulated tau at `evaluate.select_temperature`, the bundled
 runtime measures live acceptance of that checkpoint and of the n-gram drafter (`evaluate.live`), and the stage
 writes eval/<step>/{report.json, report.md, per_position.png, tau.png}, eval/selection.json, eval/report.md,
-eval/selection.png and `checkpoints/best` (atomic).
+eval/selection.png and `checkpoints/best` (atomic); with W&B among `train.trackers`, the report (per-cohort tau,
+the plots, the checkpoint choice) also goes to the training run's W&B run.
 
 Report record (eval/<step>/report.json, format "speculators.eval/v1"): checkpoint, step, family, draft_revision,
 eval_key (what the numbers depend on: target revision, rows, temperatures, depth, seed), target, workloads,
 rows, cohorts, depth (evaluate.depth), speculator_depth (min(depth, K)), temperatures {"<T>": {"speculator":
-summary, "ngram": summary at the speculator's depth (the fair comparison), "ngram_full_depth": summary at
-evaluate.depth}} where summary = {"cohorts": {cohort: {rows, positions, per_position_acceptance, chain_reach,
+summary, "speculator_block": summary of block verification (T > 0 only), "ngram": summary at the speculator's depth
+(the fair comparison), "ngram_full_depth": summary at evaluate.depth}} where summary = {"cohorts": {cohort: {rows, positions, per_position_acceptance, chain_reach,
 simulated_tau, tau_by_depth}}, "overall": pooled, "mean_tau": mean over cohorts}, live (or null), loss.
 
 Checkpoints whose report already matches (same draft revision and eval_key) are not re-evaluated unless forced.
@@ -36,7 +38,7 @@ import torch
 from speculators.config import Recipe, to_dict
 from speculators.data.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
-from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, truncate
+from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
 from speculators.evaluate.select import (
     SELECTION_FORMAT,
     checkpoint_family,
@@ -118,13 +120,15 @@ def _existing_report(eval_dir: Path, ckpt: Path, key: str) -> dict | None:
 
 def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSequence]], depth: int,
                        model: Any, progress: bool = True, teacher_topk: int = 20
-                       ) -> tuple[dict[str, dict], dict[str, dict], dict[str, int]]:
+                       ) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict], dict[str, int]]:
     """Teacher-forced acceptance of every speculator and of the n-gram baseline on the given sequences: every
     position ("cohorts"), at a server's cycle starts ("cycle_starts"; at T > 0 also with argmax drafts,
     "cycle_starts_argmax_drafts") and, at T > 0, the ceilings a top-k teacher / the draft vocabulary put on a
-    sampled draft ("ceilings"); see `tally.py`.
+    sampled draft ("ceilings"); see `tally.py`. At T > 0 also the acceptance of block verification of the
+    speculator's sampled chain (`alpha.speculator_block_alpha`).
 
-    Returns (per-speculator {"<T>": summary}, n-gram {"<T>": summary}, per-speculator depth).
+    Returns (per-speculator {"<T>": summary}, per-speculator {"<T>": summary under block verification} for T > 0,
+    n-gram {"<T>": summary}, per-speculator depth).
     """
     from tqdm.auto import tqdm
 
@@ -135,6 +139,7 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
     depths = {name: min(depth, int(spec.num_steps)) for name, spec in specs.items()}
     tallies = {name: SpeculatorTally(depths[name], spec.draft_to_target, list(sequences)) for name, spec in specs.items()}
     ceilings = CeilingTally(depth, teacher_topk, next(iter(specs.values())).draft_to_target, list(sequences))
+    block_acc = {name: {_tkey(t): AlphaAccumulator(depths[name]) for t in sequences if t > 0} for name in specs}
     ngram_acc = {_tkey(t): AlphaAccumulator(depth) for t in sequences}
     bar = tqdm(total=sum(len(v) for v in sequences.values()), desc="teacher-forced acceptance", unit="seq",
                disable=not progress)
@@ -152,15 +157,19 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
                 batch = {"input_ids": ids.to(param.device), "attention_mask": torch.ones_like(ids, device=param.device),
                          **feats}
                 with torch.no_grad():
-                    steps = spec.forward_train(batch)  # K x [1, T, Vd]
-                tallies[name].add(seq, [s[0].float().cpu() for s in steps], teacher_logits, t)
+                    steps = [s[0].float().cpu() for s in spec.forward_train(batch)]  # K x [T, Vd]
+                tallies[name].add(seq, steps, teacher_logits, t)
+                if t > 0:
+                    block_acc[name][_tkey(t)].add(seq.row.cohort, *speculator_block_alpha(
+                        steps, teacher_logits, spec.draft_to_target.cpu(), seq.prompt_len, params, depths[name]))
             ceilings.add(seq, teacher_logits, t)
             alpha, valid = ngram_alpha(seq.token_ids, teacher_logits, seq.prompt_len, params, depth, ngram_propose)
             ngram_acc[_tkey(t)].add(seq.row.cohort, alpha, valid)
             bar.update(1)
     bar.close()
     sums = {name: {_tkey(t): tally.summary(_tkey(t), ceilings) for t in sequences} for name, tally in tallies.items()}
-    return sums, {t: a.summary() for t, a in ngram_acc.items()}, depths
+    return (sums, {name: {t: a.summary() for t, a in accs.items()} for name, accs in block_acc.items()},
+            {t: a.summary() for t, a in ngram_acc.items()}, depths)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -199,8 +208,8 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
             specs[c.name] = spec
         seqs = continuations(target.model, target.tokenizer, rows, ev.temperatures, recipe.seed,
                              fp["revision"] + fp["content_hash"], eval_dir / "continuations.json", progress)
-        spec_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress,
-                                                           recipe.capture.teacher_topk)
+        spec_sums, block_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress,
+                                                                       recipe.capture.teacher_topk)
         for c in todo:
             reports[c.name] = {
                 "format": EVAL_FORMAT, "checkpoint": c.name, "step": step_number(c),
@@ -210,6 +219,7 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
                 "cohorts": sorted({r.cohort for r in rows}), "depth": ev.depth,
                 "speculator_depth": depths[c.name],
                 "temperatures": {t: {"speculator": spec_sums[c.name][t],
+                                     **({"speculator_block": block_sums[c.name][t]} if t in block_sums[c.name] else {}),
                                      "ngram": truncate(ngram_sums[t], depths[c.name]),
                                      "ngram_full_depth": ngram_sums[t]}
                                  for t in spec_sums[c.name]},
@@ -223,7 +233,14 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
         todo_names = {c.name for c in todo} | {best}
     else:
         todo_names = {c.name for c in todo}
-    _write_outputs(recipe, reports, best, todo_names)
+    selection = _write_outputs(recipe, reports, best, todo_names)
+    if "wandb" in recipe.train.trackers:  # the report joins the training run in W&B (when training had one)
+        from speculators.train.tracking import log_evaluation, wandb_options
+
+        eval_dir = recipe.paths.eval
+        log_evaluation(recipe.paths.logs, wandb_options(recipe.train), selection,
+                       {"selection": eval_dir / "selection.png", "per_position": eval_dir / best / "per_position.png",
+                        "tau": eval_dir / best / "tau.png"})
     return _summary(recipe, reports, best, len(todo))
 
 
@@ -246,7 +263,7 @@ def _live(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], best: 
                              progress)
 
 
-def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed: set[str]) -> None:
+def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed: set[str]) -> dict:
     from speculators.evaluate.report import write_checkpoint_report, write_overview
 
     eval_dir = recipe.paths.eval
@@ -261,6 +278,7 @@ def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed:
     if recipe.evaluate.select_best:
         write_pointer(recipe.paths.checkpoints, recipe.paths.checkpoints / best, "best")
     write_json_atomic(eval_dir / "selection.json", selection)  # the manifest: written last
+    return selection
 
 
 def _summary(recipe: Recipe, reports: dict[str, dict], best: str, evaluated: int) -> dict:

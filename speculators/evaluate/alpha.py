@@ -10,6 +10,8 @@ fixed seed otherwise), so feeding it as the teacher-forced input simulates the c
 - `speculator_alpha`: draft logits over the draft vocab are mapped onto the target vocab through
   `draft_to_target`; greedy -> `metrics.greedy_alpha`, sampling -> `metrics.sampled_alpha` on
   `serving.sampling.logits_to_probs` of both laws (same temperature / top-k / top-p).
+- `speculator_block_alpha` (sampling only): the same laws judged by block verification of the sampled chain
+  (`metrics.block_alpha`: per-depth ratios of the block reach, summarised like alpha).
 - `ngram_alpha`: the n-gram (prompt lookup) proposal of `serving.ngram.ngram_propose` is a deterministic draft;
   it is accepted with probability p(x) (= `sampled_alpha(p, onehot(x))`), which for T=0 is 1[x == argmax p].
 - `summarize`: `metrics.chain_reach` -> `per_position_from_reach` -> `simulated_tau`, plus tau at every depth.
@@ -68,23 +70,47 @@ def speculator_alpha(step_logits: Sequence[torch.Tensor], teacher_logits: torch.
     step_logits: K tensors [T, Vd] from `forward_train` (batch row 0), step k-1 at t targets the teacher at t+k;
     teacher_logits: [T, V] target logits; depth: D <= K. Returns (alpha [N, D] float64, valid [N, D] bool).
     """
+    pos, valid, laws = _speculator_laws(step_logits, teacher_logits, draft_to_target, prompt_len, depth)
+    alpha = torch.zeros(pos.shape[0], depth, dtype=torch.float64)  # [N, D]
+    for k, (teacher, draft) in enumerate(laws):
+        if params.greedy:
+            a = metrics.greedy_alpha(teacher, draft)  # [N]
+        else:
+            a = metrics.sampled_alpha(logits_to_probs(teacher, params), logits_to_probs(draft, params))  # [N]
+        alpha[:, k] = a.double()
+    return alpha * valid, valid
+
+
+def speculator_block_alpha(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Tensor,
+                           draft_to_target: torch.Tensor, prompt_len: int, params: SamplingParams,
+                           depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`speculator_alpha` for block verification of the sampled chain (T > 0): per-depth ratios of
+    `metrics.block_reach` on the same filtered laws. Returns (alpha [N, D] float64, valid [N, D] bool)."""
+    if params.greedy:
+        raise ValueError("block verification needs sampled drafts (temperature > 0)")
+    pos, valid, laws = _speculator_laws(step_logits, teacher_logits, draft_to_target, prompt_len, depth)
+    if pos.numel() == 0:
+        return torch.zeros(0, depth, dtype=torch.float64), valid
+    target = [logits_to_probs(teacher, params) for teacher, _ in laws]  # D x [N, V]
+    draft = [logits_to_probs(d, params) for _, d in laws]  # D x [N, V]
+    return metrics.block_alpha(target, draft) * valid, valid
+
+
+def _speculator_laws(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Tensor, draft_to_target: torch.Tensor,
+                     prompt_len: int, depth: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """(draft positions [N], valid [N, D], per depth k: (teacher logits [N, V], draft logits on the target vocab
+    [N, V]))."""
     total, vocab = teacher_logits.shape
     if depth > len(step_logits):
         raise ValueError(f"depth {depth} exceeds the speculator's {len(step_logits)} steps")
     pos = positions(total, prompt_len)  # [N]
     valid = valid_matrix(pos, total, depth)  # [N, D]
-    alpha = torch.zeros(pos.shape[0], depth, dtype=torch.float64)  # [N, D]
     if pos.numel() == 0:
-        return alpha, valid
-    for k in range(1, depth + 1):
-        teacher = _teacher_rows(teacher_logits, pos, k).float()  # [N, V]
-        draft = to_target_vocab(step_logits[k - 1][pos].float(), draft_to_target, vocab)  # [N, V]
-        if params.greedy:
-            a = metrics.greedy_alpha(teacher, draft)  # [N]
-        else:
-            a = metrics.sampled_alpha(logits_to_probs(teacher, params), logits_to_probs(draft, params))  # [N]
-        alpha[:, k - 1] = a.double()
-    return alpha * valid, valid
+        return pos, valid, []
+    laws = [(_teacher_rows(teacher_logits, pos, k).float(),  # [N, V]
+             to_target_vocab(step_logits[k - 1][pos].float(), draft_to_target, vocab))  # [N, V]
+            for k in range(1, depth + 1)]
+    return pos, valid, laws
 
 
 def ngram_alpha(token_ids: Sequence[int], teacher_logits: torch.Tensor, prompt_len: int, params: SamplingParams,

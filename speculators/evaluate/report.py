@@ -43,15 +43,19 @@ def render_markdown(report: dict) -> str:
               f"- teacher-forced chain depth {report.get('speculator_depth')} for both drafters (n-gram to depth "
               f"{report.get('depth')}: see report.json `ngram_full_depth`)",
               "- a_k = P(depth-k draft accepted | depths < k accepted); simulated tau = 1 + sum_k prod_{j<=k} a_j "
-              "(committed tokens per target call, bonus included)", ""]
+              "(committed tokens per target call, bonus included)",
+              "- at T > 0: tau of the sampled chain verified token by token (min(1, p/q) per depth) and, as `block "
+              "tau`, verified jointly by block verification (Sun et al. 2024; vLLM `rejection_sample_method: "
+              "\"block\"`; never lower), both from the same teacher-forced laws (`speculators.metrics`)", ""]
     live = report.get("live") or {}
     for t in _temps(report):
         entry = report["temperatures"][t]
-        spec, ngram = entry["speculator"], entry["ngram"]
+        spec, ngram, block = entry["speculator"], entry["ngram"], entry.get("speculator_block")
         depth = len(next(iter(spec["cohorts"].values()))["per_position_acceptance"]) if spec["cohorts"] else 0
         lv = live.get(t) or {}
         cyc = (spec.get("cycle_starts") or {}).get("cohorts") or {}
-        head = ["cohort", "rows", "positions", *[f"a_{k}" for k in range(1, depth + 1)], "tau", "n-gram tau"]
+        head = ["cohort", "rows", "positions", *[f"a_{k}" for k in range(1, depth + 1)], "tau",
+                *(["block tau"] if block else []), "n-gram tau"]
         if cyc:
             head += ["tau at cycle starts"]
         if lv:
@@ -63,8 +67,10 @@ def render_markdown(report: dict) -> str:
             g = ngram["cohorts"].get(c) if c != "overall" else ngram["overall"]
             if s is None:
                 continue
+            b = (block["cohorts"].get(c) if c != "overall" else block["overall"]) if block else None
             row = [c if c != "overall" else "**overall (pooled)**", str(s["rows"]), str(s["positions"]),
                    *[_fmt(a) for a in s["per_position_acceptance"]], f"**{_fmt(s['simulated_tau'])}**",
+                   *([_fmt(b["simulated_tau"] if b else None)] if block else []),
                    _fmt(g["simulated_tau"] if g else None)]
             if cyc:
                 src = (spec.get("cycle_starts") or {}).get("overall") if c == "overall" else cyc.get(c)
@@ -75,8 +81,9 @@ def render_markdown(report: dict) -> str:
                 row += [_fmt(ls.get("tau")), ", ".join(_fmt(a, 2) for a in ls.get("per_position_acceptance", []))
                         or "–", _fmt(ln.get("tau"))]
             lines.append("| " + " | ".join(row) + " |")
-        lines += ["", f"Mean over cohorts: speculator tau **{_fmt(spec['mean_tau'])}** (every position), "
-                      f"{_fmt((spec.get('cycle_starts') or {}).get('mean_tau'))} at cycle starts; n-gram tau "
+        lines += ["", f"Mean over cohorts: speculator tau **{_fmt(spec['mean_tau'])}** (every position)"
+                      + (f", block verification {_fmt(block['mean_tau'])}" if block else "")
+                      + f", {_fmt((spec.get('cycle_starts') or {}).get('mean_tau'))} at cycle starts; n-gram tau "
                       f"{_fmt(ngram['mean_tau'])}.", ""]
         if spec.get("ceilings"):
             ceil = ", ".join(f"{name.replace('_', ' ')} {_fmt(c['mean_tau'])}" for name, c in spec["ceilings"].items())

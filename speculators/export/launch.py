@@ -4,11 +4,15 @@
   forward over c sequences x n new tokens on top of a `context_len`-token KV cache, n = 1 .. max_k+1;
   cost_c(k) = time(c, k+1) / time(c, 1) (minimum of at least `repeats` runs after two warm-ups).
 - `choose_k(tau_by_depth, cost)`: argmax over k of tau(k) / cost(k), with tau(0) = cost(0) = 1 (no speculation):
-  expected committed tokens per unit of target time. tau(k) is the teacher-forced simulated tau of a depth-k chain
-  (mean over cohorts). The drafter's own time is not in the cost (EAGLE-3/MTP: one small layer per step; Medusa:
+  expected committed tokens per unit of target time (`CostModel.rate`, the formula `speculators profile` and the
+  runtime's adaptive depth use; `speculators profile` adds the drafter's and the runtime's own time). tau(k) is
+  the teacher-forced simulated tau of a depth-k chain (mean over cohorts). The drafter's own time is not in the cost (EAGLE-3/MTP: one small layer per step; Medusa:
   heads in parallel) — stated in the generated files.
 - `schedule(...)`: k per max-concurrency bucket, as vLLM's `num_speculative_tokens_per_batch_size` ranges
   ([start_bs, end_bs, k]; vLLM >= 0.25 "dynamic speculative decoding"); consecutive buckets with the same k merge.
+- `block_choice(...)`: whether vLLM should verify the chain with block verification (`draft_sample_method:
+  "probabilistic"` + `rejection_sample_method: "block"`, vllm/config/speculative.py): yes when the evaluation's
+  block-verification prediction at T > 0 beats token-wise verification of the same sampled chain at the launch k.
 - `launch_script` / `readme_section`: `launch.sh` and the README text that explains all of the above.
 
 This module does not write the checkpoint (see vllm.py) and never imports vLLM.
@@ -24,6 +28,10 @@ import time
 from typing import Any
 
 import torch
+
+from speculators.metrics import per_position_from_reach
+from speculators.serving.adaptive import CostModel
+from speculators.serving.oracle import merge_buckets
 
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
 
@@ -89,12 +97,18 @@ def measure_verify_cost(model: Any, max_k: int, concurrencies: tuple[int, ...] |
 
 def choose_k(tau_by_depth: list[float], cost: dict[str, float], ks: list[int] | None = None) -> tuple[int, float]:
     """(k, tau(k)/cost(k)) maximising expected committed tokens per unit target time; k = 0 is plain decoding.
-    `ks` restricts the candidates (e.g. Medusa in vLLM: exactly num_heads)."""
+    `ks` restricts the candidates (e.g. Medusa in vLLM: exactly num_heads). The value is the speedup oracle's
+    (`speculators profile`) and the runtime's adaptive depth's one formula, `CostModel.rate`, priced with the
+    verify cost alone (no drafting time): rate(k) / rate(0) = tau(k) / cost(k)."""
+    acceptance = per_position_from_reach([t - prev for t, prev in zip(tau_by_depth, [1.0, *tau_by_depth[:-1]],
+                                                                       strict=True)])
+    model = CostModel.from_measurements({1: 1.0, **{int(k) + 1: float(v) for k, v in cost.items()}})
+    plain = model.rate(acceptance, 0)
     best_k, best = 0, 1.0
     for k in range(1, len(tau_by_depth) + 1):
         if str(k) not in cost or (ks is not None and k not in ks):
             continue
-        value = tau_by_depth[k - 1] / cost[str(k)]
+        value = model.rate(acceptance, k) / plain
         if value > best + 1e-9:
             best_k, best = k, value
     return best_k, best
@@ -112,29 +126,50 @@ def schedule(tau_by_depth: list[float], measured: dict, ks: list[int] | None = N
         rows.append({"start_bs": lo, "end_bs": hi, "measured_at": c, "k": k,
                      "tokens_per_unit_cost": round(value, 4)})
         lo = hi + 1
-    merged: list[dict] = []
-    for r in rows:
-        if merged and merged[-1]["k"] == r["k"]:
-            merged[-1]["end_bs"] = r["end_bs"]
-        else:
-            merged.append(dict(r))
-    return merged
+    return merge_buckets(rows)
 
 
 def vllm_schedule(rows: list[dict]) -> list[list[int]]:
     return [[r["start_bs"], r["end_bs"], r["k"]] for r in rows]
 
 
-def speculative_config(export_dir: str, method: str, k: int, rows: list[dict] | None) -> dict:
+# vLLM SpeculativeConfig fields for block verification: drafts sampled from the draft law (with "greedy" drafting the
+# draft law is one-hot and block verification accepts exactly what token-wise verification does) and the block rule
+BLOCK_FIELDS = {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"}
+BLOCK_MIN_GAIN = 0.005  # relative tau gain below which the launch keeps vLLM's defaults
+
+
+def block_choice(tau_token: dict[str, list[float]], tau_block: dict[str, list[float]], k: int) -> dict | None:
+    """Block verification of the launch chain: {temperature, k, tau_token, tau_block, gain, use, fields} at the
+    highest evaluated T > 0 with a block prediction (tau lists per temperature key, depth d at index d-1), or None
+    (nothing evaluated at T > 0, or k = 0)."""
+    temps = sorted((t for t in tau_block if float(t) > 0 and t in tau_token), key=float)
+    if not temps or k < 1:
+        return None
+    t = temps[-1]
+    d = min(k, len(tau_token[t]), len(tau_block[t]))
+    if d < 1:
+        return None
+    token, block = tau_token[t][d - 1], tau_block[t][d - 1]
+    gain = block / token - 1 if token > 0 else 0.0
+    return {"temperature": float(t), "k": d, "tau_token": round(token, 4), "tau_block": round(block, 4),
+            "gain": round(gain, 4), "use": gain >= BLOCK_MIN_GAIN, "fields": dict(BLOCK_FIELDS)}
+
+
+def speculative_config(export_dir: str, method: str, k: int, rows: list[dict] | None,
+                       extra: dict | None = None) -> dict:
     cfg: dict[str, Any] = {"model": export_dir, "method": method, "num_speculative_tokens": k}
     if rows and any(r["k"] != k for r in rows):
         cfg["num_speculative_tokens_per_batch_size"] = vllm_schedule(rows)
+    cfg.update(extra or {})
     return cfg
 
 
 def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_describing: bool,
-                  fixed_k: bool, measured: dict, tau_by_depth: list[float]) -> str:
-    """launch.sh: the long form with the measured k (and schedule); the short form in a comment."""
+                  fixed_k: bool, measured: dict, tau_by_depth: list[float], block: dict | None = None) -> str:
+    """launch.sh: the long form with the measured k (and schedule, and block verification when `block` says so);
+    the short form in a comment."""
+    use_block = bool(block and block["use"])
     trivial = all(r["k"] == k for r in rows)
     sched = json.dumps(vllm_schedule(rows))
     cost1 = ", ".join(str(v) for kk, v in measured["cost"]["1"].items() if kk != "0")
@@ -151,6 +186,10 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
         "# The costs come from the machine that ran the export: re-measure on your serving GPU.",
         "# Overrides: TARGET=..., K=... (then the schedule is dropped), USE_SCHEDULE=0 (vLLM < 0.25).",
     ]
+    if use_block:
+        lines += [f"# Block verification: predicted tau at T={block['temperature']} with k={block['k']}: "
+                  f"{block['tau_block']:.3f} vs {block['tau_token']:.3f} token-wise (+{100 * block['gain']:.1f}%);",
+                  "#   needs a vLLM whose speculative config has rejection_sample_method \"block\" (BLOCK=0: off)."]
     if self_describing:
         lines += ["# Short form (k from config.json's speculative_tokens, target from verifier.name_or_path):",
                   '#   vllm serve "$EXPORT_DIR"']
@@ -161,6 +200,7 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
         'EXPORT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
         f"TARGET=\"${{TARGET:-{target}}}\"",
         f"USE_SCHEDULE=\"${{USE_SCHEDULE:-{0 if trivial else 1}}}\"",
+        *(["BLOCK=\"${BLOCK:-1}\""] if use_block else []),
         'if [ -n "${K:-}" ]; then USE_SCHEDULE=0; fi',
         f"K=\"${{K:-{k}}}\"",
         'if [ "$K" = "0" ]; then',
@@ -173,6 +213,9 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
         'if [ "$USE_SCHEDULE" = "1" ]; then',
         f"  SPEC=\"$SPEC, \\\"num_speculative_tokens_per_batch_size\\\": {sched}\"",
         "fi",
+        *(['if [ "$BLOCK" = "1" ]; then',
+           "  SPEC=\"$SPEC" + "".join(f", \\\"{key}\\\": \\\"{value}\\\"" for key, value in BLOCK_FIELDS.items())
+           + "\"", "fi"] if use_block else []),
         'exec vllm serve "$TARGET" --speculative-config "$SPEC}" "$@"',
         "",
     ]
@@ -181,8 +224,10 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
 
 def readme_section(*, export_dir_name: str, target: str, method: str, k: int, rows: list[dict],
                    self_describing: bool, measured: dict, tau_by_depth: list[float], config_k: int,
-                   fixed_k: bool) -> str:
-    spec = speculative_config("<export_dir>", method, k if k > 0 else config_k, rows if k > 0 else None)
+                   fixed_k: bool, block: dict | None = None) -> str:
+    use_block = bool(block and block["use"])
+    spec = speculative_config("<export_dir>", method, k if k > 0 else config_k, rows if k > 0 else None,
+                              BLOCK_FIELDS if use_block else None)
     lines = ["## Serving with vLLM", ""]
     if k == 0:
         lines += ["**Measured on the exporting machine, no k pays off** (tau(k) / cost(k) <= 1 for every k, table "
@@ -204,6 +249,17 @@ def readme_section(*, export_dir_name: str, target: str, method: str, k: int, ro
               f"- cost(k): {measured['method']}, measured on {measured['device']} ({measured['dtype']}).",
               "- k(c) = argmax_k tau(k) / cost_c(k) (k = 0: speculation off); the drafter's own time is not "
               "included.", ""]
+    if block:
+        verdict = ("so the long form verifies the chain by block verification (`BLOCK=0` in `launch.sh`: off)"
+                   if use_block else f"a gain below {100 * BLOCK_MIN_GAIN:.1f}%, so the long form keeps vLLM's "
+                   "token-wise default")
+        lines += ["### Block verification", "",
+                  f"At T = {block['temperature']} the evaluation predicts, for a depth-{block['k']} chain sampled from "
+                  f"the draft law, tau {block['tau_block']:.3f} with block verification (Sun et al. 2024) against "
+                  f"{block['tau_token']:.3f} token by token ({100 * block['gain']:+.1f}%), {verdict}. vLLM fields: "
+                  + ", ".join(f"`{key}: \"{value}\"`" for key, value in BLOCK_FIELDS.items())
+                  + " (drafts sampled from the draft law; with the default greedy drafts block and token-wise "
+                  "verification accept alike). Greedy requests (T = 0) are unaffected.", ""]
     if fixed_k:
         lines += [f"vLLM's {method} proposer drafts exactly one token per head, so k is fixed to {k}; the schedule "
                   "only says where speculation stops paying off (k = 0).", ""]

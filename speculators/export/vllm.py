@@ -218,9 +218,10 @@ def evaluation_for(recipe: Recipe, ckpt: Path) -> tuple[dict | None, dict | None
     return report, selection
 
 
-def tau_by_depth(report: dict, temperature: float) -> list[float]:
-    """Mean over cohorts of the simulated tau of a depth-d chain, d = 1..D."""
-    cohorts = report["temperatures"][str(float(temperature))]["speculator"]["cohorts"].values()
+def tau_by_depth(report: dict, temperature: float, side: str = "speculator") -> list[float]:
+    """Mean over cohorts of the simulated tau of a depth-d chain, d = 1..D (`side` "speculator_block": verified by
+    block verification)."""
+    cohorts = report["temperatures"][str(float(temperature))][side]["cohorts"].values()
     per = [c["tau_by_depth"] for c in cohorts]
     depth = min(len(p) for p in per)
     return [round(sum(p[d] for p in per) / len(per), 4) for d in range(depth)]
@@ -264,8 +265,13 @@ def plan_launch(recipe: Recipe, spec: Any, family: str, report: dict | None, tar
     measured = launch.measure_verify_cost(target_model, max_k, tuple(cs))
     rows = launch.schedule(taus, measured, allowed)
     k = max(r["k"] for r in rows)
+    sampled = [t for t, e in report["temperatures"].items() if "speculator_block" in e]
+    block = None if fixed else launch.block_choice(
+        {t: tau_by_depth(report, float(t)) for t in sampled},
+        {t: tau_by_depth(report, float(t), "speculator_block") for t in sampled},
+        k or int(recipe.export.speculative_tokens))  # k = 0 (speculation off here): the config's k, for the record
     return {"k": k, "k_at_concurrency_1": rows[0]["k"], "schedule": rows, "tau_by_depth": taus,
-            "measured": measured, "fixed_k": fixed,
+            "measured": measured, "fixed_k": fixed, "block": block,
             "note": f"tau(k) at T={float(recipe.evaluate.select_temperature)} (evaluate.select_temperature)"}
 
 
@@ -291,11 +297,12 @@ def write_launch_files(directory: Path, recipe: Recipe, family: str, plan: dict,
     else:
         script = launch.launch_script(target=target, method=method, k=plan["k"], rows=plan["schedule"],
                                       self_describing=self_describing, fixed_k=plan["fixed_k"],
-                                      measured=plan["measured"], tau_by_depth=plan["tau_by_depth"])
+                                      measured=plan["measured"], tau_by_depth=plan["tau_by_depth"],
+                                      block=plan.get("block"))
         section = launch.readme_section(export_dir_name=str(recipe.paths.export), target=target, method=method,
                                         k=plan["k"], rows=plan["schedule"], self_describing=self_describing,
                                         measured=plan["measured"], tau_by_depth=plan["tau_by_depth"],
-                                        config_k=config_k, fixed_k=plan["fixed_k"])
+                                        config_k=config_k, fixed_k=plan["fixed_k"], block=plan.get("block"))
     write_text_atomic(directory / "launch.sh", script)
     os.chmod(directory / "launch.sh", 0o755)
     return section

@@ -97,6 +97,10 @@ class Speculator(nn.Module, ABC):
         ("taps" [B, T, n*H] and/or "last_hidden" [B, T, H], float)."""
 
     # ---- runtime ------------------------------------------------------------------------------------------------
+    # proposes sampled chains / trees (TreeConfig kind "chain" / "sampled") that carry the draft law they were drawn
+    # from, so the runtime may choose them at T > 0 (block / traversal verification)
+    samples_drafts: ClassVar[bool] = True
+
     @abstractmethod
     def new_state(self, max_len: int, device: torch.device | str) -> Any: ...
 

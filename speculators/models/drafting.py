@@ -10,9 +10,15 @@ What it does:
     no longer place a child inside the budget are not expanded.
   * "static": Medusa-style choices (paths of ranks); a node's children are the given ranks of its own draft law.
   * "chain": one child per node; greedy (argmax) at T=0, sampled from the draft law at T>0.
-- Verify modes: T=0 -> "greedy"; T>0: chains are sampled i.i.d. -> "iid" with `draft_probs` (row i = the law node
-  i's child was drawn from: `logits_to_probs` on the draft logits mapped to the target vocab, -inf outside the
-  draft vocab, with the request's SamplingParams; leaf rows are zero); top-k trees -> "deterministic".
+  * "sampled": a chain (the spine) whose node at each level also gets siblings: at T>0 the level's `width` children
+    are drawn one after another without replacement from the spine node's draft law and the first draw is continued
+    (`sampled_tree_widths`: up to top-k per level, shallow levels first, within the budget); at T=0 the level's top
+    ranks. Drafting costs what a chain costs (one draft row per level); the siblings are extra draws of the same law.
+- Verify modes: T=0 -> "greedy"; T>0: sampled drafts carry `draft_probs` (row i = the law node i's children were
+  drawn from: `logits_to_probs` on the draft logits mapped to the target vocab, -inf outside the draft vocab, with
+  the request's SamplingParams; rows of leaves are zero) and are verified as sequences — chains by "block", sampled
+  trees by "traversal" — or token-wise ("iid" / "without_replacement") when `TreeConfig.verify` is "token"; top-k
+  trees -> "deterministic".
 - Tree tokens are TARGET ids (draft ids mapped through `draft_to_target`); top-k siblings are distinct.
 - `medusa_choices_from_accuracy` (greedy expected-acceptance maximisation from per-head top-k accuracy under a
   node budget) and `default_choices` (the same on a typical accuracy profile) for static trees.
@@ -33,14 +39,14 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from speculators.errors import SpeculatorsError
-from speculators.serving.sampling import SamplingParams, logits_to_probs, sample
+from speculators.serving.sampling import SamplingParams, logits_to_probs, sample, sample_without_replacement
 from speculators.serving.trees import DraftTree
 
 if TYPE_CHECKING:
     from speculators.config import TreeConfig
 
-__all__ = ["Stepper", "propose_tree", "build_chain", "build_dynamic_tree", "build_static_tree", "root_only",
-           "tree_verify_mode", "to_target_logits", "medusa_choices_from_accuracy", "default_topk_accuracy",
+__all__ = ["Stepper", "propose_tree", "build_chain", "build_dynamic_tree", "build_static_tree", "build_sampled_tree",
+           "sampled_tree_widths", "root_only", "tree_verify_mode", "to_target_logits", "medusa_choices_from_accuracy", "default_topk_accuracy",
            "default_choices"]
 
 
@@ -55,10 +61,16 @@ class Stepper(Protocol):
     def step(self, nodes: list[int], tokens: torch.Tensor, parents: list[int], depth: int) -> torch.Tensor: ...
 
 
-def tree_verify_mode(kind: str, sampling: SamplingParams) -> str:
+def tree_verify_mode(kind: str, sampling: SamplingParams, verify: str = "sequence") -> str:
+    """How a tree of `kind` drafted under `sampling` is verified (`verify`: "sequence" or "token", see
+    `TreeConfig.verify`)."""
     if sampling.greedy:
         return "greedy"
-    return "iid" if kind == "chain" else "deterministic"
+    if kind == "chain":
+        return "block" if verify == "sequence" else "iid"
+    if kind == "sampled":
+        return "traversal" if verify == "sequence" else "without_replacement"
+    return "deterministic"
 
 
 def root_only(root_token: int, sampling: SamplingParams, kind: str = "dynamic") -> DraftTree:
@@ -82,30 +94,43 @@ def propose_tree(stepper: Stepper, root_token: int, cfg: TreeConfig, sampling: S
     if depth < 1 or budget < 1:
         return root_only(root_token, sampling, cfg.kind)
     d2t = draft_to_target.to(stepper.root_logits().device)
+    mode = tree_verify_mode(cfg.kind, sampling, cfg.verify)
     if cfg.kind == "chain":
-        return build_chain(stepper, root_token, min(depth, budget), sampling, generator, d2t, vocab_size)
-    mode = tree_verify_mode(cfg.kind, sampling)
+        return build_chain(stepper, root_token, min(depth, budget), sampling, generator, d2t, vocab_size, mode)
+    if cfg.kind == "sampled":
+        widths = sampled_tree_widths(depth, int(cfg.topk), budget)
+        return build_sampled_tree(stepper, root_token, widths, sampling, generator, d2t, vocab_size, mode)
     if cfg.kind == "dynamic":
         return build_dynamic_tree(stepper, root_token, depth, int(cfg.topk), budget, d2t, mode)
     if cfg.kind == "static":
         choices = cfg.choices or getattr(stepper, "choices", None) or default_choices(depth, budget)
         return build_static_tree(stepper, root_token, choices, depth, budget, d2t, mode)
-    raise SpeculatorsError(f"unknown tree kind {cfg.kind!r}; use dynamic, static or chain")
+    raise SpeculatorsError(f"unknown tree kind {cfg.kind!r}; use dynamic, static, chain or sampled")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # chains
 
 
+def _draft_generator(generator: torch.Generator | None, sampling: SamplingParams, device: torch.device
+                     ) -> torch.Generator:
+    if generator is not None:
+        return generator
+    generator = torch.Generator(device=device)
+    generator.manual_seed(sampling.seed if sampling.seed is not None else int(torch.seed() % (1 << 62)))
+    return generator
+
+
 def build_chain(stepper: Stepper, root_token: int, length: int, sampling: SamplingParams,
-                generator: torch.Generator | None, d2t: torch.Tensor, vocab_size: int) -> DraftTree:
-    """Chain of up to `length` drafts: argmax at T=0 ("greedy"), else sampled from the draft law ("iid")."""
+                generator: torch.Generator | None, d2t: torch.Tensor, vocab_size: int, mode: str = "block"
+                ) -> DraftTree:
+    """Chain of up to `length` drafts: argmax at T=0 ("greedy"), else sampled from the draft law (verified in
+    `mode`: "block" or "iid")."""
     logits = stepper.root_logits()  # [Vd]
     tokens = [int(root_token)]
     rows: list[torch.Tensor] = []
-    if not sampling.greedy and generator is None:
-        generator = torch.Generator(device=logits.device)
-        generator.manual_seed(sampling.seed if sampling.seed is not None else int(torch.seed() % (1 << 62)))
+    if not sampling.greedy:
+        generator = _draft_generator(generator, sampling, logits.device)
     for d in range(1, length + 1):
         if sampling.greedy:
             tok = int(d2t[int(torch.argmax(logits))])
@@ -125,7 +150,62 @@ def build_chain(stepper: Stepper, root_token: int, length: int, sampling: Sampli
     probs = torch.zeros(n, vocab_size, dtype=torch.float32, device=logits.device)  # [N, V]; leaf row unused
     if rows:
         probs[: n - 1] = torch.stack(rows)
-    return DraftTree.chain(tokens[0], tokens[1:], mode="iid", draft_probs=probs)
+    return DraftTree.chain(tokens[0], tokens[1:], mode=mode, draft_probs=probs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sampled trees
+
+
+def sampled_tree_widths(depth: int, topk: int, budget: int) -> list[int]:
+    """Children of the spine node at each level of a "sampled" tree: 1 (the continued draw) plus up to topk - 1
+    siblings, shallow levels first, `budget` nodes in all (at most depth levels)."""
+    levels = max(0, min(depth, budget))
+    widths = [1] * levels
+    spare = budget - levels
+    for i in range(levels):
+        extra = min(max(topk - 1, 0), spare)
+        widths[i] += extra
+        spare -= extra
+    return widths
+
+
+def build_sampled_tree(stepper: Stepper, root_token: int, widths: Sequence[int], sampling: SamplingParams,
+                       generator: torch.Generator | None, d2t: torch.Tensor, vocab_size: int, mode: str) -> DraftTree:
+    """A spine with siblings (see the module docstring): level d holds widths[d-1] children of the level's spine
+    node — at T>0 drawn without replacement from its draft law (recorded in draft_probs), at T=0 its top ranks — and
+    the first of them is the next spine node. One draft row per level, as a chain."""
+    logits = stepper.root_logits()  # [Vd]
+    tokens, parents = [int(root_token)], [-1]
+    laws: dict[int, torch.Tensor] = {}  # spine node -> the law its children were drawn from [V]
+    if not sampling.greedy:
+        generator = _draft_generator(generator, sampling, logits.device)
+    spine = 0
+    for d, width in enumerate(widths, start=1):
+        if sampling.greedy:
+            drawn = [int(d2t[i]) for i in torch.topk(logits.float(), min(width, logits.shape[-1])).indices.tolist()]
+        else:
+            if not bool(torch.isfinite(logits).all()):  # the draft overflowed (low-precision drafting): stop here
+                break
+            q = logits_to_probs(to_target_logits(logits.float(), d2t, vocab_size), sampling)  # [V]
+            drawn = sample_without_replacement(q, width, generator)
+            laws[spine] = q
+        if not drawn:
+            break
+        first = len(tokens)
+        tokens.extend(drawn)
+        parents.extend([spine] * len(drawn))
+        if d == len(widths) or stepper.room < 1:
+            break
+        logits = stepper.step([first], torch.tensor([drawn[0]], dtype=torch.long), [spine if spine else -1], d)[0]
+        spine = first
+    probs = None
+    if not sampling.greedy:
+        probs = torch.zeros(len(tokens), vocab_size, dtype=torch.float32, device=logits.device)  # [N, V]
+        for node, q in laws.items():
+            probs[node] = q
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+                     mode=mode, draft_probs=probs)
 
 
 # ----------------------------------------------------------------------------------------------------------------

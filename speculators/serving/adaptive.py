@@ -19,8 +19,17 @@ tokens per cycle against the controller's 2.5). A request starts from the engine
 back to a neutral default.
 Speculation is off from the start for short outputs (max_new_tokens < `short_output_tokens`).
 
-Every choice is counted in `report()` (the engine's `stats.adaptive`). Choosing a depth never changes the
-output distribution: any tree, including the root alone, is verified losslessly.
+Tree kinds: the same model chooses WHAT to draft. Given `kinds` (the configured tree kind first; at T > 0 with a
+drafter that samples its own law the engine adds "chain" — a sampled chain, verified by block verification — and
+"sampled" — a sampled spine with siblings, verified by traversal verification), the controller keeps acceptance
+estimates and drafting costs per kind and picks the (kind, depth) with the highest expected tokens/s; its
+exploration alternates between one level deeper and the kind tried least recently. The verification mode of each
+kind is fixed by the kind (block / traversal never accept fewer tokens than token-wise verification of the same
+draft, at the same cost), so choosing the kind is choosing the verifier where it wins.
+
+Every choice is counted in `report()` (the engine's `stats.adaptive`). Choosing a depth or a kind never changes
+the output distribution: any tree, including the root alone, is verified losslessly, and the choice depends only
+on earlier cycles.
 
 Not here: tree shapes (drafters), timing the cycles (the engine measures and reports them here).
 """
@@ -44,8 +53,9 @@ class CostModel:
     line fits badly."""
 
     points: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean nodes, mean seconds)
-    draft: dict[int, float] = field(default_factory=dict)  # depth -> proposing seconds per cycle (absorb: below)
-    nodes: dict[int, float] = field(default_factory=dict)  # depth -> verified draft nodes per cycle
+    # per tree kind ("" when the caller drafts one kind only): depth -> proposing seconds per cycle (absorb: below)
+    draft: dict[str, dict[int, float]] = field(default_factory=dict)
+    nodes: dict[str, dict[int, float]] = field(default_factory=dict)  # kind -> depth -> verified draft nodes
     absorb: float | None = None  # seconds the drafter takes to absorb one cycle's committed tokens
     smoothing: float = 0.2
 
@@ -60,6 +70,25 @@ class CostModel:
             new = min(max(new, 0.5 * old), 2 * old)
         return old + self.smoothing * (new - old)
 
+    @classmethod
+    def from_measurements(cls, cycle: dict[int, float], draft: dict[int, float] | None = None,
+                          nodes: dict[int, float] | None = None, absorb: float | None = None,
+                          kind: str = "") -> CostModel:
+        """A fixed model from measured tables (the speedup oracle's): cycle seconds by verified node count (root
+        included; every count is its own interpolation point, not bucketed), proposing seconds and draft nodes by
+        depth (of tree `kind`), absorb seconds per speculative cycle."""
+        return cls(points={n: (float(n), float(t)) for n, t in cycle.items()}, draft={kind: dict(draft or {})},
+                   nodes={kind: {d: float(v) for d, v in (nodes or {}).items()}}, absorb=absorb)
+
+    def rate(self, acceptance: list[float], depth: int, kind: str = "") -> float:
+        """Expected committed tokens per second of one cycle drafting a `kind` tree to `depth` with per-position
+        acceptance a_k (0 = plain decoding): E(depth) / (draft(depth) + cycle(1 + nodes(depth))), E =
+        `simulated_tau`. The ONE formula the adaptive controller and the speedup oracle (`oracle.py`) share."""
+        if depth == 0:
+            return 1.0 / max(self.cycle(1), 1e-9)
+        seconds = self.draft_cost(depth, kind) + self.cycle(1 + self.draft_nodes(depth, kind))
+        return simulated_tau(acceptance[:depth]) / max(seconds, 1e-9)
+
     def set_cycle(self, nodes: int, seconds: float) -> None:
         """Seed one size from a calibration run."""
         self.points[self._bucket(nodes)] = (float(nodes), seconds)
@@ -72,20 +101,22 @@ class CostModel:
         n_old, t_old = self.points[b]
         self.points[b] = (n_old + self.smoothing * (nodes - n_old), self._ewma(t_old, seconds))
 
-    def set_draft(self, depth: int, drafted_nodes: int, seconds: float) -> None:
-        """Seed one depth from a calibration run."""
-        self.draft[depth], self.nodes[depth] = seconds, float(drafted_nodes)
+    def set_draft(self, depth: int, drafted_nodes: int, seconds: float, kind: str = "") -> None:
+        """Seed one depth of one tree kind from a calibration run."""
+        self.draft.setdefault(kind, {})[depth] = seconds
+        self.nodes.setdefault(kind, {})[depth] = float(drafted_nodes)
 
     def observe_absorb(self, seconds: float) -> None:
         """The drafter absorbing one speculative cycle's committed tokens (paid once per speculative cycle)."""
         self.absorb = self._ewma(self.absorb, seconds)
 
-    def observe_draft(self, depth: int, drafted_nodes: int, seconds: float) -> None:
-        """A speculative cycle at `depth`: its proposing seconds and draft nodes."""
+    def observe_draft(self, depth: int, drafted_nodes: int, seconds: float, kind: str = "") -> None:
+        """A speculative cycle at `depth` of a tree `kind`: its proposing seconds and draft nodes."""
         if depth > 0:
-            self.draft[depth] = self._ewma(self.draft.get(depth), seconds)
-            old = self.nodes.get(depth)
-            self.nodes[depth] = drafted_nodes if old is None else old + self.smoothing * (drafted_nodes - old)
+            draft, nodes = self.draft.setdefault(kind, {}), self.nodes.setdefault(kind, {})
+            draft[depth] = self._ewma(draft.get(depth), seconds)
+            old = nodes.get(depth)
+            nodes[depth] = drafted_nodes if old is None else old + self.smoothing * (drafted_nodes - old)
 
     def _per_depth(self, table: dict[int, float], depth: int, default: float) -> float:
         """table[depth], else the nearest measured depth scaled linearly, else `default`."""
@@ -96,12 +127,13 @@ class CostModel:
         near = min(table, key=lambda d: abs(d - depth))
         return table[near] * depth / near
 
-    def draft_cost(self, depth: int) -> float:
-        """Seconds of drafting to `depth` in one cycle: absorbing the last cycle's tokens, then proposing."""
-        return (self.absorb or 0.0) + self._per_depth(self.draft, depth, 0.0)
+    def draft_cost(self, depth: int, kind: str = "") -> float:
+        """Seconds of drafting a `kind` tree to `depth` in one cycle: absorbing the last cycle's tokens, then
+        proposing."""
+        return (self.absorb or 0.0) + self._per_depth(self.draft.get(kind, {}), depth, 0.0)
 
-    def draft_nodes(self, depth: int) -> float:
-        return self._per_depth(self.nodes, depth, float(depth))
+    def draft_nodes(self, depth: int, kind: str = "") -> float:
+        return self._per_depth(self.nodes.get(kind, {}), depth, float(depth))
 
     @property
     def calibrated(self) -> bool:
@@ -123,9 +155,10 @@ class CostModel:
     def to_dict(self) -> dict:
         ms = lambda x: None if x is None else round(1000 * x, 3)  # noqa: E731
         return {"cycle_ms_by_nodes": {str(round(n, 1)): ms(t) for n, t in sorted(self.points.values())},
-                "draft_ms_by_depth": {str(d): ms(t) for d, t in sorted(self.draft.items())},
+                "draft_ms_by_depth": {k: {str(d): ms(t) for d, t in sorted(v.items())} for k, v in self.draft.items()},
                 "absorb_ms": ms(self.absorb),
-                "draft_nodes_by_depth": {str(d): round(n, 2) for d, n in sorted(self.nodes.items())}}
+                "draft_nodes_by_depth": {k: {str(d): round(n, 2) for d, n in sorted(v.items())}
+                                         for k, v in self.nodes.items()}}
 
 
 @dataclass
@@ -136,7 +169,8 @@ class AdaptiveDepth:
     max_depth: int
     max_new_tokens: int
     enabled: bool = True
-    prior: list[float] = field(default_factory=list)  # a_k seeds (engine-wide estimate)
+    # a_k seeds (engine-wide estimate): of the first kind, or per kind
+    prior: list[float] | dict[str, list[float]] = field(default_factory=list)
     short_output_tokens: int = 8
     probe_every: int = 8
     explore_every: int = 8
@@ -144,18 +178,26 @@ class AdaptiveDepth:
     # trees shallow (house target, code cohorts: 1.75x plain vs 1.80x with 0.1, tau 2.95 vs 3.31)
     smoothing: float = 0.1
     default_acceptance: float = 0.6
+    kinds: tuple[str, ...] = ("",)  # tree kinds to choose among (cost model keys); the first is the configured one
 
     def __post_init__(self) -> None:
         # start from the engine's last estimate pulled halfway back to the default, so one bad request does
         # not keep the next one from drafting
-        self.acceptance = [0.5 * (self.prior[k] + self.default_acceptance) if k < len(self.prior)
-                           else self.default_acceptance for k in range(self.max_depth)]
+        priors = self.prior if isinstance(self.prior, dict) else {self.kinds[0]: self.prior}
+        self.estimates: dict[str, list[float]] = {
+            kind: [0.5 * (priors.get(kind, [])[k] + self.default_acceptance) if k < len(priors.get(kind, []))
+                   else self.default_acceptance for k in range(self.max_depth)] for kind in self.kinds}
+        self.kind = self.kinds[0]  # the kind of the last choice
         self.depth_histogram: dict[int, int] = {}
+        self.kind_histogram: dict[str, int] = {}
         self.plain_cycles = 0  # cycles the controller chose not to draft
         self.probe_cycles = 0
-        self.explore_cycles = 0  # speculative cycles drafted one level deeper than the best depth
+        self.explore_cycles = 0  # speculative cycles drafted one level deeper, or of another kind, than the best
         self.turned_off = 0  # times it switched from drafting to plain
         self._since_explore = 0
+        self._explored = 0
+        self._last_tried = {kind: 0 for kind in self.kinds}  # cycle count when each kind was last drafted
+        self._cycles = 0
         self._plain_streak = 0
         self._last_depth = 0
         self._probe_interval = self.probe_every
@@ -169,53 +211,89 @@ class AdaptiveDepth:
         else:
             self.mode = "adaptive"
 
-    def expected_tokens(self, depth: int) -> float:
-        return simulated_tau(self.acceptance[:depth])
+    @property
+    def acceptance(self) -> list[float]:
+        """Per-depth acceptance estimates of the configured (first) kind."""
+        return self.estimates[self.kinds[0]]
 
-    def rate(self, depth: int) -> float:
-        """Expected committed tokens per second when drafting to `depth` (0 = plain)."""
-        if depth == 0:
-            return 1.0 / max(self.cost.cycle(1), 1e-9)
-        seconds = self.cost.draft_cost(depth) + self.cost.cycle(1 + self.cost.draft_nodes(depth))
-        return self.expected_tokens(depth) / max(seconds, 1e-9)
+    @acceptance.setter
+    def acceptance(self, values: list[float]) -> None:
+        self.estimates[self.kinds[0]] = list(values)
+
+    def expected_tokens(self, depth: int, kind: str | None = None) -> float:
+        return simulated_tau(self.estimates[kind or self.kinds[0]][:depth])
+
+    def rate(self, depth: int, kind: str | None = None) -> float:
+        """Expected committed tokens per second when drafting a `kind` tree (default: the first kind) to `depth`
+        (0 = plain): `CostModel.rate` with this kind's acceptance estimates."""
+        kind = kind or self.kinds[0]
+        return self.cost.rate(self.estimates[kind], depth, kind)
+
+    def _best_depth(self, kind: str, limit: int) -> int:
+        return max(range(1, limit + 1), key=lambda d: self.rate(d, kind))
 
     def choose(self, remaining: int) -> int:
         """Depth to draft this cycle (0 = plain); `remaining` tokens are still to be generated."""
+        return self.choose_plan(remaining)[1]
+
+    def choose_plan(self, remaining: int) -> tuple[str, int]:
+        """(tree kind, depth) to draft this cycle (depth 0 = plain); `remaining` tokens are still to be generated."""
         limit = min(self.max_depth, remaining - 1)
+        kind = self.kinds[0]
         if limit <= 0 or self.mode.startswith("off"):
             depth = 0
         elif self.mode != "adaptive" or not self.cost.calibrated:
             depth = limit
         else:
-            best = max(range(1, limit + 1), key=self.rate)
+            kind, best = max(((k, self._best_depth(k, limit)) for k in self.kinds), key=lambda kd: self.rate(kd[1], kd[0]))
             # hysteresis: leave speculation only when plain decoding is clearly (5%) faster
-            depth = best if self.rate(best) * (1.05 if self._last_depth > 0 else 1.0) > self.rate(0) else 0
+            depth = best if self.rate(best, kind) * (1.05 if self._last_depth > 0 else 1.0) > self.rate(0) else 0
             if depth > 0:
                 self._probe_interval = self.probe_every
                 self._since_explore += 1
-                if depth < limit and self._since_explore >= self.explore_every:
-                    depth += 1
-                    self.explore_cycles += 1
-                    self._since_explore = 0
+                if self._since_explore >= self.explore_every:
+                    kind, depth = self._explore(kind, depth, limit)
             elif self._plain_streak + 1 >= self._probe_interval:
-                depth = best  # probe the most promising depth; back off while probes keep losing
+                depth = best  # probe the most promising plan; back off while probes keep losing
                 self.probe_cycles += 1
                 self._probe_interval = min(8 * self.probe_every, 2 * self._probe_interval)
+        self._cycles += 1
         if depth == 0:
             self.plain_cycles += 1
             self._plain_streak += 1
             self.turned_off += 1 if self._last_depth > 0 else 0
         else:
             self._plain_streak = 0
+            self._last_tried[kind] = self._cycles
+            self.kind_histogram[kind] = self.kind_histogram.get(kind, 0) + 1
+        self.kind = kind
         self._last_depth = depth
         self.depth_histogram[depth] = self.depth_histogram.get(depth, 0) + 1
-        return depth
+        return kind, depth
 
-    def observe(self, drafted_depth: int, accepted: int) -> None:
-        """Update a_k for the depths this cycle tried (a depth is tried iff all shallower ones were accepted)."""
+    def _explore(self, kind: str, depth: int, limit: int) -> tuple[str, int]:
+        """An exploring cycle instead of the best plan: alternately one level deeper and (with several kinds) the
+        kind drafted least recently, at its own best depth."""
+        others = [k for k in self.kinds if k != kind]
+        if others and (self._explored % 2 == 1 or depth >= limit):
+            other = min(others, key=lambda k: self._last_tried[k])
+            kind, depth = other, self._best_depth(other, limit)
+        elif depth < limit:
+            depth += 1
+        else:
+            return kind, depth
+        self._explored += 1
+        self.explore_cycles += 1
+        self._since_explore = 0
+        return kind, depth
+
+    def observe(self, drafted_depth: int, accepted: int, kind: str | None = None) -> None:
+        """Update a_k of `kind` (default: the last chosen) for the depths this cycle tried (a depth is tried iff all
+        shallower ones were accepted)."""
+        estimate = self.estimates[kind or self.kind]
         for k in range(min(drafted_depth, accepted + 1)):
             hit = 1.0 if accepted > k else 0.0
-            self.acceptance[k] += self.smoothing * (hit - self.acceptance[k])
+            estimate[k] += self.smoothing * (hit - estimate[k])
 
     def report(self) -> dict:
         return {
@@ -224,5 +302,7 @@ class AdaptiveDepth:
             "plain_cycles": self.plain_cycles, "probe_cycles": self.probe_cycles,
             "explore_cycles": self.explore_cycles, "turned_off": self.turned_off,
             "acceptance_estimate": [round(a, 3) for a in self.acceptance],
+            "kind_histogram": dict(sorted(self.kind_histogram.items())),
+            "acceptance_by_kind": {k: [round(a, 3) for a in v] for k, v in self.estimates.items()},
             "cost": self.cost.to_dict(),
         }

@@ -50,6 +50,7 @@ class Ticket:
     done: bool = False
     cancelled: bool = False
     slot: Slot | None = None
+    tokens: int = 0  # generated so far
     coroutine: Generator[VerifyForward | StreamChunk, ForwardOutput | None, None] | None = None
     reply: ForwardOutput | None = field(default=None, repr=False)
 
@@ -68,6 +69,8 @@ class BatchRunner:
         self.steps = 0  # target forwards run
         self.batched_requests = 0  # requests over all of them (/ steps = mean batch size)
         self.largest_batch = 0  # the most requests that shared one forward
+        self.cancelled = 0  # requests stopped because their client went away
+        self.cancelled_tokens = 0  # tokens those requests had generated when they stopped
 
     @property
     def busy(self) -> bool:
@@ -153,6 +156,7 @@ class BatchRunner:
             ticket.reply = None
             if isinstance(item, VerifyForward):
                 return item
+            ticket.tokens += len(item.token_ids)
             if ticket.emit is not None:
                 ticket.emit(item)
             if item.output is not None:
@@ -160,11 +164,16 @@ class BatchRunner:
                 return None
 
     def _end(self, ticket: Ticket) -> None:
+        if ticket.cancelled and ticket.output is None and ticket.error is None:
+            self.cancelled += 1
+            self.cancelled_tokens += ticket.tokens
         if ticket.coroutine is not None:
             ticket.coroutine.close()
             ticket.coroutine = None
         if ticket.slot is not None:
-            if ticket.error is not None or ticket.cancelled:  # its cache may hold a half-written cycle
+            # a failed request may have stopped inside its prefill; a cancelled one stops between cycles, so its
+            # prompt's cache is whole (a client that retries after a disconnect reuses it)
+            if ticket.error is not None:
                 ticket.slot.prefix_ids, ticket.slot.prefix_features = [], {}
             self._free_slots.append(ticket.slot)
             ticket.slot = None

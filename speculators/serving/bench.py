@@ -8,11 +8,22 @@ For every temperature, every method generates every row once after one unmeasure
   +ngram       the same speculator with `ngram_graft` prompt-lookup nodes grafted onto its trees (graft.py)
   hf           Hugging Face `generate` (greedy, or do_sample with top_k=0 / top_p=1 at T > 0, seeded per row)
   hf-assisted  Hugging Face assisted decoding with prompt lookup (`prompt_lookup_num_tokens`)
+  <dir name> chain token|block, <dir name> sampled token|traversal   (with `compare_verify`, T > 0 only)
+               each speculator at a FIXED tree (the engine's default depth / top-k / budget, adaptive off): a chain
+               sampled from the draft law verified token by token ("iid") vs by block verification, and a sampled
+               tree (spine + sibling draws without replacement) verified token by token ("without_replacement") vs
+               by traversal verification. The sequence-verified rows also report a PAIRED comparison: on each of
+               their cycles the exact expected accepted drafts of both verifiers on that very tree and target rows
+               (`verify_expect.expected_accepted`), as "paired_tau" {token, sequence} — free of the coin noise that
+               makes live tau of two separate runs differ by several percent
+`tree` (`speculators bench --tree chain --depth K --no-adaptive`) replaces the speculators' own drafting settings,
+e.g. the fixed-depth chains `speculators profile` predicts; `include_hf=False` (`--no-hf`) leaves out the HF rows.
 With `batch` B > 1, every runtime method also generates all rows once more with up to B requests sharing each
 target forward (`<method>@batchB` rows, cohort "all" only: throughput of the whole set, as a server under
 concurrent load sees it; at T = 0 their tokens are checked against `plain` too).
 Runtime requests are unseeded (as served by default: adaptive depth). It reports generated tokens/s per cohort
-and overall (wall clock including prefill, generated tokens only),
+and overall (wall clock including prefill, generated tokens only; also per CPU-second of this process, which other
+processes sharing the cores do not inflate),
 the ratios to `plain` and to `hf`, and for runtime methods tau and per-position acceptance
 (`metrics.AcceptanceStats`). At T = 0 it also counts rows whose tokens differ from `plain` (lossless check).
 Prints a table; with `out` writes `bench.json` and `bench.md` there (atomically).
@@ -22,6 +33,7 @@ Not here: generation itself (engine.py), evaluation of checkpoints (speculators.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -32,6 +44,7 @@ from typing import Any
 
 import torch
 
+from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 
@@ -42,21 +55,77 @@ HF_PROMPT_LOOKUP_TOKENS = 10
 class _Cell:
     tokens: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time (not inflated by other processes sharing the cores)
     rows: int = 0
     acceptance: AcceptanceStats | None = None
     mismatched_rows: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)  # speculative cycles per drafted tree kind (runtime)
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def tokens_per_cpu_second(self) -> float:
+        return self.tokens / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
+
 
 @dataclass
-class _Method:
+class Method:
     name: str
     kind: str  # "runtime" | "hf" | "hf-assisted"
     engine: Any = None
     cells: dict[str, _Cell] = field(default_factory=dict)
+    sampled_only: bool = False  # verifier comparisons: the same rows as greedy decoding at T = 0
+
+# verifier comparisons (`compare_verify`): (row suffix, tree kind, TreeConfig.verify)
+VERIFY_ROWS = (("chain token", "chain", "token"), ("chain block", "chain", "sequence"),
+               ("sampled token", "sampled", "token"), ("sampled traversal", "sampled", "sequence"))
+TOKEN_WISE = {"block": "iid", "traversal": "without_replacement"}
+
+
+def _paired_engine_class() -> type:
+    from speculators.serving.engine import Engine
+    from speculators.serving.verify_expect import expected_accepted
+
+    class PairedEngine(Engine):
+        """An engine that, before verifying each sampled draft by block / traversal, adds the exact expected accepted
+        drafts of that draft under this mode and under the token-wise mode to `paired` (same tree, same rows)."""
+
+        paired: dict[str, float]
+
+        def _verify(self, tree: Any, target_row: Any, params: Any, generator: Any) -> tuple[list[int], int]:
+            if not params.greedy and tree.mode in TOKEN_WISE and tree.size > 1:
+                t0, c0 = time.perf_counter(), time.process_time()
+                totals = self.__dict__.setdefault("paired", dict.fromkeys(("cycles", "token", "sequence", "seconds",
+                                                                           "cpu_seconds"), 0.0))
+                totals["cycles"] += 1
+                for key, mode in (("sequence", tree.mode), ("token", TOKEN_WISE[tree.mode])):
+                    totals[key] += expected_accepted(tree.tokens, tree.parents, target_row, tree.draft_probs, mode)
+                totals["seconds"] += time.perf_counter() - t0  # left out of the row's measured time
+                totals["cpu_seconds"] += time.process_time() - c0
+            return super()._verify(tree, target_row, params, generator)
+
+    return PairedEngine
+
+
+def _verify_methods(loaded: Any, path: str, name: str, tree: TreeConfig | None) -> list[Method]:
+    """The `compare_verify` rows of one speculator: fixed trees of the engine's default shape (or `tree`'s),
+    adaptive off; the sequence-verified ones also measure the paired expectations."""
+    from speculators.serving.engine import Engine
+
+    out = []
+    for suffix, kind, verify in VERIFY_ROWS:
+        cls = _paired_engine_class() if verify == "sequence" else Engine
+        engine = cls.from_pretrained(loaded, path, ngram_graft=0, tree=tree)
+        engine.set_tree(dataclasses.replace(engine.tree, kind=kind, verify=verify), adaptive=False)
+        out.append(Method(f"{name} {suffix}", "runtime", engine, sampled_only=True))
+    return out
+
+
+def _paired(method: Method, key: str) -> float:
+    """Seconds (`key`: "seconds" or "cpu_seconds") a paired-comparison engine spent on its expectations."""
+    return float(getattr(method.engine, "paired", {}).get(key, 0.0))
 
 
 def _hf_generate(model: Any, ids: list[int], max_new: int, temperature: float, seed: int, assisted: bool) -> list[int]:
@@ -75,51 +144,59 @@ def _hf_generate(model: Any, ids: list[int], max_new: int, temperature: float, s
     return out[0, len(ids):].tolist()
 
 
-def _run_methods(methods: list[_Method], rows: list[tuple[str, list[int], int]], temperature: float, seed: int,
-                 model: Any) -> list[list[list[int]]]:
+def run_methods(methods: list[Method], rows: list[tuple[str, list[int], int]], temperature: float, seed: int,
+                model: Any) -> list[list[list[int]]]:
     """Every method on every row, row by row (each row runs all methods back to back, so a machine whose speed
     drifts during the run slows every method alike); fills `method.cells`; returns outputs[method][row]."""
     from speculators.serving.sampling import SamplingParams
 
-    def one(method: _Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], AcceptanceStats | None]:
+    def one(method: Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], Any]:
         if method.kind == "runtime":
             # unseeded: a seeded sampled request drafts at a fixed depth (reproducibility), and the bench
             # measures what serving does by default (adaptive depth)
             params = SamplingParams(max_new_tokens=max_new, temperature=temperature)
             out = method.engine.generate(ids, params)
-            return out.token_ids, out.stats.acceptance
+            return out.token_ids, out.stats
         return _hf_generate(model, ids, max_new, temperature, row_seed, method.kind == "hf-assisted"), None
 
     outputs: list[list[list[int]]] = [[] for _ in methods]
     for method in methods:
         method.cells = {}
         one(method, rows[0][1], min(rows[0][2], 16), seed)  # warm-up (and the engine's calibration), not measured
+        if method.engine is not None:
+            method.engine.__dict__.pop("paired", None)  # paired expectations count the measured rows only
     for i, (cohort, ids, max_new) in enumerate(rows):
         for method, outs in zip(methods, outputs, strict=True):
-            t0 = time.perf_counter()
-            tokens, acc = one(method, ids, max_new, seed + i)
-            seconds = time.perf_counter() - t0
+            p0, pc0 = _paired(method, "seconds"), _paired(method, "cpu_seconds")
+            t0, c0 = time.perf_counter(), time.process_time()
+            tokens, stats = one(method, ids, max_new, seed + i)
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+            seconds -= _paired(method, "seconds") - p0  # a paired comparison's expectations are not decoding
+            cpu -= _paired(method, "cpu_seconds") - pc0
             outs.append(tokens)
             for key in (cohort, "all"):
                 cell = method.cells.setdefault(
                     key, _Cell(acceptance=AcceptanceStats() if method.kind == "runtime" else None))
                 cell.tokens += len(tokens)
                 cell.seconds += seconds
+                cell.cpu_seconds += cpu
                 cell.rows += 1
-                if acc is not None and cell.acceptance is not None:
-                    cell.acceptance.merge(acc)
+                if stats is not None and cell.acceptance is not None:
+                    cell.acceptance.merge(stats.acceptance)
+                    for kind, n in stats.adaptive.get("kind_histogram", {}).items():
+                        cell.kinds[kind] = cell.kinds.get(kind, 0) + n
     return outputs
 
 
-def _run_batched(methods: list[_Method], rows: list[tuple[str, list[int], int]], temperature: float,
-                 batch: int) -> list[tuple[_Method, list[list[int]]]]:
+def _run_batched(methods: list[Method], rows: list[tuple[str, list[int], int]], temperature: float,
+                 batch: int) -> list[tuple[Method, list[list[int]]]]:
     """Every runtime method on all rows at once, `batch` requests sharing each target forward; returns the new
     `<method>@batchB` methods (cell "all") with their outputs in row order."""
     from speculators.serving.sampling import SamplingParams
 
     params = [SamplingParams(max_new_tokens=max_new, temperature=temperature) for _, _, max_new in rows]
     done = []
-    for method in [m for m in methods if m.kind == "runtime"]:
+    for method in [m for m in methods if m.kind == "runtime" and not m.sampled_only]:  # comparisons: batch 1 only
         t0 = time.perf_counter()
         outs = method.engine.generate_batch([ids for _, ids, _ in rows], params, max_batch=batch)
         seconds = time.perf_counter() - t0
@@ -127,17 +204,28 @@ def _run_batched(methods: list[_Method], rows: list[tuple[str, list[int], int]],
                      acceptance=AcceptanceStats())
         for o in outs:
             cell.acceptance.merge(o.stats.acceptance)
-        batched = _Method(f"{method.name}@batch{batch}", "runtime", method.engine, cells={"all": cell})
+        batched = Method(f"{method.name}@batch{batch}", "runtime", method.engine, cells={"all": cell})
         done.append((batched, [o.token_ids for o in outs]))
     return done
 
 
+def bench_rows(engine: Any, workloads: str, rows_per_cohort: int) -> list[tuple[str, list[int], int]]:
+    """(cohort, prompt token ids, max_new_tokens) of the first `rows_per_cohort` rows of every cohort."""
+    from speculators.data.workloads import load_workloads
+
+    return [(r.cohort, engine.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
+            for r in load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)]
+
+
 def bench_command(*, target: str, speculators: list[str], workloads: str, rows_per_cohort: int,
                   temperatures: list[float], device: str, dtype: str, out: Path | None, seed: int,
-                  ngram_graft: int = 0, batch: int = 0) -> dict:
-    """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report."""
+                  ngram_graft: int = 0, batch: int = 0, tree: TreeConfig | None = None,
+                  include_hf: bool = True, compare_verify: bool = False) -> dict:
+    """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report.
+    `tree` replaces each speculator's default drafting settings (e.g. a fixed-depth chain with adaptive off, as
+    `speculators profile` predicts); `include_hf=False` leaves out the Hugging Face rows; `compare_verify` adds the
+    verifier comparisons at T > 0."""
     from speculators.config import TargetConfig
-    from speculators.data.workloads import load_workloads
     from speculators.serving.engine import Engine
     from speculators.target import load_target
 
@@ -149,27 +237,30 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
         raise SpeculatorsError(f"--temperatures must be non-negative numbers, got {temperatures}")
     threads = torch.get_num_threads()  # set by the caller (`speculators bench --threads`); every method shares it
     loaded = load_target(TargetConfig(name_or_path=target, device=device, dtype=dtype))
-    rows_raw = load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)
-    methods = [_Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
-               _Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
+    methods = [Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
+               Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
     for path in speculators:
-        engine = Engine.from_pretrained(loaded, path, ngram_graft=0)  # the speculator alone
-        methods.append(_Method(f"{engine.info.family}:{Path(path).name}", "runtime", engine))
+        engine = Engine.from_pretrained(loaded, path, ngram_graft=0, tree=tree)  # the speculator alone
+        methods.append(Method(f"{engine.info.family}:{Path(path).name}", "runtime", engine))
         if ngram_graft:  # the same speculator with prompt-lookup nodes grafted onto its trees
-            grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft)
-            methods.append(_Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
-    methods += [_Method("hf", "hf"), _Method("hf-assisted", "hf-assisted")]
-    encoder = methods[0].engine
-    rows = [(r.cohort, encoder.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
-            for r in rows_raw]
+            grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft, tree=tree)
+            methods.append(Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
+        if compare_verify and any(t > 0 for t in temperatures):
+            methods += _verify_methods(loaded, path, f"{engine.info.family}:{Path(path).name}", tree)
+    if include_hf:
+        methods += [Method("hf", "hf"), Method("hf-assisted", "hf-assisted")]
+    rows = bench_rows(methods[0].engine, workloads, rows_per_cohort)
     report: dict[str, Any] = {
         "target": target, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
         "threads": threads, "machine": platform.processor() or platform.machine(),
         "rows_per_cohort": rows_per_cohort, "rows": len(rows), "workloads": workloads, "seed": seed,
         "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "batch": batch, "results": {},
+        "speculator_tree": None if tree is None else dataclasses.asdict(tree),
     }
+    all_methods = methods
     for temperature in temperatures:
-        outputs = _run_methods(methods, rows, temperature, seed, loaded.model)
+        methods = [m for m in all_methods if temperature > 0 or not m.sampled_only]
+        outputs = run_methods(methods, rows, temperature, seed, loaded.model)
         batched = _run_batched(methods, rows, temperature, batch) if batch > 1 else []
         if temperature == 0:  # greedy: every method must produce plain decoding's tokens
             for method, outs in zip(methods[1:], outputs[1:], strict=True):
@@ -184,24 +275,32 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
     text = format_report(report)
     print(text)
     if out is not None:
-        _write(out, report, text)
+        write_json_and_markdown(out, "bench", report, text)
     return report
 
 
-def _summarise(methods: list[_Method]) -> dict:
+def _summarise(methods: list[Method]) -> dict:
     base = {m.name: m for m in methods}
     out: dict[str, dict] = {}
     for m in methods:
         for cohort, cell in m.cells.items():
             plain = base["plain"].cells[cohort].tokens_per_second
-            hf = base["hf"].cells[cohort].tokens_per_second
+            hf = base["hf"].cells[cohort].tokens_per_second if "hf" in base else None
             tps = cell.tokens_per_second
             entry = {"tokens": cell.tokens, "seconds": round(cell.seconds, 4), "tokens_per_second": round(tps, 2),
+                     "tokens_per_cpu_second": round(cell.tokens_per_cpu_second, 2),
                      "vs_plain": round(tps / plain, 3) if plain else None,
                      "vs_hf": round(tps / hf, 3) if hf else None, "mismatched_rows": cell.mismatched_rows}
             if cell.acceptance is not None:
                 entry["tau"] = round(cell.acceptance.tau, 3)
                 entry["per_position_acceptance"] = [round(a, 3) for a in cell.acceptance.per_position_acceptance]
+                if cell.kinds:  # what the adaptive controller drafted (speculative cycles per tree kind)
+                    entry["drafted_kinds"] = dict(sorted(cell.kinds.items()))
+            paired = getattr(m.engine, "paired", None) if cohort == "all" else None
+            if paired and paired["cycles"]:
+                token, seq = (1 + paired[k] / paired["cycles"] for k in ("token", "sequence"))
+                entry["paired_tau"] = {"token": round(token, 4), "sequence": round(seq, 4),
+                                       "gain": round(seq / token - 1, 4), "cycles": int(paired["cycles"])}
             out.setdefault(cohort, {})[m.name] = entry
     return out
 
@@ -220,16 +319,25 @@ def format_report(report: dict) -> str:
                 acc = " ".join(f"{a:.2f}" for a in e.get("per_position_acceptance", [])) or "-"
                 tau = f"{e['tau']:.2f}" if "tau" in e else "-"
                 mism = str(e["mismatched_rows"]) if float(temperature) == 0 else "-"
+                vs_hf = "-" if e["vs_hf"] is None else f"{e['vs_hf']:.2f}"
                 lines.append(f"| {cohort} | {name} | {e['tokens_per_second']:.1f} | {e['vs_plain']:.2f} | "
-                             f"{e['vs_hf']:.2f} | {tau} | {acc} | {mism} |")
+                             f"{vs_hf} | {tau} | {acc} | {mism} |")
         lines.append("")
+        for name, e in cohorts.get("all", {}).items():
+            if "paired_tau" in e:
+                pt = e["paired_tau"]
+                lines.append(f"Paired on the {pt['cycles']} cycles of `{name}` (same drafts and target rows, exact "
+                             f"expectation over the verifier's coins): tau {pt['token']:.3f} token-wise -> "
+                             f"{pt['sequence']:.3f} ({100 * pt['gain']:+.1f}%).")
+                lines.append("")
     return "\n".join(lines)
 
 
-def _write(out: Path, report: dict, text: str) -> None:
+def write_json_and_markdown(out: Path, stem: str, report: dict, text: str) -> None:
+    """`out/<stem>.json` and `out/<stem>.md`, each written to a temp file and renamed into place."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, content in (("bench.json", json.dumps(report, indent=2) + "\n"), ("bench.md", text + "\n")):
+    for name, content in ((f"{stem}.json", json.dumps(report, indent=2) + "\n"), (f"{stem}.md", text + "\n")):
         tmp = out / f".{name}.tmp{os.getpid()}"
         tmp.write_text(content)
         os.replace(tmp, out / name)

@@ -5,7 +5,8 @@
   forward); prints the text and the stats (or one JSON object per generation with `--json`), and for workloads a
   per-cohort summary (tau, per-position acceptance, tokens/s; a batched request's seconds overlap the others', so
   its tokens/s is per request, and the batch's own wall-clock total is printed once).
-- `serve_command(...)`: load the engine once and serve the OpenAI-compatible app (server.py) with uvicorn.
+- `serve_command(...)`: load the engine once and serve the OpenAI-compatible app (server.py) with uvicorn, with the
+  settings of one `config.ServeConfig` (the recipe's `serve:` section, the CLI's flags applied over it).
 
 Not here: argument parsing (cli.py), the generation loop (engine.py), HTTP handling (server.py).
 """
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from speculators.config import DEFAULT_NGRAM_GRAFT
+from speculators.config import DEFAULT_NGRAM_GRAFT, ServeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 
@@ -127,37 +128,32 @@ def _print_cohorts(per_cohort: dict[str, dict], as_json: bool) -> None:
         print(f"{cohort:<20} {s['rows']:>5} {s['tokens']:>7} {s['tokens_per_second']:>7.1f} {s['tau']:>6.2f}   {acc}")
 
 
-def serve_command(*, target: str, speculator: str | None, host: str, port: int, api_key_env: str | None,
-                  max_prompt_tokens: int, max_new_tokens: int, max_concurrent_requests: int, device: str,
-                  dtype: str, allow_revision_mismatch: bool, ngram_graft: int = DEFAULT_NGRAM_GRAFT,
-                  max_batch_size: int = 4) -> None:
+def serve_command(*, target: str, speculator: str | None, device: str, dtype: str, config: ServeConfig) -> None:
+    """Load the engine once and serve it with the settings of `config` (the recipe's serve: section with the CLI's
+    flags applied)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         raise SpeculatorsError("speculators serve needs the serve extra: pip install 'speculators[serve]' "
                                "(fastapi, uvicorn, prometheus-client)") from None
-    from speculators.serving.server import ServerLimits, create_app, run_server
+    from speculators.serving.server import create_app, run_server
 
-    for name, value in (("max_prompt_tokens", max_prompt_tokens), ("max_new_tokens", max_new_tokens),
-                        ("max_concurrent_requests", max_concurrent_requests), ("max_batch_size", max_batch_size)):
-        if value < 1:
-            raise SpeculatorsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    config.validate()
     api_key = None
-    if api_key_env:
-        api_key = os.environ.get(api_key_env, "")
+    if config.api_key_env:
+        api_key = os.environ.get(config.api_key_env, "")
         if not api_key:
-            raise SpeculatorsError(f"--api-key-env {api_key_env}: that environment variable is unset or empty; "
-                                   f"export it, or drop the option to serve without a key")
-    engine = _engine(target, speculator, device, dtype, allow_revision_mismatch, ngram_graft=ngram_graft)
-    if max_prompt_tokens + max_new_tokens - 1 > engine.max_len:
-        print(f"warning: max_prompt_tokens + max_new_tokens exceeds the KV cache ({engine.max_len} tokens); "
-              f"longer requests will be refused", file=sys.stderr)
-    app = create_app(engine, ServerLimits(max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,
-                                          max_concurrent_requests=max_concurrent_requests,
-                                          max_batch_size=max_batch_size), api_key=api_key)
-    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        print(f"warning: serving on {host} without an API key", file=sys.stderr)
-    print(f"serving {engine.target.cfg.name_or_path} with drafter {engine.info.name} on http://{host}:{port}/v1",
-          file=sys.stderr, flush=True)
-    run_server(app, host=host, port=port)
+            raise SpeculatorsError(f"--api-key-env {config.api_key_env}: that environment variable is unset or "
+                                   f"empty; export it, or drop the option to serve without a key")
+    engine = _engine(target, speculator, device, dtype, config.allow_revision_mismatch,
+                     ngram_graft=config.ngram_graft)
+    app = create_app(engine, config, api_key=api_key)  # refuses settings that contradict the model's context
+    svc = app.state.service
+    if config.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        print(f"warning: serving on {config.host} without an API key", file=sys.stderr)
+    print(f"serving {engine.target.cfg.name_or_path} with drafter {engine.info.name} on "
+          f"http://{config.host}:{config.port}/v1 (context {engine.max_len} tokens, prompts up to "
+          f"{svc.max_prompt_tokens}, up to {config.max_new_tokens} new tokens per request)", file=sys.stderr,
+          flush=True)
+    run_server(app, host=config.host, port=config.port)

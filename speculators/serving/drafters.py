@@ -11,7 +11,8 @@ two model-free ones — `NgramDrafter` (prompt lookup) and `NoDrafter` (plain de
 `load_drafter` (None | "none" | "ngram" | a speculator directory, with the pairing check) and `prune_tree`.
 
 Drafters that set `needs_token_ids = True` also get `features["input_ids"]` [n] (the tokens at the absorbed
-positions). Not here: verification, the target forward, tree policies of model speculators (models/drafting.py).
+positions); drafters that set `samples_drafts = True` propose sampled chains / trees (TreeConfig kinds "chain" /
+"sampled", with draft_probs) that the engine may choose at T > 0 (model speculators do; n-gram drafts cannot). Not here: verification, the target forward, tree policies of model speculators (models/drafting.py).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class NoDrafter:
 
     name = "none"
     needs_token_ids = False
+    samples_drafts = False
 
     def required_features(self) -> FeatureRequest:
         return FeatureRequest(tap_layer_ids=None, last_hidden=False)
@@ -83,6 +85,7 @@ class NgramDrafter:
 
     name = "ngram"
     needs_token_ids = True
+    samples_drafts = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         # min_ngram 2: single-token matches are mostly noise (measured on the house target: tau 1.42 vs 1.38 on
@@ -141,6 +144,13 @@ def default_tree(drafter: Any, device: torch.device | str = "cpu") -> TreeConfig
     if tree is not None:
         return tree
     return TreeConfig(**CPU_TREE) if str(device).startswith("cpu") else TreeConfig()
+
+
+def depth_tree(tree: TreeConfig, depth: int) -> TreeConfig:
+    """The tree settings of a cycle drafting to `depth`: the node budget grows with the depth (top-k nodes per
+    level, capped by the configured budget) so that shallow trees stay small."""
+    budget = tree.budget if tree.kind == "chain" else min(tree.budget, max(1, tree.topk * depth))
+    return dataclasses.replace(tree, depth=depth, budget=budget)
 
 
 def prune_tree(tree: DraftTree, max_depth: int, max_nodes: int) -> DraftTree:

@@ -8,7 +8,9 @@ Per request (batch 1 here; batching.py runs several in lockstep), one code path 
 1. Prefill: the prompt minus its last token goes through `TargetRunner` into the static KV cache (a shared
    prefix with the previous request is reused, features included); the drafter absorbs those positions.
 2. Each cycle: the root is the last committed token (not yet in the cache). The drafter proposes a tree
-   (depth chosen by `AdaptiveDepth`; the root alone = plain decoding), the target runs ONE forward over it with
+   (depth chosen by `AdaptiveDepth`; the root alone = plain decoding; at T > 0 with a drafter that samples its own
+   law also the kind: the configured tree, a sampled chain verified by block verification, or a sampled tree
+   verified by traversal verification: `SAMPLED_KINDS`), the target runs ONE forward over it with
    the ancestor mask at positions committed + depth, `verify_tree_lazy` picks the accepted path and the next
    token, reading the filtered target law (`sampling.logits_to_probs`, the operator plain decoding uses) of
    only the nodes it visits (`TargetRows` runs the output head for those), the cache keeps only the root +
@@ -17,11 +19,21 @@ Per request (batch 1 here; batching.py runs several in lockstep), one code path 
 3. EOS, a `stop_token_ids` token or a stop string inside the committed tokens truncates the output there;
    `max_new_tokens` caps it.
 
-Greedy (temperature 0) output equals the target's own greedy decoding token for token, whatever the drafter;
-sampled output is distributed exactly as sampling the target with the same temperature / top-k / top-p. A
-seeded sampled request is reproducible (same engine settings, same seed -> same tokens): its draft depth is
-fixed instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in
-distribution, not per sample path).
+What holds, in which dtype (DESIGN §7):
+- Every dtype: lossless in distribution. The output is distributed exactly as sampling the target rows the verify
+  forward computed, with the same temperature / top-k / top-p, whatever the drafter (verification is exact; tested
+  by chi-square through deep trees in float32 and bfloat16).
+- float32 (CPU): at temperature 0 the output equals the target's own greedy decoding token for token, whatever the
+  drafter — a tree-shaped verify forward rounds like the one-token forward here, up to exact near-ties (top-2 logit
+  margin < 1e-4; tested on every held-out row).
+- bfloat16 (the CUDA default): NOT token for token. A tree-shaped forward rounds differently from a one-token forward
+  (on the house target the same logits differ by up to 0.25 between forward shapes), so a near-tie can flip and the
+  rest of the output follows the other branch. Measured (tests/integration/test_runtime_dtypes.py, 72 held-out rows x
+  n-gram and oracle trees, 24 tokens, CPU bf16): 8 of 144 greedy runs diverged from HF bf16 greedy decoding, every
+  first divergence at a top-2 margin <= 0.0625 (one bf16 ulp there). Compare fp32 with fp32 when you need equality.
+A seeded sampled request is reproducible (same engine settings, same seed -> same tokens): its draft depth is fixed
+instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in distribution,
+not per sample path).
 
 Several requests share each target forward through `generate_batch` / `batching.BatchRunner`, which drive the same
 per-request coroutine (`request`) that `stream` drives alone. Not here: CUDA graphs, paged KV, penalties /
@@ -43,15 +55,18 @@ from speculators.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.adaptive import AdaptiveDepth, CostModel
-from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, load_drafter, prune_tree
+from speculators.serving.drafters import DrafterInfo, NoDrafter, default_tree, depth_tree, load_drafter, prune_tree
 from speculators.serving.kv_cache import StaticKVCache
 from speculators.serving.sampling import SamplingParams, logits_to_probs
-from speculators.serving.target_rows import TargetRows, first_child_chain
+from speculators.serving.target_rows import TargetRows, TokenLogprob, first_child_chain
 from speculators.serving.target_runner import ForwardOutput, Segment, TargetRunner
 from speculators.serving.trees import DraftTree, ancestor_mask
 from speculators.serving.verify import verify_tree_lazy
 
 DEFAULT_MAX_LEN = 8192
+# tree kinds the controller may choose at T > 0 besides the configured one, for drafters that sample their own law:
+# sampled chains (block verification) and sampled trees (traversal verification)
+SAMPLED_KINDS = ("chain", "sampled")
 _NO_ROWS = torch.empty(0, dtype=torch.long)  # forward without the output head (TargetRows makes the rows needed)
 
 
@@ -109,6 +124,7 @@ class GenerateOutput:
     text: str  # decoded without special tokens, cut before a matched stop string
     stats: GenerationStats
     prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when SamplingParams.logprobs asked for them
 
     @property
     def finish_reason(self) -> str:
@@ -120,6 +136,7 @@ class StreamChunk:
     text: str  # new text since the previous chunk (held back while it could still become a stop string)
     token_ids: list[int]  # new committed token ids since the previous chunk
     output: GenerateOutput | None = None  # set on the last chunk only
+    logprobs: list[TokenLogprob] | None = None  # of `token_ids`, when the request asked for them
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -184,7 +201,7 @@ class Engine:
         self.eos_ids = _eos_ids(target.model, self.tokenizer)
         self.prefix_caching = prefix_caching
         self.cost = CostModel()
-        self._acceptance_prior: list[float] = []
+        self._acceptance_prior: dict[str, list[float]] = {}  # per tree kind, from the previous adaptive request
         self.totals = AcceptanceStats()  # over every request served (the server's /metrics reads it)
 
     # ---- construction -------------------------------------------------------------------------------------------
@@ -209,18 +226,29 @@ class Engine:
         return cls(loaded, drafter, info=info, tree=tree, max_len=max_len, adaptive=adaptive)
 
     def set_tree(self, tree: TreeConfig, adaptive: bool | None = None) -> None:
-        """Drafting settings for the next requests (max depth, top-k, node budget, kind, adaptive on/off)."""
+        """Drafting settings for the next requests (max depth, top-k, node budget, kind, verification of sampled
+        drafts, adaptive on/off: with it on, at T > 0 the kind too is chosen per cycle, see `kinds_for`)."""
         if tree.depth < 1 or tree.budget < 1 or tree.topk < 1:
             raise SpeculatorsError(f"tree depth, topk and budget must be >= 1, got depth={tree.depth}, "
                                    f"topk={tree.topk}, budget={tree.budget}")
-        if tree.kind not in ("dynamic", "static", "chain"):
-            raise SpeculatorsError(f"tree kind must be dynamic, static or chain, got {tree.kind!r}")
+        if tree.kind not in ("dynamic", "static", "chain", "sampled"):
+            raise SpeculatorsError(f"tree kind must be dynamic, static, chain or sampled, got {tree.kind!r}")
+        if tree.verify not in ("sequence", "token"):
+            raise SpeculatorsError(f"tree verify must be sequence or token, got {tree.verify!r}")
         self.tree = tree
         self.adaptive = tree.adaptive if adaptive is None else adaptive
 
     @property
     def device(self) -> torch.device:
         return self.runner.device
+
+    def kinds_for(self, params: SamplingParams, adaptive: bool) -> tuple[str, ...]:
+        """Tree kinds a request may draft, the configured one first: at T > 0 an adaptive request of a drafter that
+        samples its own law may also draft sampled chains and sampled trees (`SAMPLED_KINDS`)."""
+        kinds = (self.tree.kind,)
+        if adaptive and not params.greedy and getattr(self.drafter, "samples_drafts", False):
+            kinds += tuple(k for k in SAMPLED_KINDS if k != self.tree.kind)
+        return kinds
 
     @property
     def cache(self) -> StaticKVCache:
@@ -323,7 +351,8 @@ class Engine:
         out: list[int] = []
         emitted_text = 0
         stats = GenerationStats(drafter=self.info.name, prompt_tokens=len(prompt_ids))
-        cycles = self._cycles(prompt_ids, params, out, stats, stops, slot)
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        cycles = self._cycles(prompt_ids, params, out, stats, stops, slot, logprobs)
         reply: ForwardOutput | None = None
         while True:
             item = cycles.send(reply)
@@ -332,15 +361,16 @@ class Engine:
                 continue
             reply = None
             new_tokens, finish = item
+            new_logprobs = logprobs[len(out) - len(new_tokens):] if logprobs is not None else None
             if finish is None:
                 if not text_deltas:
-                    yield StreamChunk(text="", token_ids=new_tokens)
+                    yield StreamChunk(text="", token_ids=new_tokens, logprobs=new_logprobs)
                     continue
                 text = self._decode(out).rstrip("\ufffd")
                 safe = len(text) - hold if stops else len(text)
                 delta = text[emitted_text:safe] if safe > emitted_text else ""
                 emitted_text += len(delta)
-                yield StreamChunk(text=delta, token_ids=new_tokens)
+                yield StreamChunk(text=delta, token_ids=new_tokens, logprobs=new_logprobs)
                 continue
             text = self._final_text(out, stops)
             stats.generated_tokens = len(out)
@@ -348,8 +378,9 @@ class Engine:
             stats.total_seconds = time.perf_counter() - t_start
             stats.decode_seconds = stats.total_seconds - stats.prefill_seconds
             self.totals.merge(stats.acceptance)
-            output = GenerateOutput(token_ids=list(out), text=text, stats=stats, prompt_token_ids=list(prompt_ids))
-            yield StreamChunk(text=text[emitted_text:], token_ids=new_tokens, output=output)
+            output = GenerateOutput(token_ids=list(out), text=text, stats=stats, prompt_token_ids=list(prompt_ids),
+                                    logprobs=list(logprobs) if logprobs is not None else None)
+            yield StreamChunk(text=text[emitted_text:], token_ids=new_tokens, output=output, logprobs=new_logprobs)
             return
 
     def _decode(self, ids: list[int]) -> str:
@@ -366,10 +397,11 @@ class Engine:
         return any(s in tail for s in stops)
 
     def _cycles(self, prompt_ids: list[int], params: SamplingParams, out: list[int], stats: GenerationStats,
-                stops: list[str], slot: Slot
+                stops: list[str], slot: Slot, logprobs: list[TokenLogprob] | None = None
                 ) -> Generator[VerifyForward | tuple[list[int], str | None], ForwardOutput | None, None]:
-        """The generation loop; appends to `out` and yields (new tokens, finish reason or None) per cycle, and a
-        `VerifyForward` before that (answered with its output)."""
+        """The generation loop; appends to `out` (and each token's log-probabilities to `logprobs`, when given) and
+        yields (new tokens, finish reason or None) per cycle, and a `VerifyForward` before that (answered with its
+        output)."""
         t0 = time.perf_counter()
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
@@ -396,9 +428,10 @@ class Engine:
         stats.prefill_seconds = time.perf_counter() - t0
         # a seeded sampled request must be reproducible: its depths may not depend on measured timings
         seeded = params.seed is not None and not params.greedy
+        adaptive = self.adaptive and not seeded
         ctrl = AdaptiveDepth(cost=self.cost, max_depth=self.tree.depth if self.speculative else 0,
-                             max_new_tokens=params.max_new_tokens, enabled=self.adaptive and not seeded,
-                             prior=self._acceptance_prior)
+                             max_new_tokens=params.max_new_tokens, enabled=adaptive, prior=self._acceptance_prior,
+                             kinds=self.kinds_for(params, adaptive))
         if seeded and self.adaptive and ctrl.mode.startswith("fixed"):
             ctrl.mode += " (seeded sampled request: reproducible)"
         root = prompt_ids[-1]
@@ -407,7 +440,7 @@ class Engine:
         while True:
             remaining = params.max_new_tokens - len(out)
             t_draft = time.perf_counter()
-            depth = ctrl.choose(remaining)
+            kind, depth = ctrl.choose_plan(remaining)
             if depth > 0:
                 if pending:
                     one_cycle = len(pending) == 1  # the last cycle's tokens only (not a plain streak's backlog)
@@ -415,7 +448,7 @@ class Engine:
                     if one_cycle:
                         self.cost.observe_absorb(time.perf_counter() - t_draft)
                 t_propose = time.perf_counter()
-                tree = drafter.propose(state, root, self._tree_for(depth, params), params, generator)
+                tree = drafter.propose(state, root, self._tree_for(depth, kind), params, generator)
                 # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
                 tree = prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free)
             else:
@@ -432,7 +465,7 @@ class Engine:
                                              logit_rows=head_rows))
             fwd = yield call
             t_accept = time.perf_counter()
-            accepted, next_token = self._accept(tree, fwd, params, generator, chain_rows)
+            accepted, next_token, rows = self._accept(tree, fwd, params, generator, chain_rows)
             path = [0, *accepted]
             cache.commit(path)
             t_done = time.perf_counter()
@@ -441,8 +474,8 @@ class Engine:
             acc.verify_seconds += t_accept - t_verify
             acc.accept_seconds += t_done - t_accept
             if drafted_depth > 0:  # the controller models the drafter's own depths (not a graft beyond them)
-                ctrl.observe(min(drafted_depth, depth), min(len(accepted), depth))
-                self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose)
+                ctrl.observe(min(drafted_depth, depth), min(len(accepted), depth), kind)
+                self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose, kind)
             if not call.shared:  # a forward shared with other requests says little about this tree's cost
                 self.cost.observe_cycle(tree.size, t_done - t_verify)
             if not out:
@@ -462,10 +495,12 @@ class Engine:
             # acceptance counts what reached the output: drafts accepted past an EOS / stop are not committed
             acc.record(min(len(accepted), len(new)), drafted_depth=min(drafted_depth, len(new)) if finish
                        else drafted_depth, verified_nodes=tree.size - 1, committed=len(new))
+            if logprobs is not None:  # committed token j was drawn from the target's law at node path[j]
+                logprobs.extend(rows.token_logprobs(path[:len(new)], new, int(params.logprobs or 0)))
             if finish:
                 stats.adaptive = ctrl.report()
                 if ctrl.mode == "adaptive":
-                    self._acceptance_prior = list(ctrl.acceptance)
+                    self._acceptance_prior = {k: list(v) for k, v in ctrl.estimates.items()}
                 yield new, finish
                 return
             if self.speculative:
@@ -477,15 +512,10 @@ class Engine:
             yield new, None
             root = int(next_token)
 
-    def _tree_for(self, depth: int, params: SamplingParams | None = None) -> TreeConfig:
-        """The tree settings of one cycle: the chosen depth, and a node budget that grows with it (top-k nodes
-        per level, capped by the configured budget) so that shallow trees stay small. A sampled request with a
-        dynamic tree drafts a sampled chain of that depth instead (`TreeConfig.sampling`)."""
-        t = self.tree
-        if params is not None and not params.greedy and t.kind == "dynamic" and t.sampling == "chain":
-            return dataclasses.replace(t, kind="chain", depth=depth, topk=1, budget=depth)
-        budget = t.budget if t.kind == "chain" else min(t.budget, max(1, t.topk * depth))
-        return dataclasses.replace(t, depth=depth, budget=budget)
+    def _tree_for(self, depth: int, kind: str | None = None) -> TreeConfig:
+        """The tree settings of one cycle: the chosen kind (default: the configured one) at the chosen depth
+        (`drafters.depth_tree`)."""
+        return depth_tree(dataclasses.replace(self.tree, kind=kind) if kind else self.tree, depth)
 
     @staticmethod
     def _absorb(drafter: Any, state: Any, pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
@@ -500,13 +530,17 @@ class Engine:
         pending.clear()
 
     def _accept(self, tree: DraftTree, fwd: ForwardOutput, params: SamplingParams,
-                generator: torch.Generator | None, premade: list[int] | None = None) -> tuple[list[int], int]:
+                generator: torch.Generator | None, premade: list[int] | None = None
+                ) -> tuple[list[int], int, TargetRows]:
         """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits (`premade`:
-        the nodes whose logits the forward already made, in the order of `fwd.logits`)."""
+        the nodes whose logits the forward already made, in the order of `fwd.logits`), and kept with their raw
+        logits when the request asked for log-probabilities."""
         made = (premade, fwd.logits) if premade and fwd.logits.shape[0] == len(premade) else None
         rows = TargetRows(fwd.hidden, tree.parents, self.runner.logits,
-                          lambda logits: self._target_probs(logits, params, tree), premade=made)
-        return self._verify(tree, rows, params, generator)
+                          lambda logits: self._target_probs(logits, params, tree), premade=made,
+                          keep_logits=params.logprobs is not None)
+        accepted, next_token = self._verify(tree, rows, params, generator)
+        return accepted, next_token, rows
 
     def _target_probs(self, logits: torch.Tensor, params: SamplingParams, tree: DraftTree) -> torch.Tensor:
         """The filtered target law at some of the tree's nodes: logits [R, V] -> [R, V] (the one sampling
@@ -558,16 +592,21 @@ class Engine:
             self.cost.set_cycle(size, seconds)
 
     def _calibrate_drafting(self, drafter: Any, state: Any, root: int) -> None:
-        """Time greedy proposals at every depth (best of 3 after a warm-up) on the request's real drafter state:
-        proposing writes only scratch slots, so the state (and the request's random stream) is left as it was."""
+        """Time proposals of every kind a request may draft (`kinds_for` at T = 1) at every depth (best of 3 after a
+        warm-up) on the request's real drafter state: proposing writes only scratch slots, so the state is left as
+        it was; sampled kinds draw from a generator of their own (the request's random stream is untouched)."""
         if getattr(state, "last_token", root) != root:
             return
-        params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        for depth in range(1, self.tree.depth + 1):
-            times, nodes = [], 0
-            for _ in range(4):
-                t = time.perf_counter()
-                nodes = drafter.propose(state, root, self._tree_for(depth), params, None).size - 1
-                times.append(time.perf_counter() - t)
-            if nodes > 0:
-                self.cost.set_draft(depth, nodes, min(times[1:]))
+        greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
+        warm = SamplingParams(max_new_tokens=1, temperature=1.0)
+        for kind in self.kinds_for(warm, adaptive=True):
+            params = warm if kind in SAMPLED_KINDS else greedy
+            generator = torch.Generator(device=self.device).manual_seed(0) if kind in SAMPLED_KINDS else None
+            for depth in range(1, self.tree.depth + 1):
+                times, nodes = [], 0
+                for _ in range(4):
+                    t = time.perf_counter()
+                    nodes = drafter.propose(state, root, self._tree_for(depth, kind), params, generator).size - 1
+                    times.append(time.perf_counter() - t)
+                if nodes > 0:
+                    self.cost.set_draft(depth, nodes, min(times[1:]), kind)

@@ -9,8 +9,8 @@ match) walked from the root: while its tokens are already children in the tree t
 from the first token that is not, the rest of the continuation (at most `max_new_nodes` tokens) is appended as a
 chain. Siblings therefore stay distinct and parents precede children, so the tree is verified like any other:
 "greedy" at T = 0 and "deterministic" for top-k trees at T > 0 (the grafted tokens are deterministic proposals, as
-the n-gram drafter's are). Sampled chains ("iid": every node carries the law it was drawn from) are left as they
-are. The graft never changes the output's distribution, only how many tokens a cycle may commit.
+the n-gram drafter's are). Sampled drafts (chains and sampled trees: every node's children carry the law they were
+drawn from, `trees.SAMPLED_MODES`) are left as they are. The graft never changes the output's distribution, only how many tokens a cycle may commit.
 
 Not here: the model drafter's own tree policy (models/drafting.py), the lookup rule (ngram.py), the n-gram
 drafter's context bookkeeping (drafters.NgramDrafter).
@@ -27,7 +27,7 @@ from speculators.config import DEFAULT_NGRAM_GRAFT
 from speculators.errors import SpeculatorsError
 from speculators.serving.drafters import NgramDrafter, NgramState
 from speculators.serving.ngram import ngram_continuations
-from speculators.serving.trees import DraftTree
+from speculators.serving.trees import SAMPLED_MODES, DraftTree
 
 if TYPE_CHECKING:
     from speculators.config import TreeConfig
@@ -79,6 +79,7 @@ class NgramGraft:
         self.lookup = lookup or NgramDrafter()
         self.name = f"{getattr(drafter, 'name', type(drafter).__name__)}+ngram"
         self.family = getattr(drafter, "family", "?")
+        self.samples_drafts = bool(getattr(drafter, "samples_drafts", False))  # sampled drafts pass ungrafted
 
     def required_features(self) -> FeatureRequest:
         return self.drafter.required_features()
@@ -98,7 +99,7 @@ class NgramGraft:
                 generator: torch.Generator | None) -> DraftTree:
         drafted = self.drafter.propose(state.inner, root_token, tree, sampling, generator)
         context = state.lookup.tokens
-        if drafted.mode == "iid" or not context:
+        if drafted.mode in SAMPLED_MODES or not context:
             return drafted
         found = ngram_continuations(context, drafted.max_depth + self.max_new_nodes, self.lookup.max_ngram,
                                     self.lookup.min_ngram, num=1)

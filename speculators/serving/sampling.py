@@ -19,7 +19,13 @@ Filter order (fixed; part of the contract):
   With (top_k == 0 or top_k >= V) and top_p == 1 nothing is filtered: the row is exactly softmax(z).
 
 `sample` draws one token from a row by inverse CDF on a float64 uniform from the caller's generator.
-It never returns a zero-probability token (also when the uniform is exactly 0).
+It never returns a zero-probability token (also when the uniform is exactly 0). `sample_without_replacement`
+draws k distinct tokens one after another, each from the row with the earlier draws removed (what the
+verifier's `without_replacement` / `traversal` modes assume of sibling drafts).
+
+`SamplingParams.logprobs` (None, or k >= 0) asks the engine for the log-probability of every generated token and
+its k most likely alternatives; those come from the target's unfiltered law (log-softmax of its logits, before
+temperature, top-k and top-p), as vLLM reports them by default. They never change which tokens are drawn.
 
 Not here: repetition/presence penalties, min-p, logit bias, grammar masks, stop-string matching (`stop` and
 `stop_token_ids` are carried for the engine), and batched sampling of many rows at once.
@@ -32,7 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "logits_to_probs", "sample", "inverse_cdf"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "logits_to_probs", "sample", "sample_without_replacement", "inverse_cdf"]
+
+MAX_LOGPROBS = 20  # most alternatives per generated token (OpenAI's top_logprobs limit)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -46,6 +55,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None  # generation also ends after any of these tokens (besides EOS)
+    logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and its k best alternatives
 
     @property
     def greedy(self) -> bool:
@@ -63,8 +73,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an int in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] or None, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if self.stop is not None and (
             not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
         ):
@@ -170,3 +184,22 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
         raise ValueError("sample expects one probability row: a non-empty 1-D tensor [V]")
     u = float(torch.rand((), dtype=torch.float64, generator=generator, device=generator.device))
     return inverse_cdf(probs, u)
+
+
+def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
+    """Up to k distinct token ids drawn one after another without replacement from probs [V] (draw j from the row
+    with draws 1..j-1 zeroed and renormalised), in draw order; fewer when fewer tokens have mass.
+
+    Exponential race with one float64 exponential per token: token i finishes at E_i / p_i, E_i ~ Exp(1), so the
+    first finisher is i with probability p_i / sum(p), and by memorylessness the rest race again among the others:
+    the finishing order (= the keys p_i / E_i in descending order) is a sequential draw without replacement."""
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 1 or probs.shape[0] == 0:
+        raise ValueError("sample_without_replacement expects one probability row: a non-empty 1-D tensor [V]")
+    p = probs.to(torch.float64)  # [V]
+    live = p > 0  # [V]
+    n = min(int(k), int(live.sum()))
+    if n <= 0:
+        return []
+    race = torch.empty(p.shape, dtype=torch.float64, device=p.device).exponential_(generator=generator)  # [V]
+    keys = torch.where(live, p / race, torch.full_like(p, -1.0))  # [V]; inf when E_i == 0 (probability 0)
+    return [int(t) for t in torch.topk(keys, n).indices.tolist()]

@@ -18,8 +18,19 @@ Not here: the target forward (target_runner.py), the filter (`sampling.logits_to
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the target's raw law, and the `top` most likely tokens there
+    (id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class TargetRows:
@@ -27,11 +38,13 @@ class TargetRows:
 
     def __init__(self, hidden: torch.Tensor, parents: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
                  law: Callable[[torch.Tensor], torch.Tensor],
-                 premade: tuple[list[int], torch.Tensor] | None = None) -> None:
+                 premade: tuple[list[int], torch.Tensor] | None = None, keep_logits: bool = False) -> None:
         """hidden [N, H]: every node's final-norm target output; head: hidden rows [R, H] -> logits [R, V];
         law: logits [R, V] -> filtered probabilities [R, V]; premade: (nodes, their logits [R, V]) already made
-        (the filter is applied to them when the walk first reads one)."""
+        (the filter is applied to them when the walk first reads one). With `keep_logits`, the raw logits of every
+        row made are kept too (`logits(node)`: the log-probabilities a request asked for come from them)."""
         self.hidden, self.head, self.law = hidden, head, law
+        self.raw: dict[int, torch.Tensor] | None = {} if keep_logits else None  # node -> logits [V]
         self.first_child = _first_children(parents)
         self.rows: dict[int, torch.Tensor] = {}  # node -> [V]
         self.products = 0  # output-head products run (one per block)
@@ -41,6 +54,8 @@ class TargetRows:
         if node not in self.rows and self.premade is not None and node in self.premade[0]:
             nodes, logits = self.premade
             self.rows.update(zip(nodes, self.law(logits), strict=True))
+            if self.raw is not None:
+                self.raw.update(zip(nodes, logits, strict=True))
             self.premade = None
         if node not in self.rows:
             block, i = [], node
@@ -48,10 +63,34 @@ class TargetRows:
                 block.append(i)
                 i = self.first_child[i]
             index = torch.tensor(block, device=self.hidden.device)  # [R]
-            probs = self.law(self.head(self.hidden[index]))  # [R, V]
+            logits = self.head(self.hidden[index])  # [R, V]
+            probs = self.law(logits)  # [R, V]
             self.rows.update(zip(block, probs, strict=True))
+            if self.raw is not None:
+                self.raw.update(zip(block, logits, strict=True))
             self.products += 1
         return self.rows[node]
+
+    def logits(self, node: int) -> torch.Tensor:  # [V]
+        """The raw target logits at `node` (made on demand; needs `keep_logits`)."""
+        if self.raw is None:
+            raise ValueError("TargetRows was made without keep_logits")
+        self(node)
+        return self.raw[node]
+
+    def token_logprobs(self, nodes: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:
+        """tokens[j] was drawn from the law at nodes[j]: its log-probability there and the `top` best alternatives
+        (log-softmax of the raw logits, float32)."""
+        if not tokens:
+            return []
+        logp = torch.log_softmax(torch.stack([self.logits(n) for n in nodes]).float(), dim=-1)  # [J, V]
+        chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()  # [J]
+        best = torch.topk(logp, top, dim=-1) if top else None
+        out = []
+        for j, tok in enumerate(tokens):
+            alts = list(zip(best.indices[j].tolist(), best.values[j].tolist(), strict=True)) if best is not None else []
+            out.append(TokenLogprob(int(tok), float(chosen[j]), alts))
+        return out
 
     @property
     def made(self) -> int:

@@ -18,7 +18,8 @@ math, fewer operations (decoding is overhead- and memory-bound). Adapter-wrapped
 `forward_batch` runs several sequences (each with its own cache, tree and mask) in one pass: their rows are stacked
 for every matrix product and attention runs per sequence.
 
-Same code on CPU (fp32) and CUDA (bf16). Not here: sampling, verification, KV commits (kv_cache.py), scheduling
+Same code on CPU (fp32) and CUDA (bf16); rows of a multi-node tree round differently from a one-token forward in
+bf16 (what that means for greedy equality: engine.py). Not here: sampling, verification, KV commits (kv_cache.py), scheduling
 several requests (batching.py), CUDA graphs, families with other layer structures (Gemma-style norms, MLA,
 soft-capping): those fail with one line naming the model type.
 """

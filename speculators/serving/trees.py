@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-VERIFY_MODES = ("greedy", "deterministic", "iid", "without_replacement")
+VERIFY_MODES = ("greedy", "deterministic", "iid", "without_replacement", "block", "traversal", "traversal_iid")
+SAMPLED_MODES = ("iid", "without_replacement", "block", "traversal", "traversal_iid")  # need draft_probs
 
 
 @dataclass
@@ -22,7 +23,7 @@ class DraftTree:
     tokens: torch.Tensor  # [N] long; node 0 = root
     parents: torch.Tensor  # [N] long; parents[0] = -1, parents[i] < i
     mode: str  # how verify_tree must treat the children: one of VERIFY_MODES
-    draft_probs: torch.Tensor | None = None  # [N, V] law node i's children were drawn from (iid / w/o replacement)
+    draft_probs: torch.Tensor | None = None  # [N, V] law node i's children were drawn from (SAMPLED_MODES)
 
     def __post_init__(self) -> None:
         if self.mode not in VERIFY_MODES:

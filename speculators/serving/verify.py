@@ -16,7 +16,30 @@ Modes (children of a node are always tried in node-index order):
   without_replacement  siblings drawn one after another without replacement from draft_probs[parent]
                        (recursive rejection sampling): as iid, and after each rejection q loses x
                        (q <- q with x zeroed, renormalised). Duplicate siblings are rejected as invalid input.
-At each node r starts as the target row of that node; a node without children emits next ~ its target row.
+  traversal            siblings drawn without replacement as above, verified leaf-to-root with sequence-level
+                       acceptance (traversal verification, Weng et al. 2025, arXiv 2505.12398; see below).
+  traversal_iid        the same for siblings drawn i.i.d. (q keeps every token after a rejection).
+  block                a chain drafted by sampling draft_probs (one child per node), verified jointly (block
+                       verification, Sun et al. 2024, arXiv 2403.10444): `traversal` restricted to a chain.
+In the token-wise modes r starts as the target row of each node; a node without children emits next ~ its
+target row.
+
+Traversal / block verification. Every node v carries a weight w(v) in [0, 1]: the probability that the path to v
+survives, as a sequence, against the draft. w(root) = 1; when v is entered, a child c (token x) of v gets
+w(c) = min(1, w(v) r_v(x) / q_v(x)) with r_v, q_v v's current target and draft laws. Subtrees are verified in
+post-order (children in index order, each child's whole subtree before the next child, v itself last): a node
+whose children are all rejected is accepted with probability w(v) (the root always is), and then next ~ r_v;
+else v and its subtree are rejected and its parent u updates
+    s = sum(max(0, w(u) r_u - q_u)),   w(u) <- s / (s + 1 - w(u)),   r_u <- norm(max(0, w(u) r_u - q_u)),
+and q_u loses x in `traversal` (its next child was drawn without x). Invariant (proved by induction over the
+subtree, and by exact enumeration in the tests): the output passes through v with probability w(v), and then its
+next token has law r_v, so at the root (w = 1) the output law is the target's. On a chain the post-order is the
+leaf-to-root scan of block verification: w is Sun et al.'s p_i, the updated weight their h_i, and the accepted
+length their tau = max{i : eta_i <= h_i}. A child with weight 0 is rejected with its whole subtree without
+looking at it (every weight below it is 0 too). On a chain, for every drafted prefix x_1..x_i, P(>= i accepted |
+prefix) = w_i >= prod_{j<=i} min(1, p_j/q_j), the token-wise probability, so block verification never accepts fewer
+tokens in expectation over the drafts (it may on one given draft); on trees the tests check the same inequality
+exactly on every enumerated case; depth-1 trees verify exactly as token-wise.
 
 Randomness injection: the decision logic (`walk_tree`) never touches a generator or a tensor. It reads rows
 through a `RowOps` (arithmetic on rows: probability of a token, argmax, residuals) and makes every random
@@ -41,6 +64,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from speculators.serving.sampling import sample
+from speculators.serving.verify_inputs import check_draft, check_rows, describe
 
 __all__ = [
     "MODES",
@@ -57,17 +81,19 @@ __all__ = [
     "walk_tree",
 ]
 
-MODES: tuple[str, ...] = ("greedy", "deterministic", "iid", "without_replacement")
-_SAMPLED_MODES = ("iid", "without_replacement")
-# |row sum - 1| allowed in input rows, by dtype; half-precision rows carry ~3 significant digits.
-_ROW_SUM_TOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2}
-_DEFAULT_ROW_SUM_TOL = 1e-3
+MODES: tuple[str, ...] = ("greedy", "deterministic", "iid", "without_replacement", "block", "traversal",
+                          "traversal_iid")
+_TRAVERSAL_MODES = ("block", "traversal", "traversal_iid")
+_SAMPLED_MODES = ("iid", "without_replacement", *_TRAVERSAL_MODES)
+_DISTINCT_SIBLING_MODES = ("without_replacement", "traversal")
 
 Row = TypeVar("Row")
 
 
 class RowOps(Protocol[Row]):
-    """Arithmetic on probability rows. `remove` / `residual` return None when no mass is left."""
+    """Arithmetic on probability rows. `remove` / `residual` return None when no mass is left;
+    `weighted_residual(r, q, w)` returns (s, norm(max(0, w r - q))) with s = sum(max(0, w r - q)), row None
+    when s is 0."""
 
     def prob(self, row: Row, token: int) -> Real: ...
 
@@ -76,6 +102,8 @@ class RowOps(Protocol[Row]):
     def remove(self, row: Row, token: int) -> Row | None: ...
 
     def residual(self, r: Row, q: Row) -> Row | None: ...
+
+    def weighted_residual(self, r: Row, q: Row, weight: Real) -> tuple[Real, Row | None]: ...
 
 
 class RandomSource(Protocol[Row]):
@@ -126,6 +154,8 @@ def walk_tree(
     drawn from (read only in the sampled modes, only for nodes with children).
     Returns (accepted node indices root->leaf, root excluded; next token).
     """
+    if mode in _TRAVERSAL_MODES:
+        return _traverse_tree(tree, mode, target_row, draft_row, ops, rng)
     accepted: list[int] = []
     node = 0
     while True:
@@ -167,19 +197,14 @@ def _try_children(
                 return c, r
             r = _or_keep(ops.remove(r, x), r)
         return None, r
-    if mode not in _SAMPLED_MODES:
+    if mode not in ("iid", "without_replacement"):
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if draft_row is None:
         raise ValueError(f"mode {mode!r} needs the draft law of every node with children (draft_probs)")
     q: Row | None = draft_row(node)
     for c in kids:
         x = tree.tokens[c]
-        qx = ops.prob(q, x) if q is not None else 0
-        if not qx > 0:
-            raise ValueError(
-                f"node {c} carries token {x}, which has probability 0 under the law its parent's children "
-                f"were drawn from ({mode}): draft_probs or the tree is wrong"
-            )
+        qx = _draft_prob(ops, q, c, x, mode)
         rx = ops.prob(r, x)
         if rng.accept(rx / qx if rx < qx else 1):
             return c, r
@@ -187,6 +212,63 @@ def _try_children(
         if mode == "without_replacement":
             q = ops.remove(q, x)  # exact law of the next sibling given the ones before it
     return None, r
+
+
+def _draft_prob(ops: RowOps[Row], q: Row | None, child: int, token: int, mode: str) -> Real:
+    """q(token) of a drafted child; a child its parent's law cannot have produced is invalid input."""
+    qx = ops.prob(q, token) if q is not None else 0
+    if not qx > 0:
+        raise ValueError(
+            f"node {child} carries token {token}, which has probability 0 under the law its parent's children "
+            f"were drawn from ({mode}): draft_probs or the tree is wrong"
+        )
+    return qx
+
+
+def _traverse_tree(tree: Tree, mode: str, target_row: Callable[[int], Row], draft_row: Callable[[int], Row] | None,
+                   ops: RowOps[Row], rng: RandomSource[Row]) -> tuple[list[int], int]:
+    """Traversal / block verification of the whole tree (module docstring)."""
+    if draft_row is None:
+        raise ValueError(f"mode {mode!r} needs the draft law of every node with children (draft_probs)")
+    if mode == "block":
+        wide = next((i for i, kids in enumerate(tree.children) if len(kids) > 1), None)
+        if wide is not None:
+            raise ValueError(f"mode 'block' verifies a chain, but node {wide} has {len(tree.children[wide])} "
+                             f"children; use 'traversal' (or 'traversal_iid') for trees")
+    found = _traverse(tree, 0, 1, mode, target_row, draft_row, ops, rng)
+    assert found is not None  # the root is always accepted
+    return found
+
+
+def _traverse(tree: Tree, node: int, weight: Real, mode: str, target_row: Callable[[int], Row],
+              draft_row: Callable[[int], Row], ops: RowOps[Row], rng: RandomSource[Row]
+              ) -> tuple[list[int], int] | None:
+    """Verify the subtree of `node` (entered with `weight`): (accepted path below node, next token), or None when
+    node and its whole subtree are rejected."""
+    kids = tree.children[node]
+    if not kids:
+        if node == 0 or rng.accept(weight):
+            return [], rng.draw(target_row(node))
+        return None
+    r = target_row(node)
+    q: Row | None = draft_row(node)
+    for c in kids:
+        x = tree.tokens[c]
+        child_weight = weight * ops.prob(r, x) / _draft_prob(ops, q, c, x, mode)
+        if child_weight > 0:
+            found = _traverse(tree, c, min(child_weight, 1), mode, target_row, draft_row, ops, rng)
+            if found is not None:
+                return [c, *found[0]], found[1]
+        mass, rest = ops.weighted_residual(r, q, weight)
+        if rest is None:  # w r <= q everywhere: nothing left here (at the root only through rounding: keep r)
+            weight = weight if weight >= 1 else 0
+        else:
+            weight, r = min(mass / (mass + 1 - weight), 1), rest  # <= 1 in exact arithmetic
+        if mode == "traversal":
+            q = ops.remove(q, x)  # exact law of the next sibling given the ones before it
+    if node == 0 or rng.accept(weight):
+        return [], rng.draw(r)
+    return None
 
 
 def _or_keep(new: Row | None, old: Row) -> Row:
@@ -230,6 +312,11 @@ class TorchRowOps:
 
     def residual(self, r: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
         return residual(r, q)
+
+    def weighted_residual(self, r: torch.Tensor, q: torch.Tensor, weight: Real) -> tuple[float, torch.Tensor | None]:
+        diff = (r.to(torch.float64) * float(weight) - q.to(torch.float64)).clamp_min_(0.0)  # [V]
+        mass = float(diff.sum())
+        return mass, (diff / mass if mass > 0 else None)
 
 
 class TorchRandomness:
@@ -280,13 +367,19 @@ def verify_tree(
     """Verify one draft tree; returns (accepted node indices root->leaf, root excluded; next token).
 
     tokens [N] and parents [N] are integer tensors (parents[0] = -1, parents[i] < i); target_probs [N, V]
-    holds the already-filtered target law after the path to each node; draft_probs [N, V] (iid and
-    without_replacement only; ignored otherwise) holds the law node i's children were drawn from — only
-    rows of nodes with children are read. generator may be None only in greedy mode.
-    Raises ValueError on malformed input.
+    holds the already-filtered target law after the path to each node; draft_probs [N, V] (sampled modes
+    only: iid, without_replacement, block, traversal, traversal_iid; ignored otherwise) holds the law node i's
+    children were drawn from — only rows of nodes with children are read. generator may be None only in
+    greedy mode. Modes (module docstring): greedy | deterministic (children by any deterministic mechanism) |
+    iid | without_replacement (siblings sampled from draft_probs, token-wise recursive rejection) | block (a
+    sampled chain, verified jointly: Sun et al. 2024) | traversal | traversal_iid (a tree of siblings sampled
+    without replacement / i.i.d., verified leaf-to-root: Weng et al. 2025). block and traversal* never accept
+    fewer tokens in expectation than iid / without_replacement on the same draft.
+    Raises ValueError on malformed input (a tree that is not a chain in block mode, duplicate siblings in
+    without_replacement / traversal).
     """
     tree = _check_tree(tokens, parents, mode, generator)
-    vocab = _check_rows("target_probs", target_probs, len(tree.tokens), None, None)
+    vocab = check_rows("target_probs", target_probs, len(tree.tokens), None, None)
     return _walk(tree, parents, target_probs.__getitem__, vocab, draft_probs, mode, generator)  # row i: [V]
 
 
@@ -301,8 +394,10 @@ def verify_tree_lazy(
     generator: torch.Generator | None,
 ) -> tuple[list[int], int]:
     """`verify_tree` with the target rows made on demand: target_row(i) -> the filtered target law [V] after the
-    path to node i. The walk asks only for the nodes it visits — the accepted path and the node the next token
-    comes from, root first, each once — so a caller can skip the output head of every other node. The same
+    path to node i. The walk asks only for the nodes it visits, root first, each once — in the token-wise modes
+    the accepted path and the node the next token comes from; in block / traversal modes the nodes whose
+    children it tries (depth-first, pre-order) and the accepted node — so a caller can skip the output head of
+    every other node. The same
     decisions and random draws as `verify_tree` on the same rows; the rows themselves are not checked (they
     must come from `sampling.logits_to_probs`), the tree and draft_probs are."""
     tree = _check_tree(tokens, parents, mode, generator)
@@ -318,7 +413,7 @@ def _walk(tree: Tree, parents: torch.Tensor, target_row: Callable[[int], torch.T
         )
     sampled = mode in _SAMPLED_MODES
     if sampled:
-        _check_draft(tree, parents, draft_probs, mode, vocab)
+        check_draft(tree.tokens, tree.children, parents, draft_probs, mode, vocab, distinct_siblings=mode in _DISTINCT_SIBLING_MODES)
     return walk_tree(
         tree,
         mode=mode,
@@ -336,63 +431,5 @@ def _check_tree(tokens: torch.Tensor, parents: torch.Tensor, mode: str, generato
         raise ValueError(f"verify_tree: mode {mode!r} needs a torch.Generator, got {type(generator).__name__}")
     for name, t in (("tokens", tokens), ("parents", parents)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
-            raise ValueError(f"verify_tree: {name} must be a 1-D integer tensor [N], got {_describe(t)}")
+            raise ValueError(f"verify_tree: {name} must be a 1-D integer tensor [N], got {describe(t)}")
     return Tree.from_parents(tokens.tolist(), parents.tolist())
-
-
-def _check_draft(tree: Tree, parents: torch.Tensor, draft_probs: torch.Tensor | None, mode: str, vocab: int) -> None:
-    if draft_probs is None:
-        raise ValueError(
-            f"verify_tree: mode {mode!r} needs draft_probs [N, V] (the law each node's children were drawn from)"
-        )
-    internal = [i for i, kids in enumerate(tree.children) if kids]
-    _check_rows("draft_probs", draft_probs, len(tree.tokens), vocab, internal)
-    if len(tree.tokens) > 1:
-        rows = parents[1:].to(device=draft_probs.device, dtype=torch.long)  # [N-1]
-        cols = torch.tensor(tree.tokens[1:], dtype=torch.long, device=draft_probs.device)  # [N-1]
-        q_drafted = draft_probs[rows, cols]  # [N-1]
-        if not float(q_drafted.min()) > 0:
-            i = int(torch.nonzero(~(q_drafted > 0))[0]) + 1
-            raise ValueError(
-                f"verify_tree: node {i} carries token {tree.tokens[i]} but draft_probs[{int(parents[i])}] gives it "
-                f"probability 0, so it cannot have been drawn from that law"
-            )
-    if mode == "without_replacement":
-        for node, kids in enumerate(tree.children):
-            toks = [tree.tokens[c] for c in kids]
-            if len(set(toks)) != len(toks):
-                raise ValueError(
-                    f"verify_tree: node {node} has duplicate child tokens {toks}; without_replacement drafts are distinct"
-                )
-
-
-def _check_rows(name: str, probs: object, n: int, vocab: int | None, rows: list[int] | None) -> int:
-    """Check probs is [n, vocab] of non-negative rows summing to ~1 (only `rows` if given); return V."""
-    if not isinstance(probs, torch.Tensor) or probs.dim() != 2 or not probs.is_floating_point():
-        raise ValueError(f"verify_tree: {name} must be a floating-point tensor [N, V], got {_describe(probs)}")
-    if probs.shape[0] != n or probs.shape[1] == 0 or (vocab is not None and probs.shape[1] != vocab):
-        want = f"[{n}, {vocab if vocab is not None else 'V>0'}]"
-        raise ValueError(f"verify_tree: {name} has shape {list(probs.shape)}, expected {want}")
-    if rows is not None and not rows:
-        return probs.shape[1]
-    sel = probs if rows is None else probs[torch.tensor(rows, device=probs.device)]  # [R, V]
-    tol = _ROW_SUM_TOL.get(probs.dtype, _DEFAULT_ROW_SUM_TOL)
-    sums = sel.sum(dim=-1)  # [R]
-    low, high = torch.aminmax(sums)
-    if 1 - tol <= float(low) and float(high) <= 1 + tol and float(sel.min()) >= 0:  # NaN fails every test
-        return probs.shape[1]
-    index = list(range(n)) if rows is None else rows
-    sum_ok = (sums - 1).abs() <= tol  # [R] False for NaN / Inf
-    non_negative = sel.amin(dim=-1) >= 0  # [R]
-    bad = int(torch.nonzero(~sum_ok | ~non_negative)[0])
-    if not bool(sum_ok[bad]):
-        raise ValueError(
-            f"verify_tree: {name}[{index[bad]}] sums to {float(sums[bad]):.6g}; rows must be probabilities summing to 1"
-        )
-    raise ValueError(f"verify_tree: {name}[{index[bad]}] has negative entries; rows must be probabilities")
-
-
-def _describe(x: object) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} tensor of shape {list(x.shape)}"
-    return type(x).__name__

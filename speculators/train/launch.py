@@ -8,11 +8,13 @@
   checkpoint) in THIS process, so bad input fails with one line before any worker starts; then runs
   `python -m accelerate.commands.launch [--config_file X] [--num_processes N] ... -m speculators.train.launch
   RECIPE.yaml` with the resolved recipe in a temp file. Workers report a `SpeculatorsError` through an error file
-  (one line for the user, not one per rank); rank 0's summary comes back through a result file.
+  (one line for the user, not one per rank); rank 0's summary comes back through a result file (on every node).
   Without a config file, N > 1 processes use accelerate's multi-GPU launcher (torchrun), which on a machine
   without CUDA gives CPU DDP over gloo (`Accelerator(cpu=True)` in the worker).
 - `python -m speculators.train.launch RECIPE [section.key=value ...]` is the worker: what `accelerate launch`
-  (or torchrun, or a multi-node scheduler) runs on every rank.
+  (or torchrun, or a multi-node scheduler) runs on every rank. On M nodes, every node runs its own launcher with its
+  accelerate config (`num_machines`, `machine_rank`, `main_process_ip` / `_port`); every rank ends with rank 0's
+  summary and each node's first process hands it to that node's launcher, so every node reports the same result.
 
 What it does not do: parse command-line options (cli.py does; the worker only forwards its arguments to
 `load_recipe`), or train (loop.py).
@@ -36,6 +38,7 @@ WORKER_ENV = "SPECULATORS_TRAIN_WORKER"
 RESULT_ENV = "SPECULATORS_TRAIN_RESULT"
 ERROR_ENV = "SPECULATORS_TRAIN_ERROR"
 FORCE_ENV = "SPECULATORS_TRAIN_FORCE"
+SHARDS_VERIFIED_ENV = "SPECULATORS_SHARDS_VERIFIED"  # preflight verified every feature shard's checksum
 
 
 def in_worker() -> bool:
@@ -140,7 +143,7 @@ def launch(recipe: Recipe, *, force: bool = False) -> dict:
         cmd = launch_command(recipe, recipe_file)
         env = dict(os.environ)
         env.update({WORKER_ENV: "1", RESULT_ENV: str(tmp / "result.json"), ERROR_ENV: str(tmp / "error"),
-                    FORCE_ENV: "1" if force else "0", "PYTHONUNBUFFERED": "1"})
+                    FORCE_ENV: "1" if force else "0", SHARDS_VERIFIED_ENV: "1", "PYTHONUNBUFFERED": "1"})
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, recipe.train.num_processes))))
         proc = subprocess.run(cmd, env=env, check=False)
         errors = sorted(tmp.glob("error.*"))
@@ -160,8 +163,10 @@ def launch(recipe: Recipe, *, force: bool = False) -> dict:
 def worker_main(argv: list[str]) -> int:
     """Entry point of every launched rank: `python -m speculators.train.launch RECIPE [overrides ...]`."""
     from speculators.config import load_recipe
+    from speculators.logs import configure
     from speculators.train.loop import train
 
+    configure()
     os.environ[WORKER_ENV] = "1"
     if not argv:
         print("usage: python -m speculators.train.launch RECIPE.yaml [section.key=value ...]", file=sys.stderr)
@@ -178,8 +183,8 @@ def worker_main(argv: list[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     out = os.environ.get(RESULT_ENV)
-    if out and rank == "0":
-        Path(out).write_text(json.dumps(summary, default=str))
+    if out and os.environ.get("LOCAL_RANK", rank) == "0":  # the first process of every node: each node's launcher
+        Path(out).write_text(json.dumps(summary, default=str))  # gets rank 0's summary (train() shares it)
     return 0
 
 

@@ -4,7 +4,8 @@ What it does:
 - `run(recipe, force=False)`: re-launches itself under `accelerate launch` when the recipe asks for several
   processes or an accelerate config (launch.py), else trains in this process (`train`). 1 CPU process, N CPU
   processes (gloo DDP), DeepSpeed ZeRO-2/3 (CPU or GPU) and FSDP (GPU) all run this same code.
-- Data: offline feature shards (`speculators.data.shards.FeatureStore`, refused when captured from another target)
+- Data: offline feature shards (`speculators.data.shards.FeatureStore`, refused when captured from another target;
+  every shard's sha256 is verified before step 1)
   or online capture (`capture.mode: online`: the target runs inside the step on the prepared/regenerated rows).
 - The speculator comes from `SPECULATORS[family].from_target(...)`; the trainer never branches on the family.
 - Optimisation: AdamW, warmup + cosine/linear/constant schedule (a pure function of the optimizer step),
@@ -37,8 +38,8 @@ from typing import Any
 from speculators.config import Recipe, to_dict
 from speculators.errors import SpeculatorsError
 
-_NOT_IN_SIGNATURE = {"resume", "trackers", "wandb_project", "log_every", "num_workers", "eval_every", "keep_last",
-                     "accelerate_config", "num_processes", "save_every"}
+_NOT_IN_SIGNATURE = {"resume", "trackers", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "log_every",
+                     "num_workers", "eval_every", "keep_last", "accelerate_config", "num_processes", "save_every"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -310,7 +311,9 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
     if recipe.capture.mode == "offline":
         from speculators.data.shards import FeatureStore
 
-        FeatureStore(features).check_target(fp)
+        store = FeatureStore(features)
+        store.check_target(fp)
+        store.verify_checksums()  # every shard, before any worker starts (one line naming a damaged shard)
         vocab_dir = features
     else:
         from speculators.data.artifacts import read_manifest
@@ -412,8 +415,11 @@ def load_setup(recipe: Recipe, device: Any) -> Setup:
     store = None
     if mode == "offline":
         from speculators.data.shards import FeatureStore
+        from speculators.train.launch import SHARDS_VERIFIED_ENV
 
         store = FeatureStore(recipe.paths.features)
+        if os.environ.get(SHARDS_VERIFIED_ENV) != "1":  # the launcher's preflight already checked them
+            store.verify_checksums()  # before step 1: a damaged shard fails now, not when an epoch reaches it
     else:
         source = PreparedSource(recipe.training_data_dir, recipe.data.max_length)
     frozen = frozen_target_weights(recipe.target) if mode == "offline" else None
@@ -577,7 +583,7 @@ def train(recipe: Recipe, *, force: bool = False) -> dict:
     from speculators.train import checkpoint as ck
     from speculators.train.batches import BatchPlan, OfflineFeatures, OnlineFeatures, micro_batch_loader
     from speculators.train.loss import TeacherShape, VocabMap, speculator_loss
-    from speculators.train.tracking import Tracker
+    from speculators.train.tracking import Tracker, wandb_options
 
     t = recipe.train
     family = recipe.speculator.family
@@ -648,7 +654,7 @@ def train(recipe: Recipe, *, force: bool = False) -> dict:
     recipe_dict = to_dict(recipe)
     versions = _versions()
     tracker = Tracker(recipe.paths.logs, t.trackers, run_name=recipe.name, enabled=main,
-                      resume_step=start_step if resume_dir is not None else None, project=t.wandb_project,
+                      resume_step=start_step if resume_dir is not None else None, wandb=wandb_options(t),
                       config={**recipe_dict, "world_size": world, "mode": setup.mode})
     sharded = (deepspeed and int(acc.state.deepspeed_plugin.zero_stage) == 3) or \
         acc.distributed_type == DistributedType.FSDP
@@ -814,5 +820,9 @@ def train(recipe: Recipe, *, force: bool = False) -> dict:
     tracker.close()
     if main:
         ck.write_text_atomic(root / ck.SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    if world > 1:  # every rank returns rank 0's summary (each node's launcher reports it, shared storage or not)
+        from accelerate.utils import broadcast_object_list
+
+        summary = broadcast_object_list([summary if main else None], from_process=0)[0]
     acc.wait_for_everyone()
     return summary

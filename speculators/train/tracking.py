@@ -5,34 +5,78 @@ What it does:
 - `Tracker.log_acceptance(step, rows, png)`: the per-position acceptance table and its plot at each evaluation.
 - JSONL (`logs/metrics.jsonl`, one object per line with "step" and "kind"): always on; on resume, records past the
   resumed step are dropped (atomic rewrite) so the file reads as one uninterrupted run.
-- TensorBoard (`logs/tensorboard/`), W&B (`logs/wandb/`): W&B runs offline unless WANDB_API_KEY is set (or
-  WANDB_MODE says otherwise), and resumes the same run id after a restart. A missing package is skipped with one
-  warning line; nothing here is ever required.
+- TensorBoard (`logs/tensorboard/`), W&B (`logs/wandb/`): W&B runs online when the user has W&B credentials —
+  WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, or `wandb login`'s netrc entry for the W&B host — and offline otherwise
+  (WANDB_MODE, when set, decides; `wandb_mode`). Entity, project, tags and group come from the recipe
+  (`train.wandb_*`). The run resumes the same id after a restart, and one line says where it lives: its URL, or the
+  `wandb sync` command that uploads an offline run. A missing package is skipped with one warning line; nothing
+  here is ever required.
+- `log_evaluation`: the evaluate stage's report (per-cohort tau per temperature, live tau, its plots, the checkpoint
+  it chose) goes to the same W&B run, resumed by its id.
 - `acceptance_figure`: a matplotlib (Agg) figure of per-position acceptance a_k and chain reach E_k.
 Only the main process creates a live `Tracker`; other ranks get a disabled one.
 
-What it does not do: compute metrics, print progress bars, or talk to the network on its own (W&B online mode is
-the user's explicit choice through WANDB_API_KEY).
+What it does not do: compute metrics, print progress bars, or talk to the network on its own (W&B goes online only
+with the user's own credentials).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import netrc
 import os
 import shutil
-import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 JSONL_NAME = "metrics.jsonl"
+RUN_ID_FILE = "wandb-run-id"
+DEFAULT_WANDB_HOST = "https://api.wandb.ai"
+
+log = logging.getLogger(__name__)
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    log.warning(message)
 
+
+def wandb_mode(environ: dict[str, str] | None = None) -> tuple[str, str]:
+    """(mode, why): WANDB_MODE when set; "online" with credentials (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, or the
+    netrc entry `wandb login` writes for the W&B host); "offline" otherwise."""
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"], "WANDB_MODE"
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if env.get(name):
+            return "online", name
+    path = Path(env.get("NETRC") or Path(env.get("HOME") or Path.home()) / ".netrc")
+    host = urlparse(env.get("WANDB_BASE_URL") or DEFAULT_WANDB_HOST).hostname or ""
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host) if path.is_file() else None
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    if entry and entry[2]:
+        return "online", f"`wandb login` ({path})"
+    return "offline", "no W&B credentials (WANDB_API_KEY or `wandb login`)"
+
+
+def wandb_options(train: Any) -> dict:
+    """The recipe's W&B run settings (`train.wandb_project / _entity / _group / _tags`)."""
+    return {"project": train.wandb_project, "entity": train.wandb_entity, "group": train.wandb_group,
+            "tags": list(train.wandb_tags or [])}
+
+
+def _where(run: Any, mode: str) -> str:
+    """One line saying where a W&B run lives."""
+    if mode == "offline":
+        sync = Path(str(getattr(run.settings, "sync_dir", "") or "")).parent / f"offline-run-*-{run.id}"
+        return f"W&B run {run.id} is saved offline in {sync.parent}; upload it with: wandb sync {sync}"
+    return f"W&B run: {run.url}" if getattr(run, "url", None) else f"W&B run {run.id} ({mode})"
 
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -93,7 +137,7 @@ class Tracker:
     """Fan-out of metrics to JSONL / TensorBoard / W&B (see the module docstring)."""
 
     def __init__(self, logs_dir: Path, trackers: list[str], *, run_name: str, config: dict, enabled: bool = True,
-                 resume_step: int | None = None, project: str = "speculators") -> None:
+                 resume_step: int | None = None, wandb: dict | None = None) -> None:
         self.enabled = enabled
         self.logs_dir = Path(logs_dir)
         self.jsonl: Path | None = None
@@ -117,7 +161,7 @@ class Tracker:
         if "tensorboard" in trackers:
             self._open_tensorboard()
         if "wandb" in trackers:
-            self._open_wandb(run_name, config, project, resume_step is not None)
+            self._open_wandb(run_name, config, wandb or {"project": "speculators"}, resume_step is not None)
 
     # ---- backends ---------------------------------------------------------------------------------------------
     def _open_tensorboard(self) -> None:
@@ -128,29 +172,24 @@ class Tracker:
             return
         self.tb = SummaryWriter(log_dir=str(self.logs_dir / "tensorboard"))
 
-    def _open_wandb(self, run_name: str, config: dict, project: str, resuming: bool) -> None:
+    def _open_wandb(self, run_name: str, config: dict, options: dict, resuming: bool) -> None:
         try:
-            import wandb
+            import wandb  # noqa: F401 - is it installed?
         except ImportError:
             _warn("wandb is not installed; skipping Weights & Biases logging (pip install wandb)")
             return
-        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        mode, why = wandb_mode()
         if mode == "disabled":
             return
-        id_file = self.logs_dir / "wandb-run-id"
+        id_file = self.logs_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
         if run_id is None:
             run_id = uuid.uuid4().hex[:12]
             id_file.write_text(run_id + "\n")
         self.wandb_dir = self.logs_dir
-        try:
-            self.wandb_run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", mode=mode,
-                                        dir=str(self.logs_dir), config=config,
-                                        settings=wandb.Settings(console="off", silent=True))
-        except Exception as exc:  # noqa: BLE001 - never let tracking stop training
-            _warn(f"wandb could not start ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
-                  "continuing without it")
-            self.wandb_run = None
+        self.wandb_run = open_wandb_run(self.logs_dir, run_id, mode, options, name=run_name, config=config)
+        if self.wandb_run is not None:
+            log.info("%s (mode %s: %s)", _where(self.wandb_run, mode), mode, why)
 
     # ---- logging ----------------------------------------------------------------------------------------------
     def log(self, metrics: dict[str, Any], step: int, kind: str = "train") -> None:
@@ -210,3 +249,53 @@ class Tracker:
             except TypeError:
                 self.wandb_run.finish()
             self.wandb_run = None
+
+
+def open_wandb_run(logs_dir: Path, run_id: str, mode: str, options: dict, **init: Any) -> Any:
+    """`wandb.init` of run `run_id` under `logs_dir` (resumed when it exists), or None with one warning."""
+    import wandb
+
+    try:
+        return wandb.init(id=run_id, resume="allow", mode=mode, dir=str(logs_dir),
+                          project=options.get("project") or "speculators", entity=options.get("entity"),
+                          group=options.get("group"), tags=options.get("tags") or None,
+                          settings=wandb.Settings(console="off", silent=True), **init)
+    except Exception as exc:  # noqa: BLE001 - never let tracking stop a stage
+        _warn(f"wandb could not start ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+              "continuing without it")
+        return None
+
+
+def log_evaluation(logs_dir: Path, options: dict, selection: dict, images: dict[str, Path]) -> bool:
+    """The evaluate stage's report in the training run's W&B run (resumed by the id training recorded): a table of
+    simulated tau per temperature and cohort (speculator, n-gram, live), the plots, and the checkpoint choice in the
+    run summary. Returns whether it was logged (False: training used no W&B run, or wandb is off / missing)."""
+    id_file = Path(logs_dir) / RUN_ID_FILE
+    mode, _ = wandb_mode()
+    if not id_file.is_file() or mode == "disabled":
+        return False
+    try:
+        import wandb
+    except ImportError:
+        return False
+    run = open_wandb_run(Path(logs_dir), id_file.read_text().strip(), mode, options)
+    if run is None:
+        return False
+    rows = []
+    for t, entry in selection.get("summary", {}).items():
+        live = ((selection.get("live") or {}).get(t) or {}).get("speculator", {}).get("cohorts", {})
+        for cohort, tau in entry["tau"].items():
+            rows.append([float(t), cohort, tau, entry["ngram_tau"].get(cohort), (live.get(cohort) or {}).get("tau")])
+    payload: dict[str, Any] = {"eval/cohort_tau": wandb.Table(
+        columns=["temperature", "cohort", "simulated_tau", "ngram_simulated_tau", "live_tau"], data=rows)}
+    payload.update({f"eval/{name}": wandb.Image(str(path)) for name, path in images.items() if Path(path).is_file()})
+    run.log(payload)
+    summary: dict[str, Any] = {"eval/best_checkpoint": selection.get("best"), "eval/best_step": selection.get("best_step"),
+                               "eval/metric": selection.get("metric")}
+    for t, entry in selection.get("summary", {}).items():
+        summary[f"eval/mean_tau@T={t}"] = entry["mean_tau"]
+        summary[f"eval/ngram_mean_tau@T={t}"] = entry["ngram_mean_tau"]
+    run.summary.update(summary)
+    log.info("evaluation logged to %s", _where(run, mode))
+    run.finish()
+    return True

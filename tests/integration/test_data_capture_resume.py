@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import make_tiny_target
 
 from speculators.config import load_recipe
 from speculators.data import capture, prepare
+from tests.conftest import make_tiny_target
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "data" / "datasets" / "stdlib-chat" / "train.jsonl"

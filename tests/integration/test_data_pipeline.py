@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import HOUSE_TARGET
+
+from tests.conftest import HOUSE_TARGET
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "data" / "datasets" / "stdlib-chat" / "train.jsonl"

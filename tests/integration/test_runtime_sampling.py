@@ -2,9 +2,11 @@
 generated tokens equals the exact target probabilities (computed by direct forward passes with the same
 temperature / top-k / top-p operator), by Pearson chi-square with family-wise alpha 1e-6 (Bonferroni).
 
-Covered: n-gram drafts (deterministic trees), a random EAGLE-3 sampled chain ("iid" with the draft's
-probabilities, i.e. min(1, p/q) and residual sampling), a random Medusa top-k tree and a random EAGLE-3 top-k tree
-with a prompt-lookup graft; each under temperature, top-k and top-p; the Medusa case once more with 8 requests
+Covered: n-gram drafts (deterministic trees), a random EAGLE-3 sampled chain (block verification with the draft's
+probabilities) and sampled tree (traversal verification), a random Medusa top-k tree and a random EAGLE-3 top-k tree
+with a prompt-lookup graft; a near-target drafter (the house target itself at another temperature: ratios p/q on
+both sides of 1, deep acceptance) drafting sampled trees and chains verified by traversal / block verification and
+token-wise ("without_replacement" / "iid": the bench's comparison rows); each under temperature, top-k and top-p; the Medusa case once more with 8 requests
 sharing each target forward (batching.py). Negative controls run through the SAME test and must be rejected: an
 engine that accepts every drafted token the target can produce (lossy "typical"-style acceptance) and one that
 verifies against the unfiltered target rows.
@@ -16,8 +18,12 @@ import pytest
 import torch
 
 from speculators.config import TreeConfig
+from speculators.models.base import FeatureRequest
+from speculators.models.drafting import propose_tree
 from speculators.serving import Engine, SamplingParams
+from speculators.serving.drafters import NgramDrafter
 from speculators.serving.sampling import logits_to_probs, sample
+from tests.unit.serving.oracle_drafter import chi_square_p, exact_prefix_law
 from tests.unit.serving.runtime_helpers import hf_model, loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -25,14 +31,21 @@ pytestmark = pytest.mark.integration
 SAMPLES = 1000
 FAMILY_ALPHA = 1e-6
 CASES = [  # (drafter, tree, sampling)
-    ("ngram", TreeConfig(kind="dynamic", depth=3, topk=2, budget=4, adaptive=False, sampling="tree"),
+    ("ngram", TreeConfig(kind="dynamic", depth=3, topk=2, budget=4, adaptive=False),
      dict(temperature=1.0, top_k=0, top_p=1.0)),
     ("ngram", TreeConfig(kind="chain", depth=3, adaptive=False), dict(temperature=0.7, top_k=8, top_p=1.0)),
     ("eagle3", TreeConfig(kind="chain", depth=2, adaptive=False), dict(temperature=1.2, top_k=0, top_p=0.8)),
-    ("medusa", TreeConfig(kind="dynamic", depth=2, topk=3, budget=5, adaptive=False, sampling="tree"),
+    ("medusa", TreeConfig(kind="dynamic", depth=2, topk=3, budget=5, adaptive=False),
      dict(temperature=0.9, top_k=20, top_p=0.9)),
-    ("eagle3+ngram", TreeConfig(kind="dynamic", depth=2, topk=2, budget=3, adaptive=False, sampling="tree"),
+    ("eagle3+ngram", TreeConfig(kind="dynamic", depth=2, topk=2, budget=3, adaptive=False),
      dict(temperature=1.0, top_k=0, top_p=0.95)),
+    ("eagle3", TreeConfig(kind="sampled", depth=2, topk=3, budget=5, adaptive=False), dict(temperature=1.0)),
+    ("near-target", TreeConfig(kind="sampled", depth=3, topk=2, budget=6, adaptive=False),
+     dict(temperature=0.8, top_k=0, top_p=0.95)),
+    ("near-target", TreeConfig(kind="chain", depth=3, adaptive=False), dict(temperature=1.0, top_k=30)),
+    ("near-target", TreeConfig(kind="chain", depth=3, adaptive=False, verify="token"), dict(temperature=1.0)),
+    ("near-target", TreeConfig(kind="sampled", depth=2, topk=3, budget=5, adaptive=False, verify="token"),
+     dict(temperature=1.0, top_p=0.9)),
 ]
 NUM_TESTS = len(CASES) + 3  # Bonferroni over every chi-square this module runs (controls, batched case included)
 BATCHED_CASE = 3  # also run with 8 requests sharing each target forward (batching.py)
@@ -44,52 +57,20 @@ def _prompt(house_target) -> list[int]:
     return engine.encode(text)
 
 
-def _exact_pairs(house_target, prompt: list[int], params: SamplingParams, min_mass: float, eos: set[int]) -> dict:
-    """Exact P(t1, t2) for every pair with P >= min_mass (direct forwards; an EOS first token ends the output:
-    key (eos,)); the rest is one 'other' bin."""
-    model = hf_model(str(house_target))
-    with torch.no_grad():
-        p1 = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1].double(), params)  # [V]
-    pairs: dict = {}
-    for t1 in torch.nonzero(p1 >= min_mass).flatten().tolist():
-        if t1 in eos:
-            pairs[(t1,)] = float(p1[t1])
-            continue
-        with torch.no_grad():
-            p2 = logits_to_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1].double(), params)
-        for t2 in torch.nonzero(p1[t1] * p2 >= min_mass).flatten().tolist():
-            pairs[(t1, t2)] = float(p1[t1] * p2[t2])
-    support_1 = set(torch.nonzero(p1 > 0).flatten().tolist())
-    return {"pairs": pairs, "support_1": support_1}
-
-
 def _chi_square(engine: Engine, house_target, prompt: list[int], sampling: dict, seed: int,
-                max_batch: int = 0) -> float:
-    """p-value of the first two tokens of SAMPLES seeded requests (one at a time, or `max_batch` sharing each
+                max_batch: int = 0, samples: int = SAMPLES) -> float:
+    """p-value of the first two tokens of `samples` seeded requests (one at a time, or `max_batch` sharing each
     target forward) against the exact target law."""
-    from scipy.stats import chi2
-
     params = SamplingParams(max_new_tokens=3, **sampling)
-    exact = _exact_pairs(house_target, prompt, params, min_mass=5.0 / SAMPLES, eos=engine.eos_ids)
-    counts: dict = {}
-    requests = [SamplingParams(max_new_tokens=3, seed=seed + i, **sampling) for i in range(SAMPLES)]
-    outs = (engine.generate_batch([prompt] * SAMPLES, requests, max_batch=max_batch) if max_batch
+    law, support = exact_prefix_law(hf_model(str(house_target)), prompt, params, 2, min_mass=5.0 / samples,
+                                    eos=engine.eos_ids)
+    requests = [SamplingParams(max_new_tokens=3, seed=seed + i, **sampling) for i in range(samples)]
+    outs = (engine.generate_batch([prompt] * samples, requests, max_batch=max_batch) if max_batch
             else (engine.generate(prompt, r) for r in requests))
-    for out in outs:
-        key = tuple(out.token_ids[:2])
-        assert key[0] in exact["support_1"], f"token {key[0]} has probability 0 under the filtered target"
-        counts[key] = counts.get(key, 0) + 1
-    expected = dict(exact["pairs"])
-    other_p = max(0.0, 1.0 - sum(expected.values()))
-    for key in sorted(expected, key=expected.get):  # grow the 'other' bin until its expectation is >= 5
-        if other_p * SAMPLES >= 5:
-            break
-        other_p += expected.pop(key)
-    observed_other = SAMPLES - sum(counts.get(k, 0) for k in expected)
-    stat = sum((counts.get(k, 0) - SAMPLES * p) ** 2 / (SAMPLES * p) for k, p in expected.items())
-    stat += (observed_other - SAMPLES * other_p) ** 2 / (SAMPLES * other_p) if other_p > 0 else 0.0
-    bins = len(expected) + (other_p > 0)
-    return float(chi2.sf(stat, bins - 1))
+    keys = [tuple(out.token_ids[:2]) for out in outs]
+    for key in keys:
+        assert key[0] in support, f"token {key[0]} has probability 0 under the filtered target"
+    return chi_square_p(law, keys, samples)
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +79,70 @@ def spec_dirs(house_target, tmp_path_factory) -> dict[str, str]:
     return {f: str(make_speculator_dir(house_target, f, root / f, seed=11)) for f in ("eagle3", "medusa")}
 
 
+class _TargetStepper:
+    """Draft laws from the house target itself: the children of a path get the target's next-token logits after it
+    (full forwards, memoised by token sequence: every request starts from the same prompt), divided by `sharpen`, so
+    the draft law is near the target's but not equal to it."""
+
+    max_depth, room = 8, 64
+
+    def __init__(self, model, context: list[int], sharpen: float, memo: dict) -> None:
+        self.model, self.context, self.sharpen, self.memo = model, context, sharpen, memo
+        self.paths: dict[int, list[int]] = {-1: []}
+
+    def _logits(self, path: list[int]) -> torch.Tensor:
+        key = tuple(self.context + path)
+        if key not in self.memo:
+            with torch.no_grad():
+                self.memo[key] = self.model(torch.tensor([list(key)])).logits[0, -1] / self.sharpen  # [V]
+        return self.memo[key]
+
+    def root_logits(self) -> torch.Tensor:
+        return self._logits([])
+
+    def step(self, nodes, tokens, parents, depth) -> torch.Tensor:
+        for node, tok, parent in zip(nodes, tokens.tolist(), parents, strict=True):
+            self.paths[node] = self.paths[parent] + [int(tok)]
+        return torch.stack([self._logits(self.paths[n]) for n in nodes])  # [F, V]
+
+
+class _NearTargetDrafter(NgramDrafter):
+    """A drafter that samples chains / trees from `_TargetStepper` laws (the n-gram drafter's context bookkeeping)."""
+
+    samples_drafts = True
+
+    def __init__(self, model, sharpen: float = 0.8) -> None:
+        super().__init__()
+        self.model, self.sharpen = model, sharpen
+        self.vocab = int(model.config.vocab_size)
+        self.memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def required_features(self) -> FeatureRequest:
+        return FeatureRequest(tap_layer_ids=None, last_hidden=False)
+
+    def propose(self, state, root_token, tree, sampling, generator):
+        stepper = _TargetStepper(self.model, list(state.tokens), self.sharpen, self.memo)
+        return propose_tree(stepper, root_token, tree, sampling, generator, torch.arange(self.vocab), self.vocab)
+
+
+def _engine(house_target, spec_dirs, drafter: str, tree: TreeConfig) -> Engine:
+    target = loaded_target(str(house_target))
+    if drafter == "near-target":
+        return Engine(target, _NearTargetDrafter(hf_model(str(house_target))), tree=tree)
+    family = drafter.removesuffix("+ngram")
+    return Engine.from_pretrained(target, spec_dirs.get(family, family), tree=tree,
+                                  ngram_graft=3 if drafter.endswith("+ngram") else 0)
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_first_two_tokens_follow_the_target(house_target, spec_dirs, case: int) -> None:
     drafter, tree, sampling = CASES[case]
-    family = drafter.removesuffix("+ngram")
-    engine = Engine.from_pretrained(loaded_target(str(house_target)), spec_dirs.get(family, family), tree=tree,
-                                    ngram_graft=3 if drafter.endswith("+ngram") else 0)
+    engine = _engine(house_target, spec_dirs, drafter, tree)
     prompt = _prompt(house_target)
     p_value = _chi_square(engine, house_target, prompt, sampling, seed=1000 * case)
     assert engine.totals.drafted_tokens > 0, "the drafter never proposed anything: the test would prove nothing"
+    if drafter == "near-target":  # deep acceptance paths were exercised
+        assert engine.totals.accepted_tokens >= engine.totals.target_calls, (engine.totals.tau, tree)
     assert p_value > FAMILY_ALPHA / NUM_TESTS, f"{drafter} {tree.kind} {sampling}: p = {p_value:.3g}"
 
 

@@ -1,57 +1,28 @@
 """`speculators serve` as a real subprocess, driven by the `openai` Python client: a streaming chat request,
-the API key, a bad request answered with a clear 400 while the server keeps serving, and /metrics."""
+the API key, a bad request answered with a clear 400 while the server keeps serving, and /metrics. Its settings come
+from a recipe's serve: section (one configuration: recipe = server limits = CLI flags, flags winning); settings that
+contradict the model's context fail with one line."""
 
 from __future__ import annotations
-
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
-from tests.integration.cli_helpers import REPO_ENV
+from tests.integration.cli_helpers import cli, error_line, serve_process
 
 pytestmark = pytest.mark.integration
 
 KEY = "test-key-123"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(house_target):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "speculators.cli", "serve", "--target", str(house_target), "--speculator", "ngram",
-         "--port", str(port), "--device", "cpu", "--max-new-tokens", "64", "--api-key-env", "SPEC_TEST_KEY"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**REPO_ENV, "SPEC_TEST_KEY": KEY})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise AssertionError("server did not come up in time")
-        time.sleep(0.5)
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def server(house_target, tmp_path_factory):
+    recipe = tmp_path_factory.mktemp("serve-recipe") / "serve.yaml"
+    recipe.write_text(f"target: {{name_or_path: {house_target}, device: cpu}}\n"
+                      "serve: {max_new_tokens: 64, api_key_env: SPEC_TEST_KEY, port: 1, max_concurrent_requests: 2}\n")
+    with serve_process("--recipe", str(recipe), "--speculator", "ngram", "--max-concurrent-requests", "4",
+                       env={"SPEC_TEST_KEY": KEY}) as (base, _):
+        yield base
 
 
 def test_openai_client_streaming_chat(server: str) -> None:
@@ -78,10 +49,22 @@ def test_openai_client_streaming_chat(server: str) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).completions.create(
             model=model, prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:  # the recipe's serve.max_new_tokens
+        client.completions.create(model=model, prompt="x", max_tokens=65)
+    assert "exceeds this server's limit of 64" in str(err.value)
     again = client.completions.create(model=model, prompt="def add(a, b):\n    return", max_tokens=4,
-                                      temperature=0)
+                                      temperature=0, logprobs=2)
+    assert len(again.choices[0].logprobs.token_logprobs) == again.usage.completion_tokens
     assert again.choices[0].finish_reason in ("stop", "length")
 
     metrics = httpx.get(server + "/metrics").text
     assert "speculators_draft_tokens_total" in metrics and "speculators_per_position_acceptance" in metrics
-    assert 'speculators_requests_total{endpoint="/v1/completions",status="400"} 1.0' in metrics
+    assert 'speculators_requests_total{endpoint="/v1/completions",status="400"} 2.0' in metrics
+    assert httpx.get(server + "/health").json()["max_concurrent_requests"] == 4  # the flag wins over the recipe
+
+
+def test_limits_that_contradict_the_context_fail_with_one_line(house_target) -> None:
+    line = error_line(cli("serve", "--target", str(house_target), "--device", "cpu", "--max-prompt-tokens", "2048"))
+    assert "max_prompt_tokens=2048 leaves no room to generate in the model's 1024-token context" in line
+    line = error_line(cli("serve", "--target", str(house_target), "--max-batch-size", "0"))
+    assert "serve.max_batch_size must be >= 1" in line

@@ -1,6 +1,8 @@
 """A small real OpenAI-compatible HTTP server for the regenerate tests: it serves a transformers causal LM on
-`/v1/chat/completions` and `/v1/completions` (greedy decoding, stops at any special token) and, like vLLM, answers
-HTTP 400 when a prompt is longer than its context limit. Runs in a thread of the test process."""
+`/v1/chat/completions` and `/v1/completions` (greedy decoding, stops at any special token), lists it on
+`/v1/models` (named by its directory, as vLLM names a model by the path it was given) and, like vLLM, answers
+HTTP 400 when a prompt is longer than its context limit. `failures=N` makes the first N generation requests fail
+with `failure_status` (a flaky server). Runs in a thread of the test process."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 
 
 class ModelServer:
-    def __init__(self, model_dir: str, max_prompt_tokens: int = 100_000, port: int = 0) -> None:
+    def __init__(self, model_dir: str, max_prompt_tokens: int = 100_000, port: int = 0, failures: int = 0,
+                 failure_status: int = 503) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(model_dir)
@@ -21,15 +24,25 @@ class ModelServer:
         self.stop = sorted(int(i) for i in self.tok.all_special_ids)
         self.lock = threading.Lock()
         self.requests = 0
+        self.failures, self.failure_status = failures, failure_status
+        self.model_name = str(model_dir)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:  # keep test output quiet
                 pass
 
+            def do_GET(self) -> None:  # noqa: N802 - http.server API
+                if self.path == "/v1/models":
+                    self._answer(200, {"object": "list", "data": [{"id": server.model_name, "object": "model"}]})
+                else:
+                    self._answer(404, {"error": {"message": f"no route {self.path}"}})
+
             def do_POST(self) -> None:  # noqa: N802 - http.server API
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, out = server.handle(self.path, body)
+                self._answer(*server.handle(self.path, body))
+
+            def _answer(self, status: int, out: dict) -> None:
                 data = json.dumps(out).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -53,7 +66,11 @@ class ModelServer:
         self.httpd.server_close()
 
     def handle(self, path: str, body: dict) -> tuple[int, dict]:
-        self.requests += 1
+        with self.lock:
+            self.requests += 1
+            if self.failures > 0:
+                self.failures -= 1
+                return self.failure_status, {"error": {"message": "the server is overloaded (test failure)"}}
         if path == "/v1/chat/completions":
             kwargs = body.get("chat_template_kwargs") or {}
             ids = self.tok.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=True,

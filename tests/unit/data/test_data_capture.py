@@ -229,3 +229,69 @@ def test_summary_warns_when_the_topk_teacher_misses_mass():
     assert "raise capture.teacher_topk" in capture.summary_of(manifest, "done")["note"]
     manifest["quality"]["teacher_topk_mean_mass"] = 0.97
     assert "note" not in capture.summary_of(manifest, "done")
+
+
+def _flip(path, count: int = 256, start: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if start is None else start
+    for i in range(at, min(at + count, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_altered_prepared_data_is_refused_by_capture_and_redone_by_prepare(tmp_path, tiny_llama):
+    r = _prepared(tmp_path, tiny_llama, n=4)
+    m = json.loads((r.paths.prepared / "manifest.json").read_text())
+    assert {f["file"] for f in m["files"]} >= {p.name for p in r.paths.prepared.glob("data-*.arrow")}
+    arrow = next(r.paths.prepared.glob("data-*.arrow"))
+    good = arrow.read_bytes()
+    _flip(arrow)
+    with pytest.raises(SpeculatorsError, match=f"{arrow.name} fails its checksum .* re-run `speculators prepare "
+                                               "--force`") as info:
+        capture.run(r)
+    assert "\n" not in str(info.value) and not r.paths.features.exists()
+    assert not prepare.is_complete(r)
+    assert prepare.run(r)["status"] == "done"  # not "complete (skipped)": the altered output is redone
+    assert arrow.read_bytes() == good and capture.run(r)["status"] == "done"
+
+
+def _rewrite_prepared(r, **column) -> None:
+    """Rewrite the prepared rows with one column's first row replaced, under a manifest with matching checksums
+    (what a buggy writer or an older version could leave behind)."""
+    import datasets
+
+    from speculators.data import artifacts
+
+    ds = datasets.load_from_disk(str(r.paths.prepared))
+    rows = {k: list(ds[k]) for k in ds.column_names}
+    for name, value in column.items():
+        rows[name][0] = value(rows[name][0])
+    manifest = json.loads((r.paths.prepared / "manifest.json").read_text())
+    tmp = r.paths.prepared.with_name("rewritten")
+    manifest["files"] = artifacts.save_token_dataset(rows, tmp)
+    (tmp / "manifest.json").write_text(json.dumps(manifest))
+    artifacts.replace_dir(tmp, r.paths.prepared)
+
+
+@pytest.mark.parametrize("column, value, message", [
+    ("loss_mask", lambda m: [-1] + m[1:], r"row 0 \('stdlib-chat-00000'\) has loss_mask -1 \(expected 0 or 1\)"),
+    ("input_ids", lambda ids: ids[:-1] + [70000], r"row 0 .* has token id 70000 outside the vocabulary \[0, 8"),
+    ("loss_mask", lambda m: m[:-1], "different number of input_ids and loss_mask values"),
+])
+def test_prepared_values_are_checked_before_capture_writes(tmp_path, tiny_llama, column, value, message):
+    r = _prepared(tmp_path, tiny_llama, n=3)
+    _rewrite_prepared(r, **{column: value})
+    with pytest.raises(SpeculatorsError, match=message):
+        capture.run(r)
+    assert not r.paths.features.exists() and not r.paths.features.with_name("features.partial").exists()
+
+
+def test_prepared_data_without_checksums_is_refused(tmp_path, tiny_llama):
+    r = _prepared(tmp_path, tiny_llama, n=2)
+    manifest = r.paths.prepared / "manifest.json"
+    m = json.loads(manifest.read_text())
+    del m["files"]
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(SpeculatorsError, match="has no checksums in its manifest .* re-run `speculators prepare"):
+        capture.run(r)
+    assert not prepare.is_complete(r)

@@ -1,7 +1,9 @@
-"""regenerate: batched local generation equals unbatched greedy; the engine backend (the bundled runtime) writes the
-same rows as HF generate and records its side-by-side check; the OpenAI-compatible backend (a real HTTP server
-serving the tiny target) gives the same rows; failed rows are reported by id and retried on a re-run; the
-regenerated answers are the target's own tokens with exact masks."""
+"""regenerate: batched local generation equals unbatched greedy; the OpenAI-compatible backend (a real HTTP server
+serving the tiny target) gives the same rows; rows the server refuses are rejected and listed by id; rows that fail
+(a flaky server) stay pending and no row is ever lost: above data.regenerate.max_failed_fraction the stage fails with
+one line and writes nothing, at or below it the output leaves them out and the next run tries them again; the
+endpoint and the model are checked before the first row; the regenerated answers are the target's own tokens with
+exact masks."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from openai_test_server import ModelServer
 
 from speculators.data import prepare, regenerate
 from speculators.errors import SpeculatorsError
+from speculators.pipeline import run_pipeline
 
 
 def _regen_recipe(tmp_path, target, run="run", n=5, **regen):
@@ -123,17 +126,69 @@ def test_openai_backend_matches_local_and_reports_failed_rows(tmp_path, tiny_lla
                           max_retries=1)
         prepare.run(r)
         s = regenerate.run(r)
-    assert s["failed_rows"] >= 1 and len(s["failed_ids"]) == s["failed_rows"]
+    assert s["rejected_rows"] >= 1 and len(s["rejected_ids"]) == s["rejected_rows"] and s["failed_rows"] == 0
     m = json.loads((r.paths.regenerated / "manifest.json").read_text())
-    assert m["counts"]["failed"] == s["failed_rows"]
-    assert all("HTTP 400" in f["reason"] and "limit" in f["reason"] for f in m["failed_rows"])
+    assert m["counts"]["rejected"] == s["rejected_rows"]
+    assert all("HTTP 400" in f["reason"] and "limit" in f["reason"] for f in m["rejected_rows"])
     got = _rows(r.paths.regenerated)
-    assert set(got) | set(s["failed_ids"]) == set(want)
+    assert set(got) | set(s["rejected_ids"]) == set(want)
     for rid in got:
         assert got[rid] == want[rid]
+    assert regenerate.is_complete(r)  # rejected rows are final: nothing left to try
 
 
-def test_openai_backend_retries_failed_rows_when_rerun(tmp_path, tiny_llama):
+@pytest.fixture(scope="module")
+def clean_rows(tmp_path_factory, tiny_llama):
+    """Every row regenerated through a healthy server in one run."""
+    with ModelServer(str(tiny_llama)) as server:
+        r = _regen_recipe(tmp_path_factory.mktemp("regen-clean"), tiny_llama, "clean", backend="openai",
+                          endpoint=server.url)
+        prepare.run(r)
+        assert regenerate.run(r)["rows"] == 7
+    return _rows(r.paths.regenerated)
+
+
+def test_failed_rows_are_never_lost(tmp_path, tiny_llama, clean_rows):
+    with ModelServer(str(tiny_llama), failures=3) as server:  # the first 3 requests get HTTP 503
+        r = _regen_recipe(tmp_path, tiny_llama, "flaky", backend="openai", endpoint=server.url, concurrency=1,
+                          max_retries=0)
+        prepare.run(r)
+        with pytest.raises(SpeculatorsError, match=r"3 of 7 rows failed \(42.9% > data.regenerate.max_failed_"
+                                                   r"fraction 1.0%\); first: .*HTTP 503.* re-run to try"):
+            regenerate.run(r)
+        assert not r.paths.regenerated.exists() and not regenerate.is_complete(r)  # nothing written
+        first_run = server.requests
+        s = regenerate.run(r)  # the server is healthy now: only the 3 failed rows are asked for again
+        retried = server.requests - first_run
+        assert s["status"] == "done" and s["rows"] == 7 and s["failed_rows"] == 0
+        assert 3 <= retried < first_run
+        assert regenerate.is_complete(r) and regenerate.run(r)["status"] == "complete (skipped)"
+        assert server.requests == first_run + retried
+    assert _rows(r.paths.regenerated) == clean_rows  # rows lost: 0, and every row is the target's own
+    assert not r.paths.regenerated.with_name("regenerated.partial").exists()
+
+
+def test_failures_within_the_tolerance_stay_pending(tmp_path, tiny_llama, clean_rows):
+    with ModelServer(str(tiny_llama), failures=1) as server:
+        r = _regen_recipe(tmp_path, tiny_llama, "tolerant", backend="openai", endpoint=server.url, concurrency=1,
+                          max_retries=0, max_failed_fraction=0.2)
+        prepare.run(r)
+        s = regenerate.run(r)
+        assert s["status"] == "done" and s["rows"] == 6 and s["failed_rows"] == 1  # written without it
+        assert not regenerate.is_complete(r)  # ... which stays pending
+        again = run_pipeline(r, only=["regenerate"])["regenerate"]  # `speculators run` tries it again
+        assert again["status"] == "done" and again["rows"] == 7 and again["failed_rows"] == 0
+        assert regenerate.is_complete(r)
+    assert _rows(r.paths.regenerated) == clean_rows
+
+
+def test_endpoint_and_model_are_checked_before_the_first_row(tmp_path, tiny_llama):
+    with ModelServer(str(tiny_llama)) as server:
+        r = _regen_recipe(tmp_path, tiny_llama, "model", backend="openai", endpoint=server.url, model="gpt-4o")
+        prepare.run(r)
+        with pytest.raises(SpeculatorsError, match=r"does not serve model 'gpt-4o' \(it serves: .*tiny"):
+            regenerate.run(r)
+        assert server.requests == 0
     import socket
 
     with socket.socket() as sock:
@@ -142,20 +197,9 @@ def test_openai_backend_retries_failed_rows_when_rerun(tmp_path, tiny_llama):
     r = _regen_recipe(tmp_path, tiny_llama, "down", backend="openai", endpoint=f"http://127.0.0.1:{port}/v1",
                       max_retries=0, request_timeout=5)
     prepare.run(r)
-    with pytest.raises(SpeculatorsError, match="no usable rows.*partial results are kept"):
-        regenerate.run(r)  # the server is not up yet: every row fails, nothing is written
-    partial = r.paths.regenerated.with_name("regenerated.partial")
-    assert partial.is_dir() and not r.paths.regenerated.exists()
-    r.data.regenerate.request_timeout = 300.0  # transport settings are not inputs: the partial results still count
-    r.data.regenerate.max_retries = 2
-    with ModelServer(str(tiny_llama), port=port) as server:
-        s = regenerate.run(r)  # same inputs: resumes from the partial results and retries the failed rows
-        assert s["failed_rows"] == 0 and s["rows"] == 7
-        n_requests = server.requests
-        assert regenerate.is_complete(r)
-        assert regenerate.run(r)["status"] == "complete (skipped)"
-        assert server.requests == n_requests
-    assert not partial.exists()
+    with pytest.raises(SpeculatorsError, match=f"cannot reach data.regenerate.endpoint http://127.0.0.1:{port}/v1"):
+        regenerate.run(r)
+    assert not r.paths.regenerated.with_name("regenerated.partial").exists()
 
 
 def test_regenerate_disabled_is_a_clear_error(tmp_path, tiny_llama):

@@ -13,6 +13,7 @@ from speculators.evaluate.alpha import (
     ngram_alpha,
     positions,
     speculator_alpha,
+    speculator_block_alpha,
     summarize,
     to_target_vocab,
     valid_matrix,
@@ -86,6 +87,26 @@ def test_sampled_alpha_is_sum_of_min_by_hand() -> None:
     sp, sq = p.sqrt() / p.sqrt().sum(), q.sqrt() / q.sqrt().sum()
     a_t2, _ = speculator_alpha([draft], teacher, torch.arange(3), 1, SamplingParams(temperature=2.0), 1)
     assert a_t2[0, 0].item() == pytest.approx(torch.minimum(sp, sq).sum().item(), abs=1e-6)
+
+
+def test_block_alpha_of_a_sampled_chain_by_hand() -> None:
+    """Two depths, one position: block reach at depth 2 = E[min(1, w_1 p_2(X_2)/q_2(X_2))] >= alpha_1 alpha_2; the
+    chain's depth-1 reach equals token-wise alpha_1; greedy evaluation has no block rule."""
+    p1, q1 = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.2, 0.6])
+    p2, q2 = torch.tensor([0.1, 0.1, 0.8]), torch.tensor([0.3, 0.6, 0.1])
+    teacher = torch.stack([torch.zeros(3), p1.log(), p2.log(), torch.zeros(3)])  # teacher@1 = p1, @2 = p2
+    step0 = torch.stack([q1.log(), torch.zeros(3), torch.zeros(3), torch.zeros(3)])
+    step1 = torch.stack([q2.log(), torch.zeros(3), torch.zeros(3), torch.zeros(3)])
+    block, valid = speculator_block_alpha([step0, step1], teacher, torch.arange(3), 1, T1, 2)
+    token, _ = speculator_alpha([step0, step1], teacher, torch.arange(3), 1, T1, 2)
+    w1 = torch.clamp(p1 / q1, max=1.0)  # [3] weight after each first draft
+    reach2 = sum(float(q1[x]) * float(torch.minimum(q2, w1[x] * p2).sum()) for x in range(3))
+    reach = metrics.chain_reach(block[:1], valid[:1])
+    assert reach[0] == pytest.approx(float(token[0, 0]), rel=2e-3)
+    assert reach[1] == pytest.approx(reach2, rel=3e-3)
+    assert reach[1] > float(token[0, 0] * token[0, 1])  # the sampled chain recovers after a ratio < 1
+    with pytest.raises(ValueError, match="temperature > 0"):
+        speculator_block_alpha([step0, step1], teacher, torch.arange(3), 1, GREEDY, 2)
 
 
 def test_ngram_alpha_by_hand_greedy_and_sampled() -> None:

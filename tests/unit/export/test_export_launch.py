@@ -63,7 +63,7 @@ def _run_launch(tmp_path: Path, script: str, env: dict[str, str] | None = None) 
     vllm.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
     vllm.chmod(vllm.stat().st_mode | stat.S_IEXEC)
     full_env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", **(env or {})}
-    for k in ("K", "TARGET", "USE_SCHEDULE"):
+    for k in ("K", "TARGET", "USE_SCHEDULE", "BLOCK"):
         if not env or k not in env:
             full_env.pop(k, None)
     res = subprocess.run(["bash", str(export / "launch.sh"), "--port", "9000"], capture_output=True, text=True,
@@ -71,10 +71,37 @@ def _run_launch(tmp_path: Path, script: str, env: dict[str, str] | None = None) 
     return json.loads(res.stdout)
 
 
-def _script(rows: list[dict], k: int, method: str = "eagle3", fixed: bool = False) -> str:
+def _script(rows: list[dict], k: int, method: str = "eagle3", fixed: bool = False, block: dict | None = None) -> str:
     measured = {"device": "test CPU", "dtype": "float32", "cost": {"1": {"0": 1.0, "1": 1.1, "2": 1.2}}}
     return launch.launch_script(target="org/target model", method=method, k=k, rows=rows, self_describing=True,
-                                fixed_k=fixed, measured=measured, tau_by_depth=[1.8, 2.4])
+                                fixed_k=fixed, measured=measured, tau_by_depth=[1.8, 2.4], block=block)
+
+
+def test_block_verification_goes_into_the_launch_command_where_it_helps(tmp_path: Path) -> None:
+    """vLLM's fields (vllm/config/speculative.py: rejection_sample_method 'standard' | 'synthetic' | 'block',
+    draft_sample_method 'greedy' | 'probabilistic') are added when the T > 0 prediction gains >= 0.5%."""
+    token, block = {"0.0": [1.9, 2.5], "1.0": [1.5, 1.8, 2.0]}, {"1.0": [1.5, 1.85, 2.1]}
+    choice = launch.block_choice(token, block, k=2)
+    assert choice == {"temperature": 1.0, "k": 2, "tau_token": 1.8, "tau_block": 1.85,
+                      "gain": round(1.85 / 1.8 - 1, 4), "use": True,
+                      "fields": {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"}}
+    assert launch.block_choice(token, {"1.0": [1.5, 1.801, 2.0]}, k=2)["use"] is False  # +0.06%: keep the default
+    assert launch.block_choice(token, {}, k=2) is None and launch.block_choice(token, block, k=0) is None
+    rows = [{"start_bs": 1, "end_bs": 512, "k": 2}]
+    args = _run_launch(tmp_path, _script(rows, 2, block=choice))
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"model": str(tmp_path / "export"), "method": "eagle3", "num_speculative_tokens": 2,
+                    "draft_sample_method": "probabilistic", "rejection_sample_method": "block"}
+    args = _run_launch(tmp_path, _script(rows, 2, block=choice), {"BLOCK": "0"})
+    assert "rejection_sample_method" not in json.loads(args[args.index("--speculative-config") + 1])
+    args = _run_launch(tmp_path, _script(rows, 2, block={**choice, "use": False}))
+    assert "rejection_sample_method" not in json.loads(args[args.index("--speculative-config") + 1])
+    measured = {"device": "test CPU", "dtype": "float32", "method": "test", "cost": {"1": {"0": 1.0, "1": 1.1}}}
+    text = launch.readme_section(export_dir_name="export", target="t", method="eagle3", k=2,
+                                 rows=[{**rows[0], "measured_at": 1, "tokens_per_unit_cost": 1.5}],
+                                 self_describing=True, measured=measured, tau_by_depth=[1.8, 2.4], config_k=2,
+                                 fixed_k=False, block=choice)
+    assert "### Block verification" in text and '"rejection_sample_method": "block"' in text and "+2.8%" in text
 
 
 def test_launch_script_runs_vllm_with_k_and_schedule(tmp_path: Path) -> None:

@@ -93,7 +93,7 @@ def _other_tokenizer_target(path: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from conftest import HOUSE_TARGET, tiny_config
+    from tests.conftest import HOUSE_TARGET, tiny_config
 
     tok = AutoTokenizer.from_pretrained(HOUSE_TARGET)
     tok.add_tokens(["<|extra-token|>"])

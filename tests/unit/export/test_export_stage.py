@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 
 def test_export_of_the_evaluated_best_with_measured_launch_plan(tmp_path: Path, tiny_llama: Path) -> None:
     recipe = make_run(tmp_path, tiny_llama, "eagle3", steps=(10, 20), num_steps=2, draft_vocab_size=512,
-                      extra=("export.concurrencies=[1, 4]",))
+                      extra=("export.concurrencies=[1, 4]",), temperatures=(0.0, 1.0))
     acceptance.run(recipe, progress=False)
     best = json.loads((recipe.paths.eval / "selection.json").read_text())["best"]
     summary = vllm.run(recipe)
@@ -46,6 +46,11 @@ def test_export_of_the_evaluated_best_with_measured_launch_plan(tmp_path: Path, 
     readme = (out / "README.md").read_text()
     assert "How k and the schedule were chosen" in readme and "vllm serve" in readme
     assert plan["measured"]["device"] in (out / "launch.sh").read_text()
+    block = plan["block"]  # the T = 1 block-verification prediction at the launch k, and the verdict
+    assert block["temperature"] == 1.0 and block["k"] == min(plan["k"] or 3, 2)  # k = 0 here: the config's k (3)
+    assert block["tau_block"] >= block["tau_token"] - 1e-3
+    assert "### Block verification" in readme
+    assert ('"rejection_sample_method": "block"' in (out / "launch.sh").read_text().replace("\\", "")) == block["use"]
     assert vllm.is_complete(recipe)
     # a different best makes the export stale
     other = "step-0000010" if best == "step-0000020" else "step-0000020"

@@ -16,7 +16,13 @@ from models_helpers import (
 )
 
 from speculators.config import TreeConfig
-from speculators.models.drafting import build_dynamic_tree, to_target_logits
+from speculators.models.drafting import (
+    build_dynamic_tree,
+    build_sampled_tree,
+    sampled_tree_widths,
+    to_target_logits,
+    tree_verify_mode,
+)
 from speculators.serving.sampling import SamplingParams, logits_to_probs
 from speculators.serving.trees import depths_of
 from speculators.serving.verify import verify_tree
@@ -49,7 +55,7 @@ def _check_tree(tree, cfg, allowed_tokens=None):
         siblings.setdefault(parents[i], []).append(toks[i])
         if allowed_tokens is not None:
             assert toks[i] in allowed_tokens
-    if tree.mode in ("greedy", "deterministic"):
+    if tree.mode in ("greedy", "deterministic", "traversal", "without_replacement"):
         assert all(len(s) == len(set(s)) for s in siblings.values()), "duplicate sibling tokens"
 
 
@@ -58,12 +64,14 @@ def _check_tree(tree, cfg, allowed_tokens=None):
                                  TreeConfig(kind="dynamic", depth=6, topk=4, budget=25),
                                  TreeConfig(kind="dynamic", depth=2, topk=8, budget=5),
                                  TreeConfig(kind="static", depth=3, budget=12),
-                                 TreeConfig(kind="chain", depth=5, budget=5)])
+                                 TreeConfig(kind="chain", depth=5, budget=5),
+                                 TreeConfig(kind="sampled", depth=4, topk=3, budget=8)])
 def test_trees_are_valid(family, cfg):
     d2t, ids = reduced_vocab(VOCAB, 50) if family == "eagle3" else (None, None)
     model, state, seq, _ = _absorbed(family, d2t=d2t)
     allowed = set(ids.tolist()) if ids is not None else None
-    for sampling, mode in ((GREEDY, "greedy"), (WARM, "iid" if cfg.kind == "chain" else "deterministic")):
+    warm_mode = {"chain": "block", "sampled": "traversal"}.get(cfg.kind, "deterministic")
+    for sampling, mode in ((GREEDY, "greedy"), (WARM, warm_mode)):
         tree = model.propose(state, int(seq[0, -1]), cfg, sampling, torch.Generator().manual_seed(0))
         assert tree.mode == mode and int(tree.tokens[0]) == int(seq[0, -1])
         _check_tree(tree, cfg, allowed)
@@ -175,7 +183,7 @@ def test_sampled_chain_draft_probs_are_the_draft_laws():
     tree = model.propose(state, int(ids[0, -1]), cfg, WARM, torch.Generator().manual_seed(5))
     again = model.propose(state, int(ids[0, -1]), cfg, WARM, torch.Generator().manual_seed(5))
     assert torch.equal(tree.tokens, again.tokens)  # all randomness from the generator
-    assert tree.mode == "iid" and tree.draft_probs.shape == (4, VOCAB)
+    assert tree.mode == "block" and tree.draft_probs.shape == (4, VOCAB)
     drafts = tree.tokens[1:]
     seq = torch.cat([ids[0], drafts])[None]
     batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq),
@@ -191,8 +199,9 @@ def test_sampled_chain_draft_probs_are_the_draft_laws():
         assert float(tree.draft_probs[k][int(drafts[k])]) > 0
     assert float(tree.draft_probs[3].abs().sum()) == 0.0  # leaf row: no children
     target_probs = torch.softmax(torch.randn(4, VOCAB), -1)
-    verify_tree(tree.tokens, tree.parents, target_probs, tree.draft_probs, mode="iid",
-                generator=torch.Generator().manual_seed(0))
+    for mode in ("block", "iid"):
+        verify_tree(tree.tokens, tree.parents, target_probs, tree.draft_probs, mode=mode,
+                    generator=torch.Generator().manual_seed(0))
 
 
 def test_to_target_logits_scatter():
@@ -261,7 +270,7 @@ def test_static_tree_follows_ranks_of_each_parents_law():
 
 
 def test_sampled_chain_ends_where_the_draft_law_is_not_finite():
-    """A low-precision draft that overflows ends its chain there: the tree stays valid for iid verification."""
+    """A low-precision draft that overflows ends its chain there: the tree stays valid for block verification."""
     from speculators.models.drafting import build_chain
 
     class Overflowing:
@@ -275,10 +284,45 @@ def test_sampled_chain_ends_where_the_draft_law_is_not_finite():
 
     d2t = torch.zeros(VOCAB, dtype=torch.long)
     tree = build_chain(Overflowing(), 3, 5, WARM, torch.Generator().manual_seed(0), d2t, VOCAB)
-    assert tree.size == 3 and tree.mode == "iid" and torch.isfinite(tree.draft_probs).all()
+    assert tree.size == 3 and tree.mode == "block" and torch.isfinite(tree.draft_probs).all()
     probs = torch.softmax(torch.randn(tree.size, VOCAB, generator=torch.Generator().manual_seed(1)), -1)
-    verify_tree(tree.tokens, tree.parents, probs, tree.draft_probs, mode="iid",
+    verify_tree(tree.tokens, tree.parents, probs, tree.draft_probs, mode="block",
                 generator=torch.Generator().manual_seed(2))
     nan_root = type("NanRoot", (Overflowing,), {"root_logits": lambda self: torch.full((VOCAB,), float("nan"))})
     alone = build_chain(nan_root(), 3, 5, WARM, torch.Generator().manual_seed(0), d2t, VOCAB)
     assert alone.size == 1 and alone.draft_probs.shape == (1, VOCAB)
+
+
+def test_sampled_tree_shape_laws_and_modes():
+    """A sampled tree is a spine (first draw of each level) with sibling draws: widths by level within the budget,
+    siblings distinct and drawn from the spine node's own law (recorded in draft_probs, leaves zero), one draft row
+    per level; at T=0 the same shape holds the top ranks."""
+    assert sampled_tree_widths(5, 2, 10) == [2, 2, 2, 2, 2]
+    assert sampled_tree_widths(4, 3, 7) == [3, 2, 1, 1] and sampled_tree_widths(5, 4, 3) == [1, 1, 1]
+    assert sampled_tree_widths(3, 1, 9) == [1, 1, 1]
+    stepper = _FakeStepper(vocab=VOCAB, seed=4)
+    d2t = torch.arange(VOCAB)
+    tree = build_sampled_tree(stepper, 7, [3, 2, 1], WARM, torch.Generator().manual_seed(3), d2t, VOCAB, "traversal")
+    assert tree.parents.tolist() == [-1, 0, 0, 0, 1, 1, 4] and tree.mode == "traversal"
+    assert stepper.calls == [1, 1]  # one draft row per level below the root
+    toks = tree.tokens.tolist()
+    spine_paths = {0: (), 1: (toks[1],), 4: (toks[1], toks[4])}
+    for node, path in spine_paths.items():
+        want = logits_to_probs(stepper.law(path), WARM)
+        torch.testing.assert_close(tree.draft_probs[node], want)
+        kids = [i for i, p in enumerate(tree.parents.tolist()) if p == node]
+        assert len({toks[i] for i in kids}) == len(kids) and all(float(want[toks[i]]) > 0 for i in kids)
+    assert float(tree.draft_probs[[2, 3, 5, 6]].abs().sum()) == 0.0
+    again = build_sampled_tree(_FakeStepper(vocab=VOCAB, seed=4), 7, [3, 2, 1], WARM,
+                               torch.Generator().manual_seed(3), d2t, VOCAB, "traversal")
+    assert torch.equal(again.tokens, tree.tokens)  # all randomness from the generator
+    greedy = build_sampled_tree(_FakeStepper(vocab=VOCAB, seed=4), 7, [3, 2], GREEDY, None, d2t, VOCAB, "greedy")
+    assert greedy.tokens.tolist()[1:4] == torch.topk(stepper.law(()), 3).indices.tolist()
+    assert greedy.draft_probs is None
+    assert tree_verify_mode("sampled", WARM) == "traversal" and tree_verify_mode("chain", WARM) == "block"
+    assert tree_verify_mode("sampled", WARM, "token") == "without_replacement"
+    assert tree_verify_mode("chain", WARM, "token") == "iid" and tree_verify_mode("sampled", GREEDY) == "greedy"
+    target = torch.softmax(torch.randn(tree.size, VOCAB), -1)
+    for mode in ("traversal", "without_replacement"):
+        verify_tree(tree.tokens, tree.parents, target, tree.draft_probs, mode=mode,
+                    generator=torch.Generator().manual_seed(0))

@@ -65,6 +65,37 @@ def test_a_depth_that_looked_poor_is_explored_again_and_recovers() -> None:
     assert {never.choose(1000) for _ in range(16)} == {2}  # without exploring, depth 3 is never tried
 
 
+def _kinds_cost() -> CostModel:
+    """Cycles cost 10 ms + 1 ms per node; chains and sampled trees draft one row per level (0.5 ms), top-2 trees
+    two (1 ms); sampled trees verify 2 nodes per level, chains 1."""
+    c = _cost()
+    for depth in range(1, 5):
+        c.set_draft(depth, depth, 0.0005 * depth, "chain")
+        c.set_draft(depth, 2 * depth, 0.0005 * depth, "sampled")
+        c.set_draft(depth, 2 * depth, 0.001 * depth, "dynamic")
+    return c
+
+
+def test_the_kind_with_the_best_expected_rate_is_drafted_and_others_are_explored() -> None:
+    kinds = ("dynamic", "chain", "sampled")
+    ctrl = AdaptiveDepth(cost=_kinds_cost(), max_depth=4, max_new_tokens=1000, kinds=kinds, explore_every=4)
+    ctrl.estimates = {"dynamic": [0.5] * 4, "chain": [0.6] * 4, "sampled": [0.9] * 4}
+    plans = [ctrl.choose_plan(1000) for _ in range(16)]
+    assert plans[0] == ("sampled", max(range(1, 5), key=lambda d: ctrl.rate(d, "sampled")))
+    assert ctrl.rate(plans[0][1], "sampled") > max(ctrl.rate(d, k) for k in ("dynamic", "chain") for d in range(1, 5))
+    assert {k for k, _ in plans} == set(kinds)  # exploring cycles try the other kinds too
+    assert sum(k == "sampled" for k, _ in plans) >= 12
+    ctrl.observe(drafted_depth=4, accepted=0, kind="chain")  # observations move only their own kind's estimate
+    assert ctrl.estimates["chain"][0] < 0.6 and ctrl.estimates["sampled"] == [0.9] * 4
+    report = ctrl.report()
+    assert sum(report["kind_histogram"].values()) == 16 and set(report["acceptance_by_kind"]) == set(kinds)
+    assert set(report["cost"]["draft_ms_by_depth"]) >= set(kinds)
+    # a request starts from the engine's per-kind estimates (pulled halfway back to the default)
+    seeded = AdaptiveDepth(cost=_kinds_cost(), max_depth=2, max_new_tokens=100, kinds=kinds,
+                           prior={"chain": [1.0, 1.0]})
+    assert seeded.estimates["chain"] == [0.8, 0.8] and seeded.estimates["sampled"] == [0.6, 0.6]
+
+
 def test_cheap_verification_prefers_depth_over_plain() -> None:
     ctrl = AdaptiveDepth(cost=_cost(per_node=0.0001, draft=0.0001), max_depth=4, max_new_tokens=100,
                          prior=[0.5, 0.5, 0.5, 0.5])
@@ -107,7 +138,8 @@ def test_engine_reports_choices_and_stays_lossless(tiny_llama) -> None:
     assert adaptive["mode"] == "adaptive" and sum(adaptive["depth_histogram"].values()) == out.stats.target_calls
     assert adaptive["cost"]["cycle_ms_by_nodes"]["1.0"] > 0 and len(adaptive["cost"]["cycle_ms_by_nodes"]) >= 2
     # the first request calibrated proposing at every depth on its own drafter state
-    assert set(adaptive["cost"]["draft_ms_by_depth"]) == {"1", "2", "3", "4"}
+    assert set(adaptive["cost"]["draft_ms_by_depth"]["chain"]) == {"1", "2", "3", "4"}
+    assert adaptive["kind_histogram"] == {"chain": out.stats.target_calls - adaptive["plain_cycles"]}
     short = engine.generate(prompt, SamplingParams(max_new_tokens=3))
     assert short.stats.adaptive["mode"].startswith("off: short output") and short.stats.acceptance.drafted_tokens == 0
     assert short.token_ids == out.token_ids[:3]

@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import make_tiny_target
 
 from speculators.errors import PairingError, SpeculatorsError
 from speculators.serving import Engine
 from speculators.serving.drafters import _FINGERPRINTS
+from tests.conftest import make_tiny_target
 from tests.unit.serving.runtime_helpers import loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
 

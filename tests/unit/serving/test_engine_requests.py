@@ -1,5 +1,6 @@
 """Bad requests get one clear SpeculatorsError each; sampled decoding is reproducible per seed and uses the
-draft's probabilities for sampled chains."""
+draft's probabilities for sampled chains; log-probabilities of generated tokens are the target's own, whatever tree
+they were accepted through, alone and batched."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def engine(tiny_llama) -> Engine:
     (SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (SamplingParams(temperature=-1.0), "temperature"),
     (SamplingParams(top_k=-1), "top_k"),
+    (SamplingParams(seed=2**64), r"seed must be an int in \[-9223372036854775808, 18446744073709551615\]"),
+    (SamplingParams(seed=-(2**63) - 1), "seed must be an int in"),
+    (SamplingParams(logprobs=21), r"logprobs must be an int in \[0, 20\]"),
+    (SamplingParams(logprobs=True), "logprobs must be an int"),
 ])
 def test_bad_sampling_params(engine: Engine, params: SamplingParams, match: str) -> None:
     with pytest.raises(SpeculatorsError, match=match):
@@ -60,7 +65,7 @@ def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
     assert len(others) > 1
 
 
-def test_sampled_chain_is_verified_with_draft_probabilities(tiny_llama, tmp_path, monkeypatch) -> None:
+def test_sampled_drafts_are_verified_with_draft_probabilities(tiny_llama, tmp_path, monkeypatch) -> None:
     from speculators.serving import engine as engine_module
 
     seen: list[tuple[str, bool]] = []
@@ -74,17 +79,88 @@ def test_sampled_chain_is_verified_with_draft_probabilities(tiny_llama, tmp_path
     spec = make_speculator_dir(tiny_llama, "eagle3", tmp_path / "eagle3")
     eng = Engine.from_pretrained(loaded_target(str(tiny_llama)), str(spec),
                                  tree=TreeConfig(kind="chain", depth=3, adaptive=False))
-    eng.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
-    assert ("iid", True) in seen
+    warm = SamplingParams(max_new_tokens=6, temperature=1.0, seed=0)
+    for tree, mode in ((TreeConfig(kind="chain", depth=3, adaptive=False), "block"),
+                       (TreeConfig(kind="chain", depth=3, adaptive=False, verify="token"), "iid"),
+                       (TreeConfig(kind="sampled", depth=3, topk=2, budget=5, adaptive=False), "traversal"),
+                       (TreeConfig(kind="sampled", depth=3, topk=2, budget=5, adaptive=False, verify="token"),
+                        "without_replacement")):
+        seen.clear()
+        eng.set_tree(tree)
+        eng.generate(PROMPT, warm)
+        assert (mode, True) in seen and {m for m, _ in seen} <= {mode, "deterministic"}, (tree, seen)
     seen.clear()
-    eng.set_tree(TreeConfig(kind="dynamic", depth=3, topk=2, budget=5, adaptive=False))  # sampling: "chain"
-    eng.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
-    assert ("iid", True) in seen  # sampled requests draft a sampled chain (plain cycles excepted: root alone)
-    assert seen.count(("deterministic", False)) <= 1
-    seen.clear()
-    eng.set_tree(TreeConfig(kind="dynamic", depth=3, topk=2, budget=5, adaptive=False, sampling="tree"))
-    eng.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0, seed=0))
-    assert ("deterministic", False) in seen and all(m != "iid" for m, _ in seen)
+    eng.set_tree(TreeConfig(kind="dynamic", depth=3, topk=2, budget=5, adaptive=False))
+    eng.generate(PROMPT, warm)
+    assert ("deterministic", False) in seen and all(m == "deterministic" for m, _ in seen)
     seen.clear()
     eng.generate(PROMPT, SamplingParams(max_new_tokens=6))
     assert {m for m, _ in seen} == {"greedy"}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_are_the_targets_own(tiny_llama, temperature: float) -> None:
+    import torch
+
+    from tests.unit.serving.runtime_helpers import hf_model
+
+    tree = TreeConfig(kind="dynamic", depth=3, topk=2, budget=6, adaptive=False)
+    eng = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram", max_len=64, tree=tree)
+    params = SamplingParams(max_new_tokens=16, temperature=temperature, seed=7, logprobs=3)
+    alone = eng.generate(PROMPT, params)
+    batched = eng.generate_batch([PROMPT, PROMPT[:6]], [params, params], max_batch=2)[0]
+    assert eng.totals.drafted_tokens > 0
+    assert temperature > 0 or eng.totals.accepted_tokens > 0  # greedy: tokens came through accepted draft nodes
+    for out in (alone, batched):
+        with torch.no_grad():
+            logits = hf_model(str(tiny_llama))(torch.tensor([PROMPT + out.token_ids])).logits[0].double()
+        ref = torch.log_softmax(logits, -1)[len(PROMPT) - 1:-1]  # [G, V]
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        for j, lp in enumerate(out.logprobs):
+            assert lp.logprob == pytest.approx(float(ref[j, lp.token_id]), abs=1e-4)
+            assert [i for i, _ in lp.top] == torch.topk(ref[j], 3).indices.tolist()
+    assert eng.generate(PROMPT, SamplingParams(max_new_tokens=4)).logprobs is None
+
+
+def test_adaptive_sampled_requests_choose_among_kinds(tiny_llama, tmp_path, monkeypatch) -> None:
+    """At T > 0 an adaptive request of a model drafter may draft the configured tree, sampled chains (block) and
+    sampled trees (traversal); greedy, seeded or n-gram requests keep the configured kind."""
+    spec = make_speculator_dir(tiny_llama, "eagle3", tmp_path / "eagle3")
+    eng = Engine.from_pretrained(loaded_target(str(tiny_llama)), str(spec),
+                                 tree=TreeConfig(kind="dynamic", depth=3, topk=2, budget=6, adaptive=True))
+    warm = SamplingParams(max_new_tokens=60, temperature=1.0)
+    assert eng.kinds_for(warm, adaptive=True) == ("dynamic", "chain", "sampled")
+    assert eng.kinds_for(SamplingParams(max_new_tokens=60), adaptive=True) == ("dynamic",)
+    assert eng.kinds_for(warm, adaptive=False) == ("dynamic",)
+    ngram = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram")
+    assert ngram.kinds_for(warm, adaptive=True) == (ngram.tree.kind,)
+    from speculators.serving import adaptive as adaptive_module
+    from speculators.serving import engine as engine_module
+
+    turn = {"n": 0}
+
+    def scripted(self, remaining):  # a controller that drafts every kind in turn at depth 2
+        kind = self.kinds[turn["n"] % len(self.kinds)]
+        turn["n"] += 1
+        self.kind = kind
+        self.kind_histogram[kind] = self.kind_histogram.get(kind, 0) + 1
+        return kind, min(2, remaining - 1)
+
+    modes: list[tuple[int, str]] = []
+    real = engine_module.verify_tree_lazy
+
+    def spy(tokens, parents, target_row, draft_probs=None, *, vocab_size, mode, generator):
+        if mode != "greedy":  # the cost calibration verifies greedy chains
+            modes.append((int(tokens.shape[0]), mode))
+        return real(tokens, parents, target_row, draft_probs, vocab_size=vocab_size, mode=mode, generator=generator)
+
+    monkeypatch.setattr(adaptive_module.AdaptiveDepth, "choose_plan", scripted)
+    monkeypatch.setattr(engine_module, "verify_tree_lazy", spy)
+    out = eng.generate(PROMPT, warm)
+    adaptive = out.stats.adaptive
+    assert adaptive["mode"] == "adaptive"
+    assert set(adaptive["kind_histogram"]) == {"dynamic", "chain", "sampled"}
+    assert [m for _, m in modes[:3]] == ["deterministic", "block", "traversal"]
+    assert [n for n, _ in modes[1:3]] == [3, 5]  # chain of 2; spine of 2 with a sibling per level (never grafted)
+    assert set(adaptive["cost"]["draft_ms_by_depth"]) == {"dynamic", "chain", "sampled"}  # all calibrated
+    assert set(eng._acceptance_prior) == {"dynamic", "chain", "sampled"}  # per kind, for the next request

@@ -9,7 +9,7 @@ import scipy.stats
 import torch
 
 from speculators.serving import SamplingParams
-from speculators.serving.sampling import inverse_cdf, logits_to_probs, sample
+from speculators.serving.sampling import inverse_cdf, logits_to_probs, sample, sample_without_replacement
 
 
 def params(**kw: object) -> SamplingParams:
@@ -229,3 +229,39 @@ def test_sampling_a_one_hot_row_returns_its_token() -> None:
     row = logits_to_probs(torch.tensor([0.0, 9.0, 1.0]), SamplingParams())
     gen = torch.Generator().manual_seed(0)
     assert {sample(row, gen) for _ in range(100)} == {1}
+
+
+def _sequential_law(probs: list[float], k: int) -> dict[tuple[int, ...], float]:
+    """Exact law of k draws one after another without replacement (draw j from the row without earlier draws)."""
+    law: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(k):
+        grown = {}
+        for drawn, w in law.items():
+            rest = sum(p for t, p in enumerate(probs) if t not in drawn)
+            for t, p in enumerate(probs):
+                if t not in drawn and p > 0:
+                    grown[drawn + (t,)] = w * p / rest
+        law = grown
+    return law
+
+
+def test_sample_without_replacement_is_a_sequential_draw() -> None:
+    """The ordered k-tuples follow the sequential law exactly (chi-square over all 4*3*2 orders), zero-probability
+    tokens never appear, and a row with fewer live tokens than k gives all of them."""
+    probs = [0.45, 0.0, 0.3, 0.15, 0.1]
+    law = _sequential_law(probs, 3)
+    row = torch.tensor(probs)
+    gen = torch.Generator().manual_seed(11)
+    n = 20_000
+    counts = dict.fromkeys(law, 0)
+    for _ in range(n):
+        counts[tuple(sample_without_replacement(row, 3, gen))] += 1  # KeyError: an impossible order
+    keys = sorted(law)
+    pvalue = scipy.stats.chisquare([counts[t] for t in keys], [law[t] * n for t in keys]).pvalue
+    assert pvalue > 1e-6
+    assert sorted(sample_without_replacement(row, 9, gen)) == [0, 2, 3, 4]
+    assert sample_without_replacement(torch.zeros(3), 2, gen) == []
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert sample_without_replacement(row, 2, g1) == sample_without_replacement(row, 2, g2)
+    with pytest.raises(ValueError, match="1-D"):
+        sample_without_replacement(torch.ones(2, 2), 1, gen)

@@ -21,13 +21,16 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
+from verify_controls import (
+    FrozenWeightOps,
+    NoResidualOps,
+    UnfilteredResidualOps,
+    per_path_verify,
+)
 from verify_harness import (
     DraftSpec,
     LoopLaw,
-    NoResidualOps,
-    UnfilteredResidualOps,
     draft_tree,
-    per_path_verify,
 )
 
 from speculators.serving.sampling import SamplingParams, logits_to_probs, sample
@@ -269,6 +272,7 @@ DEEP_WIDE = (-1, 0, 0, 1, 1, 3)
 SMALL = (-1, 0, 0, 1)
 CHAIN = (-1, 0, 1, 2)
 WIDE = (-1, 0, 0, 0)
+WIDE_DEEP = (-1, 0, 0, 0, 1)
 FILTER = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
 
 PEAKED = dict(alpha_p=0.3, alpha_q=0.3)
@@ -291,6 +295,14 @@ CONFIGS = [
         "without_replacement",
         DirichletTables(8, 106, **FLAT, sampling=FILTER),
         DraftSpec("wor", SMALL),
+    ),
+    ("block-chain-flat", "block", DirichletTables(8, 107, **FLAT, q_mix=0.3), DraftSpec("iid", CHAIN)),
+    ("traversal-tree-peaked", "traversal", DirichletTables(6, 112, **PEAKED, q_mix=0.2), DraftSpec("wor", WIDE_DEEP)),
+    (
+        "traversal-iid-flat-filtered",
+        "traversal_iid",
+        DirichletTables(8, 109, **FLAT, sampling=FILTER, q_mix=0.3),
+        DraftSpec("iid", SMALL),
     ),
 ]
 ALPHA = 1e-6 / (len(CONFIGS) * STATS_PER_CONFIG)  # Bonferroni: family-wise false alarm <= 1e-6
@@ -323,6 +335,9 @@ BROKEN = [
     ("d-reused-coin", "iid-chain-flat", core("iid", rng=ReusedCoinsTorch)),
     ("e-unfiltered-residual", "det-topk-flat-filtered", core("deterministic", ops=unfiltered_residual)),
     ("f-sample-and-match", "iid-tree-peaked", api("deterministic")),
+    ("b-no-residual-traversal", "traversal-tree-peaked", core("traversal", ops=lambda b: NoResidualOps(TorchRowOps()))),
+    ("f-frozen-weight-block", "block-chain-flat", core("block", ops=lambda b: FrozenWeightOps(TorchRowOps()))),
+    ("h-iid-rule-on-wor-tree", "traversal-tree-peaked", api("traversal_iid")),
 ]
 
 

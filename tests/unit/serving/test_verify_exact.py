@@ -1,4 +1,4 @@
-"""Exact proofs that tree verification is lossless, plus the verify_tree API contract.
+"""Exact proofs that tree verification is lossless (the API contract: test_verify_api.py).
 
 The real decision code (`walk_tree`) runs with rational arithmetic and a randomness source that
 enumerates every coin and draw with its exact probability (verify_harness). For toy vocabularies the
@@ -9,34 +9,28 @@ for every mode and tree; closed forms pin the acceptance; broken variants must b
 from __future__ import annotations
 
 import math
-import time
 from fractions import Fraction
 
 import pytest
-import torch
+from verify_controls import (
+    FrozenWeightOps,
+    NoResidualOps,
+    OneUniform,
+    ReusedCoins,
+    UnfilteredResidualOps,
+    UnweightedResidualOps,
+    per_path_verify,
+)
 from verify_harness import (
     REF_OPS,
     DraftSpec,
     LoopLaw,
-    NoResidualOps,
-    ReusedCoins,
     ToyTables,
-    UnfilteredResidualOps,
     Variant,
     draft_tree,
     enumerate_law,
-    per_path_verify,
     total_variation,
     truth_law,
-)
-
-from speculators.serving.verify import (
-    TorchRandomness,
-    TorchRowOps,
-    chain_parents,
-    remove_token,
-    residual,
-    verify_tree,
 )
 
 N_TOKENS = 3
@@ -45,6 +39,9 @@ CHAIN = (-1, 0, 1, 2)
 WIDE = (-1, 0, 0, 0)
 SMALL = (-1, 0, 0, 1)
 DEEP_WIDE = (-1, 0, 0, 1, 1, 3)  # nodes 2 and 4 are leaves above the deepest level
+BUSHY = (-1, 0, 0, 0, 1, 1)  # three siblings (may exhaust a 3-token support) and two under the first
+LONG_CHAIN = (-1, 0, 1, 2, 3)
+WIDE_DEEP = (-1, 0, 0, 0, 2)  # three siblings, the second one with a child
 
 
 def topk(parents: tuple[int, ...]) -> DraftSpec:
@@ -88,6 +85,28 @@ LOSSLESS_CASES = [
     ("without_replacement", 5, 26, "filtered", wor((-1, 0, 0))),
     ("greedy", 4, 31, "onehot", topk(DEEP_WIDE)),
     ("greedy", 3, 32, "onehot", FIXED_DUPLICATES),
+    ("block", 3, 71, "generic", iid(CHAIN)),
+    ("block", 4, 72, "p_zero", iid(CHAIN)),
+    ("block", 4, 73, "disjoint", iid(CHAIN)),
+    ("block", 3, 74, "q_near_p", iid(CHAIN)),
+    ("block", 4, 75, "filtered", iid(CHAIN)),
+    ("block", 3, 76, "onehot", iid(CHAIN)),
+    ("block", 3, 77, "q_onehot", iid(CHAIN)),
+    ("block", 2, 78, "generic", iid(LONG_CHAIN)),
+    ("traversal", 3, 81, "generic", wor(DEEP_WIDE)),
+    ("traversal", 3, 82, "generic", wor(BUSHY)),
+    ("traversal", 4, 83, "p_zero", wor(SMALL)),
+    ("traversal", 4, 84, "disjoint", wor(SMALL)),
+    ("traversal", 3, 85, "q_near_p", wor(DEEP_WIDE)),
+    ("traversal", 4, 86, "filtered", wor(SMALL)),
+    ("traversal", 3, 87, "onehot", wor(BUSHY)),
+    ("traversal_iid", 3, 91, "generic", iid(DEEP_WIDE)),
+    ("traversal_iid", 3, 92, "generic", iid(BUSHY)),  # duplicate siblings are drawn often
+    ("traversal_iid", 4, 93, "p_zero", iid(SMALL)),
+    ("traversal_iid", 4, 94, "disjoint", iid(SMALL)),
+    ("traversal_iid", 3, 95, "q_near_p", iid(SMALL)),
+    ("traversal_iid", 4, 96, "filtered", iid(SMALL)),
+    ("traversal_iid", 3, 97, "q_onehot", iid(DEEP_WIDE)),
 ]
 
 
@@ -226,6 +245,32 @@ BROKEN_CASES = [
         Variant(ops=UnfilteredResidualOps()),
     ),
     ("e-unfiltered-iid", "iid", ToyTables(4, 69, "filtered"), iid(CHAIN), Variant(ops=UnfilteredResidualOps())),
+    # the same mistakes in block / traversal verification, and theirs of their own:
+    ("a-block-on-topk-chain", "block", ToyTables(4, 161, "generic"), topk(CHAIN), Variant()),
+    ("b-no-residual-block", "block", ToyTables(3, 162, "generic"), iid(CHAIN), Variant(ops=NoResidualOps())),
+    ("b-no-residual-traversal", "traversal", ToyTables(4, 163, "generic"), wor(SMALL), Variant(ops=NoResidualOps())),
+    ("d-one-uniform-block", "block", ToyTables(3, 171, "generic"), iid(CHAIN), Variant(wrap_rng=OneUniform)),
+    (
+        "e-unfiltered-traversal",
+        "traversal_iid",
+        ToyTables(4, 165, "filtered"),
+        iid(SMALL),
+        Variant(ops=UnfilteredResidualOps()),
+    ),
+    # (f) a rejected subtree leaves the parent's weight as it was; (g) the next token after a stop at a node of
+    # weight w < 1 is drawn from the token-wise residual norm(max(0, r - q)) instead of norm(max(0, w r - q))
+    ("f-frozen-weight-block", "block", ToyTables(3, 166, "generic"), iid(CHAIN), Variant(ops=FrozenWeightOps())),
+    ("f-frozen-weight-traversal", "traversal", ToyTables(4, 167, "generic"), wor(SMALL), Variant(ops=FrozenWeightOps())),
+    ("g-unweighted-residual-block", "block", ToyTables(3, 168, "generic"), iid(CHAIN), Variant(ops=UnweightedResidualOps())),
+    (
+        "g-unweighted-residual-traversal",
+        "traversal_iid",
+        ToyTables(3, 169, "generic"),
+        iid(SMALL),
+        Variant(ops=UnweightedResidualOps()),
+    ),
+    # (h) the i.i.d. sibling rule on siblings drawn without replacement (q must lose each rejected token)
+    ("h-iid-rule-on-wor-tree", "traversal_iid", ToyTables(4, 170, "generic"), wor(WIDE_DEEP), Variant()),
 ]
 
 
@@ -255,183 +300,3 @@ def test_sample_and_match_is_lossless_but_fails_acceptance_closed_form() -> None
         sample_and_match += run_s
     assert loop.expected_accepted() == sample_and_match
     assert loop.expected_accepted() < leviathan  # the closed-form check rejects it
-
-
-# ------------------------------------------------------------------------------------------------
-# torch backend vs reference arithmetic
-
-
-def test_torch_row_ops_match_reference_arithmetic() -> None:
-    gen = torch.Generator().manual_seed(0)
-    ops = TorchRowOps()
-    for _ in range(20):
-        r = torch.distributions.Dirichlet(torch.full((7,), 0.5)).sample()
-        r = r * (torch.rand(7, generator=gen) > 0.2)
-        r = (r / r.sum()).double() if r.sum() > 0 else torch.full((7,), 1 / 7, dtype=torch.float64)
-        q = torch.rand(7, generator=gen, dtype=torch.float64)
-        q /= q.sum()
-        rr, qq = tuple(r.tolist()), tuple(q.tolist())
-        res, ref = ops.residual(r, q), REF_OPS.residual(rr, qq)
-        assert (res is None) == (ref is None)
-        if ref is not None:
-            assert torch.allclose(res, torch.tensor(ref, dtype=torch.float64), atol=1e-12)
-        tok = int(torch.argmax(r))
-        rem, ref_rem = ops.remove(r, tok), REF_OPS.remove(rr, tok)
-        assert (rem is None) == (ref_rem is None)
-        if ref_rem is not None:
-            assert torch.allclose(rem, torch.tensor(ref_rem, dtype=torch.float64), atol=1e-12)
-        assert ops.argmax(r) == REF_OPS.argmax(rr)
-
-
-def test_residual_helpers() -> None:
-    r = torch.tensor([0.5, 0.3, 0.2])
-    q = torch.tensor([0.2, 0.6, 0.2])
-    assert torch.allclose(residual(r, q), torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
-    assert residual(r, r) is None
-    assert torch.allclose(remove_token(r, 0), torch.tensor([0.0, 0.6, 0.4], dtype=torch.float64))
-    assert remove_token(torch.tensor([0.0, 1.0]), 1) is None
-    assert r.tolist() == pytest.approx([0.5, 0.3, 0.2])  # inputs are not modified
-    assert chain_parents(4).tolist() == [-1, 0, 1, 2]
-
-
-def test_torch_randomness_never_accepts_zero_probability() -> None:
-    rng = TorchRandomness(torch.Generator().manual_seed(0))
-    assert not any(rng.accept(0.0) for _ in range(1000))
-    assert all(rng.accept(1.0) for _ in range(1000))
-
-
-# ------------------------------------------------------------------------------------------------
-# verify_tree: the public API
-
-
-def _inputs(n: int = 4, vocab: int = 5, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    probs = torch.softmax(torch.randn(n, vocab, generator=gen), dim=-1)  # [N, V]
-    return dict(
-        tokens=torch.randint(0, vocab, (n,), generator=gen),
-        parents=chain_parents(n),
-        target_probs=probs,
-        draft_probs=probs.flip(-1).contiguous(),
-        generator=gen,
-    )
-
-
-def test_verify_tree_greedy_walks_argmax_children() -> None:
-    eye = torch.eye(5)
-    # root -> {1: tok 3, 2: tok 2}; node 2 -> {3: tok 4}; argmax: root 2, node2 4, node3 1
-    target = torch.stack([eye[2], eye[0], eye[4], eye[1]])  # [4, 5]
-    tokens = torch.tensor([0, 3, 2, 4])
-    parents = torch.tensor([-1, 0, 0, 2])
-    assert verify_tree(tokens, parents, target, mode="greedy", generator=None) == ([2, 3], 1)
-    # with one-hot targets every sampled mode must agree with greedy
-    uniform = torch.full((4, 5), 0.2)
-    for mode in ("deterministic", "iid", "without_replacement"):
-        got = verify_tree(tokens, parents, target, uniform, mode=mode, generator=torch.Generator().manual_seed(1))
-        assert got == ([2, 3], 1)
-
-
-def test_verify_tree_greedy_skips_duplicate_children() -> None:
-    eye = torch.eye(3)
-    target = torch.stack([eye[1], eye[2], eye[0]])  # node 1 (first tok 1) says 2, node 2 (dup) says 0
-    got = verify_tree(torch.tensor([0, 1, 1]), torch.tensor([-1, 0, 0]), target, mode="greedy", generator=None)
-    assert got == ([1], 2)
-
-
-def test_verify_tree_is_reproducible_with_a_seed() -> None:
-    for mode in ("deterministic", "iid", "without_replacement"):
-        runs = []
-        for _ in range(2):
-            inp = _inputs(6, 50, seed=3)
-            inp["parents"] = torch.tensor([-1, 0, 0, 1, 1, 2])
-            inp["tokens"] = torch.tensor([0, 1, 2, 3, 4, 5])
-            runs.append([verify_tree(**inp, mode=mode) for _ in range(20)])
-        assert runs[0] == runs[1]
-
-
-def test_verify_tree_root_only_samples_the_target_row() -> None:
-    target = torch.tensor([[0.0, 0.0, 1.0]])
-    assert verify_tree(
-        torch.tensor([1]), torch.tensor([-1]), target, mode="deterministic", generator=torch.Generator()
-    ) == ([], 2)
-
-
-def test_verify_tree_accepts_any_real_dtype_rows() -> None:
-    inp = _inputs()
-    for dtype in (torch.float64, torch.bfloat16, torch.float16):
-        out = verify_tree(
-            inp["tokens"],
-            inp["parents"],
-            inp["target_probs"].to(dtype),
-            inp["draft_probs"].to(dtype),
-            mode="iid",
-            generator=inp["generator"],
-        )
-        assert isinstance(out[1], int)
-
-
-def _bad(**changes: object) -> dict:
-    inp = _inputs()
-    inp.update(changes)
-    return inp
-
-
-BAD_INPUTS = [
-    ("mode", dict(), "nucleus", "mode must be one of"),
-    ("parents0", dict(parents=torch.tensor([0, 0, 1, 2])), "iid", "parents[0] must be -1"),
-    ("parent-order", dict(parents=torch.tensor([-1, 0, 3, 2])), "iid", "must precede"),
-    ("shape", dict(parents=torch.tensor([-1, 0, 1])), "iid", "same non-zero length"),
-    ("float-tokens", dict(tokens=torch.zeros(4)), "iid", "1-D integer tensor"),
-    ("token-range", dict(tokens=torch.tensor([0, 1, 9, 2])), "iid", "outside the vocabulary"),
-    ("target-rows", dict(target_probs=torch.rand(3, 5)), "iid", "expected [4,"),
-    ("target-sum", dict(target_probs=torch.full((4, 5), 0.3)), "iid", "sums to 1.5"),
-    ("target-nan", dict(target_probs=torch.full((4, 5), float("nan"))), "deterministic", "sums to nan"),
-    ("target-neg", dict(target_probs=torch.tensor([[1.5, -0.5, 0, 0, 0]] * 4)), "deterministic", "negative"),
-    ("target-1d", dict(target_probs=torch.full((5,), 0.2)), "greedy", "floating-point tensor [N, V]"),
-    ("draft-missing", dict(draft_probs=None), "iid", "needs draft_probs"),
-    ("draft-vocab", dict(draft_probs=torch.full((4, 6), 1 / 6)), "without_replacement", "expected [4, 5]"),
-    ("draft-sum", dict(draft_probs=torch.full((4, 5), 0.1)), "iid", "draft_probs[0] sums to 0.5"),
-    ("draft-zero", dict(tokens=torch.tensor([0, 1, 2, 3]), draft_probs=torch.eye(5)[:4]), "iid", "probability 0"),
-    ("generator", dict(generator=None), "deterministic", "needs a torch.Generator"),
-]
-
-
-@pytest.mark.parametrize("name,changes,mode,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_verify_tree_rejects_bad_input(name: str, changes: dict, mode: str, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
-        verify_tree(**_bad(**changes), mode=mode)
-
-
-def test_without_replacement_rejects_duplicate_siblings_iid_allows_them() -> None:
-    probs = torch.full((3, 4), 0.25)
-    tokens, parents = torch.tensor([0, 2, 2]), torch.tensor([-1, 0, 0])
-    with pytest.raises(ValueError, match="duplicate child tokens"):
-        verify_tree(tokens, parents, probs, probs, mode="without_replacement", generator=torch.Generator())
-    verify_tree(tokens, parents, probs, probs, mode="iid", generator=torch.Generator())
-
-
-def test_draft_rows_of_leaves_are_not_read() -> None:
-    inp = _inputs()
-    draft = inp["draft_probs"].clone()
-    draft[-1] = 0.0  # the chain's leaf: its children were never drawn
-    verify_tree(inp["tokens"], inp["parents"], inp["target_probs"], draft, mode="iid", generator=inp["generator"])
-
-
-def test_verify_tree_large_vocab_is_fast() -> None:
-    n, vocab = 64, 150_000
-    gen = torch.Generator().manual_seed(0)
-    target = torch.softmax(torch.randn(n, vocab, generator=gen) * 3, dim=-1)  # [N, V]
-    draft = torch.softmax(torch.randn(n, vocab, generator=gen) * 3, dim=-1)  # [N, V]
-    parents = torch.tensor([-1] + [(i - 1) // 4 for i in range(1, n)])
-    ranks = torch.topk(draft[parents[1:]], 4, dim=-1).indices  # [N-1, 4] distinct tokens per parent
-    sibling = (torch.arange(1, n) - 1) % 4  # [N-1] rank of each node among its siblings
-    tokens = torch.cat([torch.zeros(1, dtype=torch.long), ranks[torch.arange(n - 1), sibling]])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for mode in ("greedy", "deterministic", "iid", "without_replacement"):
-            verify_tree(tokens, parents, target, draft, mode=mode, generator=gen)  # warm-up
-            start = time.perf_counter()
-            verify_tree(tokens, parents, target, draft, mode=mode, generator=gen)
-            assert time.perf_counter() - start < 1.0, mode  # ~5-20 ms on one core; loose for shared CI
-    finally:
-        torch.set_num_threads(threads)

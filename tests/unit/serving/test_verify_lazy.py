@@ -1,8 +1,9 @@
 """verify_tree_lazy and TargetRows: the same decisions as verify_tree on the same rows, with only the visited rows made.
 
 - verify_tree_lazy with rows read from a table returns exactly what verify_tree returns on that table, with the
-  same generator state afterwards, in every mode, on random trees (sampled trees with draft laws that make the
-  drafted tokens possible); it asks for each row at most once, root first, and only along one root->leaf path.
+  same generator state afterwards, in every mode, on random trees (chains in block mode; sampled trees with draft
+  laws that make the drafted tokens possible); it asks for each row at most once, root first; token-wise modes
+  only along one root->leaf path, block / traversal modes in depth-first pre-order (a node after its parent).
 - TargetRows makes the same rows as one product over every node, in first-child-chain blocks: the root's block
   is the root and its first-child chain; a node off that chain gets its own block; no row is made twice.
 - Bad trees and modes fail as in verify_tree.
@@ -47,20 +48,25 @@ def _rows(gen: torch.Generator, n: int, peaked: torch.Tensor | None = None) -> t
     return torch.softmax(logits, dim=-1)  # [N, V]
 
 
-@pytest.mark.parametrize("mode", ["greedy", "deterministic", "iid", "without_replacement"])
+SAMPLED = ("iid", "without_replacement", "block", "traversal", "traversal_iid")
+
+
+@pytest.mark.parametrize("mode", ["greedy", "deterministic", *SAMPLED])
 def test_lazy_equals_verify_tree_and_reads_only_the_walked_path(mode: str) -> None:
     gen = torch.Generator().manual_seed(5)
     longest = 0
     for trial in range(60):
         n = 1 + trial % 9
         tokens, parents = _random_tree(gen, n)
-        if mode == "without_replacement":
+        if mode == "block":
+            parents = torch.arange(-1, n - 1)
+        if mode in ("without_replacement", "traversal"):
             tokens = _distinct_siblings(tokens, parents)
         first_child = torch.zeros(n, dtype=torch.long)  # each node's first child's token (its own if a leaf)
         for i in range(n - 1, 0, -1):
             first_child[int(parents[i])] = tokens[i]
         target = _rows(gen, n, first_child)  # [N, V]
-        draft = _rows(gen, n) * 0.5 + 0.5 / VOCAB if mode in ("iid", "without_replacement") else None
+        draft = _rows(gen, n) * 0.5 + 0.5 / VOCAB if mode in SAMPLED else None
         if mode == "greedy" and trial % 2:  # argmax rows that follow the tree's first children
             target = torch.nn.functional.one_hot(first_child, VOCAB).double()
         seed = 1000 + trial
@@ -80,8 +86,13 @@ def test_lazy_equals_verify_tree_and_reads_only_the_walked_path(mode: str) -> No
         assert torch.equal(g.get_state(), ref.get_state()), "the lazy walk drew a different number of randoms"
         accepted, _ = got
         last = accepted[-1] if accepted else 0
-        assert asked == [0, *accepted], f"rows read {asked}, walk {accepted}"
-        assert asked == [0, *path_to(parents, last)]
+        if mode in ("block", "traversal", "traversal_iid"):
+            assert asked[0] == 0 and len(set(asked)) == len(asked), asked
+            assert all(asked.index(int(parents[i])) < k for k, i in enumerate(asked) if i > 0), asked
+            assert set(accepted) <= set(asked), (asked, accepted)
+        else:
+            assert asked == [0, *accepted], f"rows read {asked}, walk {accepted}"
+            assert asked == [0, *path_to(parents, last)]
         longest = max(longest, len(accepted))
     assert longest >= 3, "no trial accepted a path: the test would prove little"
 

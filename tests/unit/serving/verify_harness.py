@@ -6,7 +6,7 @@
   production decision code into a probability-propagating verifier.
 - Toy target/draft tables keyed by the full context, tree drafters (top-k, fixed tokens, i.i.d., without
   replacement), one speculative step, and the exact law of the first n tokens of the generation loop.
-- Broken verifiers (negative controls) that the same checks must reject.
+Broken verifiers (negative controls) and the literal block-verification reference live in verify_controls.py.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ class RefOps:
 
     def residual(self, r: Row, q: Row) -> Row | None:
         return normalise([max(0, a - b) for a, b in zip(r, q, strict=True)])
+
+    def weighted_residual(self, r: Row, q: Row, weight: Any) -> tuple[Any, Row | None]:
+        diff = [max(0, weight * a - b) for a, b in zip(r, q, strict=True)]
+        return sum(diff), normalise(diff)
 
 
 REF_OPS = RefOps()
@@ -127,7 +131,7 @@ class FilteredRow(tuple):
     raw: Row
 
 
-FLAVORS = ("generic", "p_zero", "disjoint", "q_near_p", "onehot", "filtered", "depth_only")
+FLAVORS = ("generic", "p_zero", "disjoint", "q_near_p", "onehot", "filtered", "depth_only", "q_onehot", "q_equals_p")
 
 
 @dataclass
@@ -136,7 +140,8 @@ class ToyTables:
 
     generic: independent random rows with some zeros; p_zero: p is 0 on q's two favourite tokens;
     disjoint: p and q have disjoint supports; q_near_p: q is a small perturbation of p; onehot: p is a
-    point mass; filtered: p is the top-2 of a raw row, renormalised (row.raw keeps the raw row).
+    point mass; filtered: p is the top-2 of a raw row, renormalised (row.raw keeps the raw row); q_onehot: q is
+    a point mass (a deterministic draft seen as a law); q_equals_p: the draft is the target.
     """
 
     vocab: int
@@ -173,6 +178,10 @@ class ToyTables:
             if kind == "p":
                 return normalise([Fraction(x) for x in base])
             return normalise([Fraction(x + rnd.randint(-2, 2)) for x in base])
+        if self.flavor == "q_equals_p" and kind == "q":
+            return self.p(key)
+        if self.flavor == "q_onehot" and kind == "q":
+            return _one_hot(rnd.randrange(v), v)
         if self.flavor == "disjoint":
             support = set(self._rand("support", key).sample(range(v), v // 2))
             mine = support if kind == "p" else set(range(v)) - support
@@ -365,105 +374,3 @@ class LoopLaw:
                 if by_token.get(y, 0) / mass != p[y]:
                     bad.append((prefix, y, by_token.get(y, 0) / mass, p[y]))
         return bad
-
-
-# ------------------------------------------------------------------------------------------------
-# negative controls (each must be caught)
-
-
-class NoResidualOps(RefOps):
-    """(b) rejected siblings are not zeroed and the residual is never updated."""
-
-    def __init__(self, base: Any = REF_OPS) -> None:
-        self.base = base
-
-    def prob(self, row: Any, token: int) -> Any:
-        return self.base.prob(row, token)
-
-    def argmax(self, row: Any) -> int:
-        return self.base.argmax(row)
-
-    def remove(self, row: Any, token: int) -> Any:
-        return row
-
-    def residual(self, r: Any, q: Any) -> Any:
-        return r
-
-
-class UnfilteredResidualOps(RefOps):
-    """(e) accept against the filtered target, but build residuals from the unfiltered row."""
-
-    def __init__(self, raw_of: Callable[[Any], Any] = lambda row: getattr(row, "raw", row), base: Any = REF_OPS):
-        self.raw_of, self.base = raw_of, base
-
-    def prob(self, row: Any, token: int) -> Any:
-        return self.base.prob(row, token)
-
-    def argmax(self, row: Any) -> int:
-        return self.base.argmax(row)
-
-    def remove(self, row: Any, token: int) -> Any:
-        return self.base.remove(self.raw_of(row), token)
-
-    def residual(self, r: Any, q: Any) -> Any:
-        return self.base.residual(self.raw_of(r), q)
-
-
-class ReusedCoins:
-    """(d) the k-th coin tried at a depth level is the same uniform U_k at every level of one step.
-
-    Exact version: each U_k is tracked as the interval it is known to lie in; a coin `U_k < a` splits it.
-    """
-
-    def __init__(self, base: ScriptedRandomness) -> None:
-        self.base = base
-        self.intervals: dict[int, tuple[Fraction, Fraction]] = {}
-        self.rank = 0
-
-    def accept(self, prob: Any) -> bool:
-        lo, hi = self.intervals.get(self.rank, (Fraction(0), Fraction(1)))
-        cut = min(max(Fraction(prob), lo), hi)
-        p_accept = (cut - lo) / (hi - lo)
-        accepted = self.base.choose([(p_accept, True), (1 - p_accept, False)])
-        self.intervals[self.rank] = (lo, cut) if accepted else (cut, hi)
-        self.rank = 0 if accepted else self.rank + 1
-        return accepted
-
-    def draw(self, row: Row) -> int:
-        return self.base.draw(row)
-
-
-def per_path_verify(
-    tree: Tree, *, mode: str, target_row: Callable[[int], Any], draft_row: Any, ops: Any, rng: Any
-) -> tuple[list[int], int]:
-    """(c) Medusa-nucleus style: each root->leaf path samples the target independently and keeps
-    its longest matching prefix; the longest over all paths wins (first path on ties)."""
-    best: tuple[list[int], int] | None = None
-    leaves = [i for i, kids in enumerate(tree.children) if not kids and i > 0] or [0]
-    for leaf in leaves:
-        path = []
-        node = leaf
-        while node > 0:
-            path.append(node)
-            node = _parent_of(tree, node)
-        path.reverse()
-        accepted: list[int] = []
-        node = 0
-        nxt = None
-        for child in path:
-            y = rng.draw(target_row(node))
-            if y != tree.tokens[child]:
-                nxt = y
-                break
-            accepted.append(child)
-            node = child
-        if nxt is None:
-            nxt = rng.draw(target_row(node))
-        if best is None or len(accepted) > len(best[0]):
-            best = (accepted, nxt)
-    assert best is not None
-    return best
-
-
-def _parent_of(tree: Tree, node: int) -> int:
-    return next(p for p, kids in enumerate(tree.children) if node in kids)

@@ -107,3 +107,24 @@ def test_missing_accelerate_config_is_one_line_through_the_cli(base: Path, tiny_
     assert lines == ["error: accelerate config not found: recipes/accelerate/nope.yaml (train.accelerate_config; "
                      "see recipes/accelerate/*.yaml)"]
     assert _tree(base / "accel") == before
+
+
+def test_a_damaged_shard_fails_before_step_one(base: Path, tiny_llama: Path) -> None:
+    from speculators.train.loop import run
+
+    data = _prepared(base, "damaged", tiny_llama, capture={"mode": "offline", "teacher": "topk", "teacher_topk": 4,
+                                                          "shard_tokens": 128})
+    capture(data)
+    shards = sorted((base / "damaged" / "features").glob("shard-*.safetensors"))
+    assert len(shards) >= 3
+    last = shards[-1]  # the shard training would reach last
+    raw = bytearray(last.read_bytes())
+    for i in range(len(raw) - 64, len(raw)):  # tensor bytes at the end: the header still parses
+        raw[i] ^= 0xFF
+    last.write_bytes(bytes(raw))
+    before = _tree(base / "damaged")
+    with pytest.raises(SpeculatorsError, match=f"feature shard .*{last.name} fails its checksum; re-run capture") \
+            as info:
+        run(load(data))
+    assert "\n" not in str(info.value)
+    assert _tree(base / "damaged") == before  # no checkpoint, no log: it stopped before step 1

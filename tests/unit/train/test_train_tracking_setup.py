@@ -43,7 +43,7 @@ def test_resume_drops_the_crashed_tail_and_fresh_runs_start_clean(tmp_path: Path
     assert not (tmp_path / "metrics.jsonl").exists() or read_jsonl(tmp_path / "metrics.jsonl") == []
 
 
-def test_missing_tracker_packages_are_skipped_with_one_warning(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_missing_tracker_packages_are_skipped_with_one_warning(tmp_path: Path, monkeypatch, caplog) -> None:
     real_import = builtins.__import__
 
     def no_wandb(name, *a, **k):
@@ -55,8 +55,9 @@ def test_missing_tracker_packages_are_skipped_with_one_warning(tmp_path: Path, m
     tr = Tracker(tmp_path, ["jsonl", "tensorboard", "wandb"], run_name="t", config={})
     tr.log({"loss": 1.0}, 1)
     tr.close()
-    err = [line for line in capsys.readouterr().err.splitlines() if line]
-    assert len(err) == 2 and all(line.startswith("warning:") for line in err)
+    warnings = [r for r in caplog.records if r.name.startswith("speculators")]
+    assert len(warnings) == 2 and all(r.levelname == "WARNING" and "is not installed" in r.getMessage()
+                                      for r in warnings)
     assert read_jsonl(tmp_path / "metrics.jsonl")[0]["loss"] == 1.0
 
 
@@ -108,3 +109,51 @@ def test_train_signature_ignores_launch_and_logging_settings() -> None:
     other = load_recipe(None, ["train.lr=1e-5"])
     assert train_signature(base) == train_signature(same) != train_signature(other)
     assert json.dumps(train_signature(base))
+
+
+def test_wandb_mode_honours_wandb_login(tmp_path: Path) -> None:
+    from speculators.train.tracking import wandb_mode
+
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    assert wandb_mode({"WANDB_MODE": "disabled", "WANDB_API_KEY": "x"}) == ("disabled", "WANDB_MODE")
+    assert wandb_mode({"WANDB_API_KEY": "x" * 40, "HOME": str(tmp_path)}) == ("online", "WANDB_API_KEY")
+    assert wandb_mode({"NETRC": str(netrc)})[0] == "online" and "wandb login" in wandb_mode({"NETRC": str(netrc)})[1]
+    assert wandb_mode({"NETRC": str(netrc), "WANDB_BASE_URL": "https://wandb.example.com"})[0] == "offline"
+    assert wandb_mode({"HOME": str(tmp_path / "nobody")})[0] == "offline"
+
+
+def test_wandb_run_from_the_recipe_with_the_evaluation(tmp_path: Path, caplog) -> None:
+    """A real offline W&B run (no network): entity / project / group / tags from the recipe, training metrics, one
+    line saying how to upload it, then the evaluation report logged to the same run."""
+    import logging
+
+    from speculators.config import load_recipe
+    from speculators.train.tracking import RUN_ID_FILE, log_evaluation, wandb_options
+    from tests.unit.train.wandb_records import offline_run
+
+    recipe = load_recipe(None, ["train.wandb_project=spec-proj", "train.wandb_entity=spec-team",
+                                "train.wandb_group=house", "train.wandb_tags=[eagle3, cpu]"])
+    options = wandb_options(recipe.train)
+    with caplog.at_level(logging.INFO, logger="speculators"):
+        tr = Tracker(tmp_path, ["jsonl", "wandb"], run_name="t", config={"lr": 1e-3}, wandb=options)
+        for s in range(1, 4):
+            tr.log({"loss": 1.0 / s}, s)
+        tr.log_acceptance(3, ROWS, {"simulated_tau": 1.9}, tmp_path / "plots" / "a.png")
+        tr.close()
+        selection = {"best": "step-0000003", "best_step": 3, "metric": "mean simulated tau at T=0.0",
+                     "summary": {"0.0": {"tau": {"code": 2.5, "prose": 1.5}, "mean_tau": 2.0,
+                                         "ngram_tau": {"code": 1.8, "prose": 1.1}, "ngram_mean_tau": 1.45}},
+                     "live": {"0.0": {"speculator": {"cohorts": {"code": {"tau": 2.4}}}}}}
+        assert log_evaluation(tmp_path, options, selection, {"selection": tmp_path / "plots" / "a.png"})
+    run_id = (tmp_path / RUN_ID_FILE).read_text().strip()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"upload it with: wandb sync {tmp_path}/wandb/offline-run-*-{run_id}" in m for m in lines), lines
+    rec = offline_run(tmp_path, run_id)
+    assert rec["run"][0] == ("spec-proj", "spec-team", "house", ["eagle3", "cpu"])
+    assert [h["train/loss"] for h in rec["history"] if "train/loss" in h] == [1.0, 0.5, pytest.approx(1 / 3)]
+    assert any(h.get("eval/acceptance_table/_type") == "table-file" for h in rec["history"])
+    evaluation = next(h for h in rec["history"] if "eval/cohort_tau/_type" in h)  # nested keys, flattened
+    assert evaluation["eval/cohort_tau/nrows"] == 2 and evaluation["eval/selection/_type"] == "image-file"
+    assert rec["summary"]["eval/best_checkpoint"] == "step-0000003" and rec["summary"]["eval/mean_tau@T=0.0"] == 2.0
