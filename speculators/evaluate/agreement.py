@@ -221,17 +221,10 @@ def serving_agreement(target: Any, spec: Any, spec_dir: str, sequences: dict[flo
     for t, seqs in sequences.items():
         runs = {name: run_live(e, rows, t, seed, f"live {name} T={t}", progress) for name, e in engines.items()}
         draft = "sampled" if t > 0 else "argmax"
-        tree_engine = engines["tree"]
-        tree_drafts = tree_engine._tree_for(tree_engine.tree.depth, SamplingParams(temperature=t))
-        if tree_drafts.kind == "chain" and tree_engine.tree.kind != "chain":  # a sampled request drafts a chain
-            tree_pred = predict_chain(spec, target.model, seqs, tree_drafts.depth, "sampled", progress)
-            tree_settings = {"draft": f"sampled chain of {tree_drafts.depth} (TreeConfig.sampling)"}
-        else:
-            tree_pred = predict_drafter(spec, target.model, seqs, tree_engine, progress)
-            tree_settings = {}
+        tree_pred = predict_drafter(spec, target.model, seqs, engines["tree"], progress)  # its configured tree
         preds = {"chain": predict_chain(spec, target.model, seqs, k, draft, progress), "tree": tree_pred,
                  "ngram": predict_drafter(NgramDrafter(), target.model, seqs, engines["ngram"], progress)}
-        settings = {"chain": {"k": k, "draft": draft}, "tree": tree_settings, "ngram": {}}
+        settings = {"chain": {"k": k, "draft": draft}, "tree": {}, "ngram": {}}
         entry = {name: _block(preds[name], runs[name], t, seqs, settings[name]) for name in preds}
         entry["speculator"] = runs["tree"].to_dict()  # the runtime's default tree, live (earlier reports' field)
         entry["ngram_live"] = runs["ngram"].to_dict()
