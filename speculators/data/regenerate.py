@@ -9,6 +9,10 @@ as they are. Raw prompt/completion rows get a new completion. The result is re-e
 (same masks, same length policy) into `regenerated/` (token-dataset format, `stage: regenerate`).
 
 Backends (`data.regenerate.backend`):
+- `engine` (default): in-process on the bundled runtime — up to `concurrency` requests sharing each target forward
+  (continuous batching) and n-gram or speculator drafting (`regenerate_engine.py`); the first `crosscheck_rows` rows
+  also run through HF `generate` (batches of `batch_size`, as `local` runs), timed and compared side by side (the
+  manifest's `generation.crosscheck`);
 - `local`: batched in-process `model.generate` (left padding) on the target's device;
 - `openai`: any OpenAI-compatible server (vLLM, SGLang, `speculators serve`) at `data.regenerate.endpoint`, through
   the `openai` client (regen_openai.py; the endpoint and the model are checked before the first row).
@@ -48,7 +52,8 @@ MAX_LISTED_FAILURES = 100
 
 
 class LocalBackend:
-    """Batched `model.generate` with left padding on the target's device."""
+    """Batched `model.generate` with left padding on the target's device — or, with `backend: engine`, the
+    bundled runtime (`regenerate_engine.EngineGenerator`) on the same loaded target."""
 
     def __init__(self, recipe: Recipe) -> None:
         from speculators.target import load_target
@@ -61,6 +66,13 @@ class LocalBackend:
         self.terminators = set(self.encoder.terminators)
         self.stop_ids = sorted(self.terminators | {int(i) for i in self.tok.all_special_ids if i is not None})
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
+        self.engine: Any = None
+        self.crosscheck: dict | None = None
+        if recipe.data.regenerate.backend == "engine":
+            from speculators.data.regenerate_engine import EngineGenerator
+
+            rg = recipe.data.regenerate
+            self.engine = EngineGenerator(self.target, rg.drafter, rg.concurrency)
 
     def prompt_ids(self, st: RowState) -> list[int]:
         if st.conv.is_chat:
@@ -69,6 +81,46 @@ class LocalBackend:
         return ids[:-1] if ids and ids[-1] == self.tok.eos_token_id else ids
 
     def generate(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[Turn]:
+        if self.engine is None:
+            gens = self.hf_ids(prompts, max_new, seed)
+        else:
+            from speculators.data.regenerate_engine import crosscheck
+
+            n = min(self.recipe.data.regenerate.crosscheck_rows, len(prompts)) if self.crosscheck is None else 0
+            gens = []
+            if n > 0:  # the first rows run through both backends, side by side; the engine's answers are kept
+                self.crosscheck, gens = crosscheck(self.hf_batches, self.engine_ids, prompts[:n], max_new[:n], seed,
+                                                   self.recipe.data.regenerate.temperature == 0)
+            gens += self.engine_ids(prompts[n:], max_new[n:], seed + n)
+        turns = []
+        for gen in gens:
+            stop = next((t for t, x in enumerate(gen) if x in self.stop_ids), None)
+            body = gen if stop is None else gen[:stop]
+            finished = stop is not None and gen[stop] in self.terminators
+            text = self.tok.decode(body, skip_special_tokens=False)
+            same = list(self.tok(text, add_special_tokens=False)["input_ids"]) == body
+            turns.append(Turn(text=text, finished=finished, tokens=len(body) + int(stop is not None),
+                              retokenized_same=same))
+        return turns
+
+    def engine_ids(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[list[int]]:
+        """The runtime's answers (ids up to and including the first stop token); request j samples with seed+j."""
+        from speculators.serving.sampling import SamplingParams
+
+        rg = self.recipe.data.regenerate
+        params = [SamplingParams(max_new_tokens=m, temperature=rg.temperature, top_p=rg.top_p,
+                                 seed=(seed + j) % (2**63), stop_token_ids=self.stop_ids)
+                  for j, m in enumerate(max_new)]
+        return self.engine.generate(prompts, params)
+
+    def hf_batches(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[list[int]]:
+        """`hf_ids` in batches of `data.regenerate.batch_size` (how the `local` backend runs)."""
+        size = self.recipe.data.regenerate.batch_size
+        return [g for a in range(0, len(prompts), size) for g in self.hf_ids(prompts[a:a + size], max_new[a:a + size],
+                                                                             seed + a)]
+
+    def hf_ids(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[list[int]]:
+        """HF `generate`'s answers (ids up to and including the first stop token), one left-padded batch."""
         import torch
         from transformers import GenerationConfig
 
@@ -88,17 +140,12 @@ class LocalBackend:
         with torch.no_grad():
             out = self.target.model.generate(input_ids=inp.to(self.target.device),
                                              attention_mask=att.to(self.target.device), generation_config=gen_cfg)
-        turns = []
+        gens = []
         for j in range(len(prompts)):
             gen = out[j, width:].tolist()[: max_new[j]]
             stop = next((t for t, x in enumerate(gen) if x in self.stop_ids), None)
-            body = gen if stop is None else gen[:stop]
-            finished = stop is not None and gen[stop] in self.terminators
-            text = self.tok.decode(body, skip_special_tokens=False)
-            same = list(self.tok(text, add_special_tokens=False)["input_ids"]) == body
-            turns.append(Turn(text=text, finished=finished, tokens=len(body) + int(stop is not None),
-                              retokenized_same=same))
-        return turns
+            gens.append(gen if stop is None else gen[: stop + 1])
+        return gens
 
     def run_chunk(self, states: list[RowState], seed: int) -> None:
         rg, max_len = self.recipe.data.regenerate, self.recipe.data.max_length
@@ -148,12 +195,13 @@ def inputs_fingerprint(recipe: Recipe, prepared_manifest: dict, tokenizer: Any) 
     from speculators.target import fingerprint_target, tokenizer_hash
 
     rg = recipe.data.regenerate
-    generator = (fingerprint_target(recipe.target, tokenizer=tokenizer).content_hash if rg.backend == "local"
-                 else f"{rg.endpoint}|{rg.model or recipe.target.name_or_path}")
-    return {"prepared": artifacts.hash_json([prepared_manifest.get("inputs_hash"), prepared_manifest.get("counts")]),
+    generator = (f"{rg.endpoint}|{rg.model or recipe.target.name_or_path}" if rg.backend == "openai"
+                 else fingerprint_target(recipe.target, tokenizer=tokenizer).content_hash)
+    extra = {"drafter": rg.drafter} if rg.backend == "engine" else {}  # drafts change sampled paths (T > 0)
+    return {**extra, "prepared": artifacts.hash_json([prepared_manifest.get("inputs_hash"), prepared_manifest.get("counts")]),
             "backend": rg.backend, "generator": generator, "temperature": rg.temperature, "top_p": rg.top_p,
             "max_new_tokens": rg.max_new_tokens, "seed": recipe.seed,
-            "chunk": rg.batch_size if rg.backend == "local" else None,
+            "chunk": {"local": rg.batch_size, "engine": max(rg.concurrency * 4, rg.batch_size)}.get(rg.backend),
             "max_length": recipe.data.max_length, "length_policy": recipe.data.length_policy,
             "chat_template_kwargs": recipe.data.chat_template_kwargs, "tokenizer_hash": tokenizer_hash(tokenizer)}
 
@@ -187,6 +235,14 @@ def summary_of(m: dict, status: str) -> dict:
             "bytes_per_token": m.get("bytes_per_token"), "dropped_too_long": c["dropped_too_long"],
             "truncated": c["truncated"], "failed_ids": [f["id"] for f in m.get("failed_rows", [])[:10]],
             "rejected_ids": [f["id"] for f in m.get("rejected_rows", [])[:10]]}
+
+
+def engine_report(backend: Any) -> dict:
+    """The engine backend's counters and its side-by-side check against HF `generate` (empty for others)."""
+    engine = getattr(backend, "engine", None)
+    if engine is None:
+        return {}
+    return {"engine": engine.report(), "crosscheck": backend.crosscheck}
 
 
 def _generate(recipe: Recipe, ds: Any, store: PartialStore, backend: Any) -> float:
@@ -238,7 +294,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         return summary_of(existing, "complete (skipped)")
 
     rg = recipe.data.regenerate
-    if rg.backend == "local":
+    if rg.backend in ("local", "engine"):
         backend: Any = LocalBackend(recipe)
     else:
         from speculators.data.regen_openai import OpenAIBackend
@@ -249,7 +305,8 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     store = PartialStore(out_dir, inputs_hash, inputs, len(ds), chunk, force)
     gen_seconds = _generate(recipe, ds, store, backend)
     failed = _check_failures(recipe, store, len(ds))
-    manifest = _assemble(recipe, tokenizer, store, len(ds), (inputs, inputs_hash, prepared_manifest), gen_seconds)
+    manifest = _assemble(recipe, tokenizer, store, len(ds), (inputs, inputs_hash, prepared_manifest), gen_seconds,
+                         engine_report(backend))
     if failed:  # within the tolerance: written without them; they stay pending for the next run
         log.warning("%d of %d rows failed (<= data.regenerate.max_failed_fraction); they are left out of %s and "
                     "will be tried again by the next regenerate / run (first: %s: %s)", len(failed), len(ds),
@@ -260,9 +317,9 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
 
 
 def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, n: int, identity: tuple[dict, str, dict],
-              gen_seconds: float) -> dict:
+              gen_seconds: float, engine_info: dict) -> dict:
     """Re-encode every complete row exactly like prepare and write `regenerated/` (manifest last); `identity`:
-    (inputs, inputs hash, the prepared data's manifest)."""
+    (inputs, inputs hash, the prepared data's manifest); `engine_info`: the engine backend's report."""
     inputs, inputs_hash, prepared_manifest = identity
     out_dir = recipe.paths.regenerated
     writer = RowEncoder(make_encoder(recipe, tokenizer), recipe.data)
@@ -295,7 +352,8 @@ def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, n: int, ident
         "failed_rows": [vars(f) for f in failed[:MAX_LISTED_FAILURES]],
         "rejected_rows": [vars(f) for f in rejected[:MAX_LISTED_FAILURES]],
         "generation": {**gen, "backend": recipe.data.regenerate.backend, "seconds_this_run": round(gen_seconds, 2),
-                       "tokens_per_s": round(gen["generated_tokens"] / gen_seconds, 1) if gen_seconds else None},
+                       "tokens_per_s": round(gen["generated_tokens"] / gen_seconds, 1) if gen_seconds else None,
+                       **engine_info},
         "tokens": stats, "bytes_per_token": round(artifacts.dir_bytes(tmp_dir) / max(stats["total"], 1), 2),
     }
     artifacts.write_json_atomic(tmp_dir / artifacts.MANIFEST, manifest)

@@ -38,13 +38,7 @@ import torch
 from speculators.config import Recipe, to_dict
 from speculators.data.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
-from speculators.evaluate.alpha import (
-    AlphaAccumulator,
-    ngram_alpha,
-    speculator_alpha,
-    speculator_block_alpha,
-    truncate,
-)
+from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
 from speculators.evaluate.select import (
     SELECTION_FORMAT,
     checkpoint_family,
@@ -56,6 +50,7 @@ from speculators.evaluate.select import (
     step_number,
     write_pointer,
 )
+from speculators.evaluate.tally import CeilingTally, SpeculatorTally
 from speculators.evaluate.teacher import EvalSequence, continuations, teacher_pass
 from speculators.export.atomic import atomic_dir, write_json_atomic
 from speculators.export.pairing import check_pairing, draft_revision, read_pairing
@@ -124,9 +119,13 @@ def _existing_report(eval_dir: Path, ckpt: Path, key: str) -> dict | None:
 
 
 def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSequence]], depth: int,
-                       model: Any, progress: bool = True
+                       model: Any, progress: bool = True, teacher_topk: int = 20
                        ) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict], dict[str, int]]:
-    """Teacher-forced acceptance of every speculator and of the n-gram baseline on the given sequences.
+    """Teacher-forced acceptance of every speculator and of the n-gram baseline on the given sequences: every
+    position ("cohorts"), at a server's cycle starts ("cycle_starts"; at T > 0 also with argmax drafts,
+    "cycle_starts_argmax_drafts") and, at T > 0, the ceilings a top-k teacher / the draft vocabulary put on a
+    sampled draft ("ceilings"); see `tally.py`. At T > 0 also the acceptance of block verification of the
+    speculator's sampled chain (`alpha.speculator_block_alpha`).
 
     Returns (per-speculator {"<T>": summary}, per-speculator {"<T>": summary under block verification} for T > 0,
     n-gram {"<T>": summary}, per-speculator depth).
@@ -138,15 +137,17 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
     requests = {name: spec.required_features() for name, spec in specs.items()}
     union = sorted({i for r in requests.values() for i in (r.tap_layer_ids or ())})
     depths = {name: min(depth, int(spec.num_steps)) for name, spec in specs.items()}
-    spec_acc = {name: {_tkey(t): AlphaAccumulator(depths[name]) for t in sequences} for name in specs}
+    tallies = {name: SpeculatorTally(depths[name], spec.draft_to_target, list(sequences)) for name, spec in specs.items()}
+    ceilings = CeilingTally(depth, teacher_topk, next(iter(specs.values())).draft_to_target, list(sequences))
     block_acc = {name: {_tkey(t): AlphaAccumulator(depths[name]) for t in sequences if t > 0} for name in specs}
     ngram_acc = {_tkey(t): AlphaAccumulator(depth) for t in sequences}
-    total = sum(len(v) for v in sequences.values())
-    bar = tqdm(total=total, desc="teacher-forced acceptance", unit="seq", disable=not progress)
+    bar = tqdm(total=sum(len(v) for v in sequences.values()), desc="teacher-forced acceptance", unit="seq",
+               disable=not progress)
     for t, seqs in sequences.items():
         params = SamplingParams(temperature=float(t))
         for seq in seqs:
             tp = teacher_pass(model, seq.token_ids, union)
+            teacher_logits = tp.logits.cpu()
             ids = torch.tensor([seq.token_ids], dtype=torch.long)  # [1, T]
             for name, spec in specs.items():
                 param = next(spec.parameters())
@@ -156,19 +157,18 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
                 batch = {"input_ids": ids.to(param.device), "attention_mask": torch.ones_like(ids, device=param.device),
                          **feats}
                 with torch.no_grad():
-                    steps = spec.forward_train(batch)  # K x [1, T, Vd]
-                args = ([s[0].float().cpu() for s in steps], tp.logits.cpu(), spec.draft_to_target.cpu(),
-                        seq.prompt_len, params, depths[name])
-                alpha, valid = speculator_alpha(*args)
-                spec_acc[name][_tkey(t)].add(seq.row.cohort, alpha, valid)
+                    steps = [s[0].float().cpu() for s in spec.forward_train(batch)]  # K x [T, Vd]
+                tallies[name].add(seq, steps, teacher_logits, t)
                 if t > 0:
-                    block_acc[name][_tkey(t)].add(seq.row.cohort, *speculator_block_alpha(*args))
-            alpha, valid = ngram_alpha(seq.token_ids, tp.logits.cpu(), seq.prompt_len, params, depth, ngram_propose)
+                    block_acc[name][_tkey(t)].add(seq.row.cohort, *speculator_block_alpha(
+                        steps, teacher_logits, spec.draft_to_target.cpu(), seq.prompt_len, params, depths[name]))
+            ceilings.add(seq, teacher_logits, t)
+            alpha, valid = ngram_alpha(seq.token_ids, teacher_logits, seq.prompt_len, params, depth, ngram_propose)
             ngram_acc[_tkey(t)].add(seq.row.cohort, alpha, valid)
             bar.update(1)
     bar.close()
-    return ({name: {t: a.summary() for t, a in accs.items()} for name, accs in spec_acc.items()},
-            {name: {t: a.summary() for t, a in accs.items()} for name, accs in block_acc.items()},
+    sums = {name: {_tkey(t): tally.summary(_tkey(t), ceilings) for t in sequences} for name, tally in tallies.items()}
+    return (sums, {name: {t: a.summary() for t, a in accs.items()} for name, accs in block_acc.items()},
             {t: a.summary() for t, a in ngram_acc.items()}, depths)
 
 
@@ -208,7 +208,8 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
             specs[c.name] = spec
         seqs = continuations(target.model, target.tokenizer, rows, ev.temperatures, recipe.seed,
                              fp["revision"] + fp["content_hash"], eval_dir / "continuations.json", progress)
-        spec_sums, block_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress)
+        spec_sums, block_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress,
+                                                                       recipe.capture.teacher_topk)
         for c in todo:
             reports[c.name] = {
                 "format": EVAL_FORMAT, "checkpoint": c.name, "step": step_number(c),
@@ -227,11 +228,7 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
         del specs
     best = choose_best(reports, ev.select_temperature)
     if ev.live and (force or reports[best].get("live") is None or best in {c.name for c in todo}):
-        from speculators.evaluate.live import live_acceptance
-
-        reports[best]["live"] = live_acceptance(target, str(recipe.paths.checkpoints / best), rows,
-                                                ev.temperatures, ev.live_rows_per_cohort, recipe.seed,
-                                                recipe.serve.allow_revision_mismatch, progress)
+        reports[best]["live"] = _live(recipe, target, fp, rows, best, progress)
         reports[best]["live_rows_per_cohort"] = ev.live_rows_per_cohort
         todo_names = {c.name for c in todo} | {best}
     else:
@@ -245,6 +242,25 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
                        {"selection": eval_dir / "selection.png", "per_position": eval_dir / best / "per_position.png",
                         "tau": eval_dir / best / "tau.png"})
     return _summary(recipe, reports, best, len(todo))
+
+
+def _live(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], best: str, progress: bool) -> dict:
+    """Predicted vs live acceptance of the best checkpoint on `evaluate.live_rows_per_cohort` rows per cohort
+    (`agreement.serving_agreement`: the same chain / tree / n-gram chain on the same rows)."""
+    from speculators.evaluate.agreement import serving_agreement
+    from speculators.evaluate.live import pick_rows
+    from speculators.models.io import load_speculator, target_weights
+
+    ev = recipe.evaluate
+    chosen = pick_rows(rows, ev.live_rows_per_cohort)
+    seqs = continuations(target.model, target.tokenizer, chosen, ev.temperatures, recipe.seed,
+                         fp["revision"] + fp["content_hash"], recipe.paths.eval / "continuations-live.json", progress)
+    spec_dir = recipe.paths.checkpoints / best
+    spec = load_speculator(spec_dir, target_weights(target.model))
+    spec.to(target.device).float().eval()
+    k = ev.serving_chain_depth or recipe.export.speculative_tokens
+    return serving_agreement(target, spec, str(spec_dir), seqs, k, recipe.seed, recipe.serve.allow_revision_mismatch,
+                             progress)
 
 
 def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed: set[str]) -> dict:
@@ -274,10 +290,18 @@ def _summary(recipe: Recipe, reports: dict[str, dict], best: str, evaluated: int
         f"tau@T={t} (n-gram)": {c: s["simulated_tau"] for c, s in entry["ngram"]["cohorts"].items()},
         "mean tau (best / n-gram)": f"{entry['speculator']['mean_tau']:.3f} / {entry['ngram']['mean_tau']:.3f}",
     }
+    cyc = entry["speculator"].get("cycle_starts") or {}
+    if cyc.get("mean_tau") is not None:
+        out["mean tau at cycle starts (best, predicted serving)"] = f"{cyc['mean_tau']:.3f}"
     live = (reports[best].get("live") or {}).get(t)
     if live:
         out[f"live tau@T={t} (best / n-gram)"] = (f"{live['speculator']['overall']['tau']:.3f} / "
-                                                   f"{live['ngram']['overall']['tau']:.3f}")
+                                                   f"{live['ngram_live']['overall']['tau']:.3f}")
+        for name in ("chain", "tree"):
+            o = live[name]["cohorts"].get("overall") or {}
+            if o:
+                out[f"{name} tau@T={t} predicted / live"] = (f"{o['predicted']['tau']:.3f} / {o['live']['tau']:.3f}"
+                                                             f" ({'agree' if o['agree'] else 'DISAGREE'})")
     out["report"] = str(recipe.paths.eval / "report.md")
     return out
 

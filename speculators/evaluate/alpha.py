@@ -141,6 +141,27 @@ def ngram_alpha(token_ids: Sequence[int], teacher_logits: torch.Tensor, prompt_l
     return alpha * valid, valid
 
 
+def teacher_ceilings(teacher_logits: torch.Tensor, prompt_len: int, params: SamplingParams, depth: int, topk: int,
+                     draft_to_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a sampled draft's per-position acceptance sum_v min(p, q) at T > 0 can reach, set by what it is taught
+    rather than by how well it learned it: a draft equal to the target's top-`topk` renormalised (the optimum of a
+    top-k teacher) gets the top-k mass of p; no draft over the reduced vocabulary gets more than p's mass on that
+    vocabulary (a true upper bound). Returns (top-k optimum [N, D], draft-vocab bound [N, D], valid [N, D]), laid
+    out like `speculator_alpha`."""
+    total = teacher_logits.shape[0]
+    pos = positions(total, prompt_len)  # [N]
+    valid = valid_matrix(pos, total, depth)  # [N, D]
+    top = torch.zeros(pos.shape[0], depth, dtype=torch.float64)
+    voc = torch.zeros(pos.shape[0], depth, dtype=torch.float64)
+    for k in range(1, depth + 1):
+        if pos.numel() == 0:
+            break
+        p = logits_to_probs(_teacher_rows(teacher_logits, pos, k).float(), params)  # [N, V]
+        top[:, k - 1] = p.topk(min(topk, p.shape[-1]), dim=-1).values.sum(-1).double()
+        voc[:, k - 1] = p[:, draft_to_target.to(p.device)].sum(-1).double()
+    return top * valid, voc * valid, valid
+
+
 @dataclass
 class AlphaAccumulator:
     """Collects alpha/valid matrices per cohort and summarizes them with `speculators.metrics`."""

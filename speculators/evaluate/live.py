@@ -1,18 +1,17 @@
-"""Live acceptance: the bundled runtime (`speculators.serving.Engine`) generating the held-out workloads.
+"""Live acceptance: the bundled runtime (`speculators.serving.Engine`) generating held-out workload rows.
 
-`live_acceptance` runs `live_rows_per_cohort` rows of every cohort at every evaluation temperature through the
-runtime twice — with the speculator and with the n-gram drafter — on the already loaded target, with the
-runtime's default drafting tree for each drafter (what `speculators serve` uses), and merges the runtime's own
-`metrics.AcceptanceStats` per cohort. These are the numbers a user of `speculators serve` sees, next to the
-teacher-forced (analytic) numbers of `alpha.py`.
+`run_live` runs rows through one engine — a speculator or the n-gram drafter with a FIXED drafting tree or chain
+(adaptive depth off, so every cycle drafts what the prediction assumes) — on the already loaded target, and
+returns the runtime's own `metrics.AcceptanceStats` per cohort plus every row's generated ids. These are the
+numbers a user of `speculators serve` sees with that tree, next to the predicted numbers of `replay.py`.
 
 This module does not compute acceptance itself (the runtime counts it) and does not write files.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from speculators import metrics
@@ -40,39 +39,48 @@ def pick_rows(rows: Sequence[WorkloadRow], per_cohort: int) -> list[WorkloadRow]
     return out
 
 
-def run_engine(engine: Any, rows: Sequence[WorkloadRow], temperature: float, seed: int, desc: str,
-               progress: bool = True) -> dict[str, dict]:
-    """Generate every row with one engine; the runtime's AcceptanceStats merged per cohort (plus "overall")."""
+@dataclass
+class LiveRun:
+    """One engine over some rows at one temperature."""
+
+    stats: dict[str, metrics.AcceptanceStats]  # per cohort, plus "overall"
+    outputs: dict[str, list[int]]  # row id -> generated ids
+    rows: dict[str, metrics.AcceptanceStats]  # row id -> that row's counters
+    tree: dict  # the drafting settings used (TreeConfig as a dict)
+    precision: str  # how the drafter computed (float16 weights, ...)
+
+    def to_dict(self) -> dict[str, dict]:
+        return {c: s.to_dict() for c, s in self.stats.items()}
+
+
+def load_engine(target: Any, drafter: str, tree: Any | None, allow_revision_mismatch: bool = False) -> Any:
+    """An engine on the loaded target with `drafter` (a speculator dir or "ngram"), alone (no n-gram graft), with
+    `tree` (None = the drafter's default tree) and adaptive depth off."""
+    return _engine_class().from_pretrained(target=target, speculator=drafter, tree=tree, adaptive=False,
+                                           allow_revision_mismatch=allow_revision_mismatch, ngram_graft=0)
+
+
+def run_live(engine: Any, rows: Sequence[WorkloadRow], temperature: float, seed: int, desc: str,
+             progress: bool = True) -> LiveRun:
+    """Generate every row with one engine (seeded: a sampled run is reproducible)."""
+    import dataclasses
+
     from tqdm.auto import tqdm
 
     from speculators.serving.sampling import SamplingParams
 
     per_cohort: dict[str, metrics.AcceptanceStats] = {}
     overall = metrics.AcceptanceStats()
+    outputs: dict[str, list[int]] = {}
+    per_row: dict[str, metrics.AcceptanceStats] = {}
     for r in tqdm(rows, desc=desc, unit="row", disable=not progress):
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=float(temperature), seed=seed)
         out = engine.generate(r.messages if r.messages is not None else r.prompt, params)
         per_cohort.setdefault(r.cohort, metrics.AcceptanceStats()).merge(out.stats.acceptance)
         overall.merge(out.stats.acceptance)
-    result = {c: s.to_dict() for c, s in sorted(per_cohort.items())}
-    result["overall"] = overall.to_dict()
-    return result
-
-
-def live_acceptance(target: Any, speculator_dir: str, rows: Sequence[WorkloadRow], temperatures: Sequence[float],
-                    per_cohort: int, seed: int, allow_revision_mismatch: bool = False,
-                    progress: bool = True) -> dict:
-    """{str(T): {"speculator": {cohort: stats}, "ngram": {cohort: stats}, "tree": {...}}} from the runtime.
-    `target` is a loaded `speculators.target.LoadedTarget` (shared, not reloaded)."""
-    engine_cls = _engine_class()
-    chosen = pick_rows(rows, per_cohort)
-    out: dict[str, dict] = {str(float(t)): {"trees": {}} for t in temperatures}
-    for label, drafter in (("speculator", speculator_dir), ("ngram", "ngram")):
-        engine = engine_cls.from_pretrained(target=target, speculator=drafter,  # the speculator alone: no graft
-                                            allow_revision_mismatch=allow_revision_mismatch, ngram_graft=0)
-        for t in temperatures:
-            out[str(float(t))][label] = run_engine(engine, chosen, float(t), seed,
-                                                   desc=f"live {label} T={float(t)}", progress=progress)
-            out[str(float(t))]["trees"][label] = dataclasses.asdict(engine.tree)
-        del engine
-    return out
+        outputs[r.id] = list(out.token_ids)
+        per_row[r.id] = out.stats.acceptance
+    stats = dict(sorted(per_cohort.items()))
+    stats["overall"] = overall
+    return LiveRun(stats=stats, outputs=outputs, rows=per_row, tree={**dataclasses.asdict(engine.tree), "adaptive": engine.adaptive},
+                   precision=getattr(engine.info, "precision", "") or "")

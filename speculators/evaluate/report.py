@@ -2,8 +2,10 @@
 
 Per checkpoint, `write_checkpoint_report(dir, report)` writes into `eval/<step>/`:
   report.json         the full record (format "speculators.eval/v1"; see `acceptance.py` for the fields)
-  report.md           per temperature: a table per cohort with a_1..a_D, simulated tau, the n-gram baseline's tau
-                      and, when measured, the live runtime's tau and a_k
+  report.md           per temperature: a table per cohort with a_1..a_D, simulated tau (every position and at
+                      cycle starts), the n-gram baseline's tau and, when measured, the live runtime's tau and
+                      a_k; then predicted vs live (vs vLLM, when filled in) for the chain, the runtime's default
+                      tree and the n-gram chain, per cohort and position, with what differs and why
   per_position.png    per-position acceptance a_k per cohort (speculator solid, n-gram dashed), one panel per T
   tau.png             simulated tau per cohort, speculator vs n-gram (and live when measured), one panel per T
 `write_overview(eval_dir, selection, reports)` writes `eval/report.md` (checkpoint table + the chosen one) and
@@ -51,10 +53,13 @@ def render_markdown(report: dict) -> str:
         spec, ngram, block = entry["speculator"], entry["ngram"], entry.get("speculator_block")
         depth = len(next(iter(spec["cohorts"].values()))["per_position_acceptance"]) if spec["cohorts"] else 0
         lv = live.get(t) or {}
+        cyc = (spec.get("cycle_starts") or {}).get("cohorts") or {}
         head = ["cohort", "rows", "positions", *[f"a_{k}" for k in range(1, depth + 1)], "tau",
                 *(["block tau"] if block else []), "n-gram tau"]
+        if cyc:
+            head += ["tau at cycle starts"]
         if lv:
-            head += ["live tau", "live a_k", "live n-gram tau"]
+            head += ["live tau (tree)", "live a_k", "live n-gram tau"]
         lines += [f"## T = {t}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         cohorts = [*spec["cohorts"], "overall"]
         for c in cohorts:
@@ -67,22 +72,75 @@ def render_markdown(report: dict) -> str:
                    *[_fmt(a) for a in s["per_position_acceptance"]], f"**{_fmt(s['simulated_tau'])}**",
                    *([_fmt(b["simulated_tau"] if b else None)] if block else []),
                    _fmt(g["simulated_tau"] if g else None)]
+            if cyc:
+                src = (spec.get("cycle_starts") or {}).get("overall") if c == "overall" else cyc.get(c)
+                row.append(_fmt((src or {}).get("tau")))
             if lv:
                 ls = (lv.get("speculator") or {}).get(c) or {}
-                ln = (lv.get("ngram") or {}).get(c) or {}
+                ln = (lv.get("ngram_live") or lv.get("ngram") or {}).get(c) or {}
                 row += [_fmt(ls.get("tau")), ", ".join(_fmt(a, 2) for a in ls.get("per_position_acceptance", []))
                         or "–", _fmt(ln.get("tau"))]
             lines.append("| " + " | ".join(row) + " |")
-        lines += ["", f"Mean over cohorts: speculator tau **{_fmt(spec['mean_tau'])}**"
-                      + (f" (block verification {_fmt(block['mean_tau'])})" if block else "")
-                      + f", n-gram tau {_fmt(ngram['mean_tau'])}.", ""]
+        lines += ["", f"Mean over cohorts: speculator tau **{_fmt(spec['mean_tau'])}** (every position)"
+                      + (f", block verification {_fmt(block['mean_tau'])}" if block else "")
+                      + f", {_fmt((spec.get('cycle_starts') or {}).get('mean_tau'))} at cycle starts; n-gram tau "
+                      f"{_fmt(ngram['mean_tau'])}.", ""]
+        if spec.get("ceilings"):
+            ceil = ", ".join(f"{name.replace('_', ' ')} {_fmt(c['mean_tau'])}" for name, c in spec["ceilings"].items())
+            argmax = (spec.get("cycle_starts_argmax_drafts") or {}).get("mean_tau")
+            lines += [f"Sampling diagnostics: chain tau of a draft equal to what it is taught — {ceil} (a top-k "
+                      f"teacher's optimum is the renormalised top-k; no draft over the reduced vocabulary exceeds "
+                      f"the target's mass on it); at cycle starts with argmax drafts instead of sampled ones: "
+                      f"{_fmt(argmax)}.", ""]
+        lines += _agreement_lines(lv, t)
+    lines += ["`tau` averages the chain over every position; `tau at cycle starts` walks the cycles a server runs "
+              "(`evaluate/replay.py`): the number serving measures.", ""]
     if live:
         lines += [f"Live: the bundled runtime on {report.get('live_rows_per_cohort')} rows per cohort "
-                  f"(`speculators.serving.Engine`, its default drafting tree); tau = committed tokens / target "
+                  f"(`speculators.serving.Engine`, fixed trees, adaptive depth off); tau = committed tokens / target "
                   "calls.", ""]
     if report.get("loss") is not None:
         lines += [f"Recorded training loss (for reference, not used for selection): {_fmt(report['loss'], 4)}", ""]
     return "\n".join(lines)
+
+
+def _gap(v: dict) -> str:
+    lo, hi = v.get("tau_gap_interval_paired_rows") or (None, None)
+    band = f" [{100 * lo:+.1f}, {100 * hi:+.1f}]" if lo is not None else ""
+    return f"{100 * v['tau_gap']:+.1f}%{band}"
+
+
+def _agreement_lines(lv: dict, t: str) -> list[str]:
+    """Predicted vs live vs vLLM for each compared drafting shape at one temperature."""
+    lines: list[str] = []
+    for name, title in (("chain", "chain"), ("tree", "runtime default tree"), ("ngram", "n-gram chain")):
+        block = lv.get(name)
+        if not isinstance(block, dict) or "cohorts" not in block:
+            continue
+        tree = block.get("tree") or {}
+        shape = f"depth {tree.get('depth')}" + (f", top-{tree.get('topk')}, {tree.get('budget')} nodes"
+                                                if tree.get("kind") != "chain" else "")
+        extra = f", drafts: {block['draft']}" if block.get("draft") else ""
+        lines += [f"### T = {t}: predicted vs live vs vLLM — {title} ({shape}{extra}; live drafting: "
+                  f"{block.get('live_precision') or '?'})", "",
+                  "| cohort | predicted tau | live tau [95% binomial] | vLLM tau | gap [95% paired rows] | "
+                  "a_k predicted | a_k live | a_k vLLM | agree (binomial / paired) | positions that differ |",
+                  "|" + "---|" * 10]
+        whys = []
+        for c, v in block["cohorts"].items():
+            p, lvv, vl = v["predicted"], v["live"], v.get("vllm") or {}
+            lo, hi = lvv["tau_interval"]
+            lines.append(" | ".join([
+                f"| {c}", _fmt(p["tau"]), f"{_fmt(lvv['tau'])} [{_fmt(lo)}, {_fmt(hi)}]", _fmt(vl.get("tau")),
+                _gap(v), " ".join(_fmt(a, 2) for a in p["per_position_acceptance"]),
+                " ".join(_fmt(a, 2) for a in lvv["per_position_acceptance"]),
+                " ".join(_fmt(a, 2) for a in vl.get("per_position_acceptance", [])) or "–",
+                ("yes" if v["agree"] else "**no**") + " / " + ("yes" if v.get("agree_paired_rows", True) else "**no**"),
+                ", ".join(map(str, v["differing_positions"])) or "–"]) + " |")
+            if v.get("why"):
+                whys.append(f"{c}: {v['why']}")
+        lines += [""] + [f"- {w}" for w in whys] + ([""] if whys else [])
+    return lines
 
 
 def plot_per_position(report: dict, path: Path) -> None:
@@ -135,7 +193,7 @@ def plot_tau(report: dict, path: Path) -> None:
         if lv:
             series.append(("speculator (live)", [((lv.get("speculator") or {}).get(c) or {}).get("tau", 0.0)
                                                  for c in cohorts]))
-            series.append(("n-gram (live)", [((lv.get("ngram") or {}).get(c) or {}).get("tau", 0.0)
+            series.append(("n-gram (live)", [((lv.get("ngram_live") or {}).get(c) or {}).get("tau", 0.0)
                                              for c in cohorts]))
         width = 0.8 / len(series)
         for j, (label, vals) in enumerate(series):

@@ -12,9 +12,15 @@ Training-time test and drafting come from `layers.RecurrentSpeculator`: step 0 a
 (embed(x_{t+1}), fc(taps_t)); step k feeds back the pre-norm output of step k-1 with token x_{t+1+k} at position
 id t+k.
 
-Not here: the loss (speculators.train), file I/O (io.py), tree policies (drafting.py). Every norm flag of the
-speculators format (norm_before_residual, norm_before_fc, fc_norm, norm_output) is False and written explicitly;
-checkpoints with any of them True are refused rather than loaded with the wrong math.
+EAGLE 3.1 normalisation (options, written explicitly as the speculators-format flags vLLM reads):
+- `fc_norm`: one RMSNorm per tap before `fc` (weights `fc_norm.{i}.weight` [H]); `norm_before_fc`: one RMSNorm
+  over the concatenated taps (`input_norm.weight` [n*H]); mutually exclusive;
+- `norm_output`: the hidden fed back to the next step (TTT and drafting) is the final-normed output `norm(out)`
+  instead of the pre-norm `out` (the logits are lm_head(norm(out)) either way).
+`norm_before_residual` is always False (written explicitly); a checkpoint with it True is refused rather than
+loaded with the wrong math.
+
+Not here: the loss (speculators.train), file I/O (io.py), tree policies (drafting.py).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ if TYPE_CHECKING:
     from speculators.config import SpeculatorConfig
 
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+SUPPORTED_NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 class Eagle3Speculator(RecurrentSpeculator):
@@ -71,6 +78,13 @@ class Eagle3Speculator(RecurrentSpeculator):
         self.target_tensors: dict[str, dict] = {}
         self.embed_tokens = nn.Embedding(vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)
+        if options.get("fc_norm") and options.get("norm_before_fc"):
+            raise SpeculatorsError("speculator.fc_norm and speculator.norm_before_fc are mutually exclusive (one "
+                                   "RMSNorm per tap, or one over the concatenated taps); choose one")
+        if options.get("norm_before_fc"):
+            self.input_norm = RMSNorm(len(self.layer_ids) * h, decoder.rms_norm_eps)
+        if options.get("fc_norm"):
+            self.fc_norm = nn.ModuleList([RMSNorm(h, decoder.rms_norm_eps) for _ in self.layer_ids])
         self.fc = nn.Linear(len(self.layer_ids) * h, h, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(decoder, fused=(i == 0)) for i in range(num_layers)])
         self.norm = RMSNorm(h, decoder.rms_norm_eps)
@@ -94,7 +108,7 @@ class Eagle3Speculator(RecurrentSpeculator):
         decoder = DecoderSpec.from_target(tc, spec.draft_arch, spec.intermediate_size)
         model = cls(decoder, num_layers=spec.num_layers, num_steps=spec.num_steps, vocab_size=vocab,
                     draft_vocab_size=int(d2t.shape[0]), layer_ids=ids, verifier=verifier_info(target_config),
-                    options=native_options(spec))
+                    options={**native_options(spec), **{f: bool(getattr(spec, f)) for f in SUPPORTED_NORM_FLAGS}})
         init_linear_weights(model, decoder.initializer_range)
         with torch.no_grad():
             model.embed_tokens.weight.copy_(weights.embed_tokens)
@@ -128,7 +142,7 @@ class Eagle3Speculator(RecurrentSpeculator):
             "transformer_layer_config": self.decoder.layer_config(self._vocab_size, len(self.layers)),
             "draft_vocab_size": self.draft_vocab_size,
             "eagle_aux_hidden_state_layer_ids": list(self.layer_ids),
-            **{flag: False for flag in NORM_FLAGS},
+            **{flag: bool(self.options.get(flag, False)) for flag in NORM_FLAGS},
             "embed_requires_grad": False,
             "target_hidden_size": None,
             "tie_word_embeddings": False,
@@ -144,10 +158,10 @@ class Eagle3Speculator(RecurrentSpeculator):
         layer_cfg = config.get("transformer_layer_config")
         if not isinstance(layer_cfg, dict):
             raise SpeculatorsError("eagle3 config has no transformer_layer_config; not a speculators-format config")
-        bad = [f for f in NORM_FLAGS if config.get(f, False)]
+        bad = [f for f in NORM_FLAGS if f not in SUPPORTED_NORM_FLAGS and config.get(f, False)]
         if bad:
-            raise SpeculatorsError(f"eagle3 checkpoint sets {bad} = true; this toolkit implements the "
-                                   "norm_before_residual/norm_before_fc/fc_norm/norm_output = false variant only")
+            raise SpeculatorsError(f"eagle3 checkpoint sets {bad} = true; this toolkit implements "
+                                   "norm_before_residual = false only")
         decoder = DecoderSpec.from_layer_config(layer_cfg)
         ths = config.get("target_hidden_size")
         if ths not in (None, decoder.hidden_size):
@@ -160,6 +174,7 @@ class Eagle3Speculator(RecurrentSpeculator):
         vocab = int(layer_cfg["vocab_size"])
         options = {k: native.get(k) for k in ("num_steps", "num_layers", "draft_arch", "draft_vocab_size",
                                               "intermediate_size", "step_loss_decay", "init_lm_head_from_target")}
+        options.update({flag: bool(config.get(flag, False)) for flag in SUPPORTED_NORM_FLAGS})
         options.update(num_steps=num_steps, num_layers=int(layer_cfg["num_hidden_layers"]), draft_arch=decoder.arch)
         if options["step_loss_decay"] is None:
             options["step_loss_decay"] = 0.8
@@ -194,7 +209,15 @@ class Eagle3Speculator(RecurrentSpeculator):
         if taps.shape[-1] != self.fc.in_features:
             raise SpeculatorsError(f"eagle3 taps have width {taps.shape[-1]}, expected {self.fc.in_features} "
                                    f"({len(self.layer_ids)} layers x hidden {self.decoder.hidden_size})")
+        if self.options.get("norm_before_fc"):
+            taps = self.input_norm(taps)
+        elif self.options.get("fc_norm"):
+            h = self.decoder.hidden_size
+            taps = torch.cat([norm(taps[..., i * h:(i + 1) * h]) for i, norm in enumerate(self.fc_norm)], dim=-1)
         return self.fc(taps)  # [..., H]
+
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        return self.norm(out) if self.options.get("norm_output") else out
 
     def step_input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.embed_tokens(tokens), hidden

@@ -14,7 +14,7 @@ What it does:
   * `cached_attention` (drafting): SDPA over a preallocated `KVCache` with a boolean mask (committed prefix +
     the node's ancestors among the speculative slots).
 - `RecurrentSpeculator`: the common body of EAGLE-3 and MTP (a decoder stack fed (token, hidden), its own
-  pre-norm output fed back as the next step's hidden): `forward_train` with K unrolled TTT steps, and the runtime
+  pre-norm output — or, with `feedback`, its normed output — fed back as the next step's hidden): `forward_train` with K unrolled TTT steps, and the runtime
   protocol `new_state` / `absorb` / `propose` (tree policies in `drafting.py`), which see exactly the attention
   pattern TTT trained on; `RecurrentStepper` drafts one tree level per batched forward into speculative KV slots
   beyond the committed length.
@@ -509,6 +509,11 @@ class RecurrentSpeculator(Speculator):
     def head(self, out: torch.Tensor) -> torch.Tensor:
         """Pre-norm output [..., H] -> draft logits [..., Vd]."""
 
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        """The hidden the next step reads from this step's pre-norm output [..., H]: the output itself (EAGLE-3,
+        MTP); EAGLE 3.1's `norm_output` feeds back the final-normed output instead."""
+        return out
+
     @property
     def _param(self) -> torch.Tensor:
         return next(self.parameters())
@@ -530,7 +535,7 @@ class RecurrentSpeculator(Speculator):
             x, fused = self.step_input(tokens, hidden)
             out = run_layers(self.layers, x, fused, cos, sin, ttt.for_step(k))  # [B, T, H]
             logits.append(self.head(out))  # [B, T, Vd]
-            hidden = out
+            hidden = self.feedback(out)
         return logits
 
     # ---- runtime ------------------------------------------------------------------------------------------------
@@ -569,7 +574,7 @@ class RecurrentSpeculator(Speculator):
         mask = torch.arange(p + n, device=dev)[None, :] <= positions[:, None]  # [n, p+n] causal
         out = self.run_cached(state, next_tokens, hidden, positions, p, mask)  # [n, H]
         state.length = p + n
-        state.last_hidden = out[-1]
+        state.last_hidden = self.feedback(out[-1])
         state.last_logits = self.head(out[-1:])[0]
         state.last_token = int(next_tokens[-1])
 
@@ -641,6 +646,7 @@ class RecurrentStepper:
         positions = torch.full((f,), self.base - 1 + depth, dtype=torch.long, device=dev)
         out = self.model.run_cached(self.state, tokens.to(dev), hidden, positions, start, mask)  # [F, H]
         self.used += f
+        fed = self.model.feedback(out)  # [F, H]
         for row, node in enumerate(nodes):
-            self.hidden[node] = out[row]
+            self.hidden[node] = fed[row]
         return self.model.head(out)

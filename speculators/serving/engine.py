@@ -16,7 +16,8 @@ Per request (batch 1 here; batching.py runs several in lockstep), one code path 
    only the nodes it visits (`TargetRows` runs the output head for those), the cache keeps only the root +
    accepted path, and the drafter absorbs those positions with their features (next tokens = the accepted
    tokens + the corrected / bonus token).
-3. EOS or a stop string inside the committed tokens truncates the output there; `max_new_tokens` caps it.
+3. EOS, a `stop_token_ids` token or a stop string inside the committed tokens truncates the output there;
+   `max_new_tokens` caps it.
 
 What holds, in which dtype (DESIGN §7):
 - Every dtype: lossless in distribution. The output is distributed exactly as sampling the target rows the verify
@@ -65,7 +66,7 @@ from speculators.serving.drafters import (
 )
 from speculators.serving.kv_cache import StaticKVCache
 from speculators.serving.sampling import SamplingParams, logits_to_probs
-from speculators.serving.target_rows import TargetRows, TokenLogprob
+from speculators.serving.target_rows import TargetRows, TokenLogprob, first_child_chain
 from speculators.serving.target_runner import ForwardOutput, Segment, TargetRunner
 from speculators.serving.trees import DraftTree, ancestor_mask
 from speculators.serving.verify import verify_tree_lazy
@@ -448,6 +449,7 @@ class Engine:
             ctrl.mode += " (seeded sampled request: reproducible)"
         root = prompt_ids[-1]
         root_mode = "greedy" if params.greedy else "deterministic"
+        enders = self.eos_ids | set(params.stop_token_ids or ())
         while True:
             remaining = params.max_new_tokens - len(out)
             t_draft = time.perf_counter()
@@ -465,19 +467,22 @@ class Engine:
             else:
                 tree = DraftTree.root_only(root, root_mode)
             t_verify = time.perf_counter()
+            # the forward also runs the output head for the root's first-child chain, the rows verification reads
+            # first (shared with the other requests of a batched forward: one product for all of them)
+            chain_rows = first_child_chain(tree.parents)
+            head_rows = torch.tensor(chain_rows, dtype=torch.long)
             if tree.size == 1 or _is_chain(tree.parents):
-                call = VerifyForward(Segment(cache, tree.tokens, logit_rows=_NO_ROWS))
+                call = VerifyForward(Segment(cache, tree.tokens, logit_rows=head_rows))
             else:
                 call = VerifyForward(Segment(cache, tree.tokens, tree.depths, ancestor_mask(tree.parents),
-                                             logit_rows=_NO_ROWS))
+                                             logit_rows=head_rows))
             fwd = yield call
             t_accept = time.perf_counter()
-            accepted, next_token, rows = self._accept(tree, fwd, params, generator)
+            accepted, next_token, rows = self._accept(tree, fwd, params, generator, chain_rows)
             path = [0, *accepted]
             cache.commit(path)
             t_done = time.perf_counter()
             drafted_depth = tree.max_depth
-            acc.record(len(accepted), drafted_depth=drafted_depth, verified_nodes=tree.size - 1)
             acc.draft_seconds += t_verify - t_draft
             acc.verify_seconds += t_accept - t_verify
             acc.accept_seconds += t_done - t_accept
@@ -494,12 +499,15 @@ class Engine:
             for tok in committed:
                 out.append(tok)
                 new.append(tok)
-                if tok in self.eos_ids or (stops and self._hit_stop(out, stops)):
+                if tok in enders or (stops and self._hit_stop(out, stops)):
                     finish = "stop"
                 elif len(out) >= params.max_new_tokens:
                     finish = "length"
                 if finish:
                     break
+            # acceptance counts what reached the output: drafts accepted past an EOS / stop are not committed
+            acc.record(min(len(accepted), len(new)), drafted_depth=min(drafted_depth, len(new)) if finish
+                       else drafted_depth, verified_nodes=tree.size - 1, committed=len(new))
             if logprobs is not None:  # committed token j was drawn from the target's law at node path[j]
                 logprobs.extend(rows.token_logprobs(path[:len(new)], new, int(params.logprobs or 0)))
             if finish:
@@ -535,11 +543,14 @@ class Engine:
         pending.clear()
 
     def _accept(self, tree: DraftTree, fwd: ForwardOutput, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[list[int], int, TargetRows]:
-        """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits (and kept
-        with their raw logits when the request asked for log-probabilities)."""
+                generator: torch.Generator | None, premade: list[int] | None = None
+                ) -> tuple[list[int], int, TargetRows]:
+        """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits (`premade`:
+        the nodes whose logits the forward already made, in the order of `fwd.logits`), and kept with their raw
+        logits when the request asked for log-probabilities."""
+        made = (premade, fwd.logits) if premade and fwd.logits.shape[0] == len(premade) else None
         rows = TargetRows(fwd.hidden, tree.parents, self.runner.logits,
-                          lambda logits: self._target_probs(logits, params, tree),
+                          lambda logits: self._target_probs(logits, params, tree), premade=made,
                           keep_logits=params.logprobs is not None)
         accepted, next_token = self._verify(tree, rows, params, generator)
         return accepted, next_token, rows

@@ -27,8 +27,8 @@ verifier's `without_replacement` / `traversal` modes assume of sibling drafts).
 its k most likely alternatives; those come from the target's unfiltered law (log-softmax of its logits, before
 temperature, top-k and top-p), as vLLM reports them by default. They never change which tokens are drawn.
 
-Not here: repetition/presence penalties, min-p, logit bias, grammar masks, stop-string matching (`stop`
-is carried for the engine), and batched sampling of many rows at once.
+Not here: repetition/presence penalties, min-p, logit bias, grammar masks, stop-string matching (`stop` and
+`stop_token_ids` are carried for the engine), and batched sampling of many rows at once.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None  # generation also ends after any of these tokens (besides EOS)
     logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and its k best alternatives
 
     @property
@@ -82,6 +83,11 @@ class SamplingParams:
             not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
         ):
             raise ValueError(f"stop must be a list of non-empty strings or None, got {self.stop!r}")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)
+        ):
+            raise ValueError(f"stop_token_ids must be a list of token ids >= 0 or None, got {self.stop_token_ids!r}")
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -92,8 +98,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     vocab = logits.shape[-1]
     if params.temperature == 0:
-        best = torch.argmax(logits, dim=-1)  # [...] first maximal index
-        return torch.nn.functional.one_hot(best, vocab).to(dtype)  # [..., V]
+        best = torch.argmax(logits, dim=-1, keepdim=True)  # [..., 1] first maximal index
+        return torch.zeros(logits.shape, dtype=dtype, device=logits.device).scatter_(-1, best, 1.0)  # [..., V]
     z = logits.to(dtype) / params.temperature  # [..., V]
     probs = torch.softmax(z, dim=-1)  # [..., V]
     top_k = params.top_k if 0 < params.top_k < vocab else 0

@@ -8,7 +8,9 @@ drafter's own guess of the path the walk takes, and one product usually covers t
 the head (8192 x 256) is the widest product of a step: at 14 tree nodes it costs as much as two decoder layers.
 
 Every row is the same function of the same hidden state as when all rows are made at once; which rows get made
-depends only on the tree and on rows already made, never on a random draw.
+depends only on the tree and on rows already made, never on a random draw. The first block (the root's first-child
+chain, `first_child_chain`) can be made by the target forward itself (`Segment.logit_rows`) and handed in as
+`premade` logits: several requests sharing a forward then share that product too (`batching.py`).
 
 Not here: the target forward (target_runner.py), the filter (`sampling.logits_to_probs`), verification (verify.py).
 """
@@ -35,21 +37,26 @@ class TargetRows:
     """node -> the filtered target law [V] after the path to that node, made in first-child-chain blocks."""
 
     def __init__(self, hidden: torch.Tensor, parents: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
-                 law: Callable[[torch.Tensor], torch.Tensor], keep_logits: bool = False) -> None:
+                 law: Callable[[torch.Tensor], torch.Tensor],
+                 premade: tuple[list[int], torch.Tensor] | None = None, keep_logits: bool = False) -> None:
         """hidden [N, H]: every node's final-norm target output; head: hidden rows [R, H] -> logits [R, V];
-        law: logits [R, V] -> filtered probabilities [R, V]. With `keep_logits`, the raw logits of every row made
-        are kept too (`logits(node)`: the log-probabilities a request asked for come from them)."""
+        law: logits [R, V] -> filtered probabilities [R, V]; premade: (nodes, their logits [R, V]) already made
+        (the filter is applied to them when the walk first reads one). With `keep_logits`, the raw logits of every
+        row made are kept too (`logits(node)`: the log-probabilities a request asked for come from them)."""
         self.hidden, self.head, self.law = hidden, head, law
         self.raw: dict[int, torch.Tensor] | None = {} if keep_logits else None  # node -> logits [V]
-        n = int(parents.shape[0])
-        self.first_child = [-1] * n
-        for child, parent in enumerate(parents.tolist()[1:], 1):
-            if self.first_child[parent] < 0:
-                self.first_child[parent] = child
+        self.first_child = _first_children(parents)
         self.rows: dict[int, torch.Tensor] = {}  # node -> [V]
         self.products = 0  # output-head products run (one per block)
+        self.premade = premade if premade is not None and len(premade[0]) else None
 
     def __call__(self, node: int) -> torch.Tensor:  # [V]
+        if node not in self.rows and self.premade is not None and node in self.premade[0]:
+            nodes, logits = self.premade
+            self.rows.update(zip(nodes, self.law(logits), strict=True))
+            if self.raw is not None:
+                self.raw.update(zip(nodes, logits, strict=True))
+            self.premade = None
         if node not in self.rows:
             block, i = [], node
             while i >= 0 and i not in self.rows:  # children have larger indices: this ends
@@ -89,3 +96,22 @@ class TargetRows:
     def made(self) -> int:
         """Rows made so far."""
         return len(self.rows)
+
+
+def _first_children(parents: torch.Tensor) -> list[int]:
+    """first_child[i] = the lowest-index child of node i (-1 for a leaf)."""
+    first = [-1] * int(parents.shape[0])
+    for child, parent in enumerate(parents.tolist()[1:], 1):
+        if first[parent] < 0:
+            first[parent] = child
+    return first
+
+
+def first_child_chain(parents: torch.Tensor) -> list[int]:
+    """The root and its first-child chain: the block `TargetRows` makes first (the drafter's guess of the path)."""
+    first = _first_children(parents)
+    chain, i = [], 0
+    while i >= 0:
+        chain.append(i)
+        i = first[i]
+    return chain

@@ -283,7 +283,6 @@ class TargetRunner:
         one row block for every matrix product (embeddings, q/k/v, o, MLP), attention runs per sequence against
         its own cache and mask. On hardware where a decoding step is bound by reading the weights, B sequences
         cost little more than one. Rows never mix: each sequence's outputs are those of its own `forward`."""
-        dev = self.device
         plans: list[_Plan] = []
         for seg in segments:
             plans.append(self._plan(seg, plans[-1].rows.stop if plans else 0))
@@ -304,9 +303,8 @@ class TargetRunner:
             h = h + self._mlp(i, layer, h)  # [1, T, H]
         last = self.norm(h)[0]  # [T, H]
         results = []
-        for p in plans:
+        for p, logits in zip(plans, self._head_rows(last, plans), strict=True):
             rows = last[p.rows]  # [T_s, H]
-            logits = self.logits(rows if p.logit_rows is None else rows[p.logit_rows.to(dev)])  # [R, V]
             features: dict[str, torch.Tensor] = {}
             if want_taps:
                 features["taps"] = torch.cat([t[p.rows] for t in taps], dim=-1)  # [T_s, n_taps*H]
@@ -314,6 +312,17 @@ class TargetRunner:
                 features["last_hidden"] = rows
             results.append(ForwardOutput(logits=logits, features=features, hidden=rows))
         return results
+
+    def _head_rows(self, last: torch.Tensor, plans: list[_Plan]) -> list[torch.Tensor]:
+        """The output head on every segment's requested rows: ONE product over all of them when several segments
+        share the forward (the head reads its weights once), else the segment's own. -> [R_s, V] per segment"""
+        dev = self.device
+        picks = [torch.arange(p.rows.start, p.rows.stop, device=dev) if p.logit_rows is None
+                 else p.logit_rows.to(dev) + p.rows.start for p in plans]  # [R_s] rows of `last`
+        if len(plans) == 1:
+            return [self.logits(last if plans[0].logit_rows is None else last[picks[0]])]
+        logits = self.logits(last[torch.cat(picks)])  # [sum R_s, V]
+        return list(logits.split([int(x.shape[0]) for x in picks]))
 
     def _plan(self, seg: Segment, offset: int) -> _Plan:
         """Where a segment's rows go (from `offset` in the stacked block), its positions and its attention mask

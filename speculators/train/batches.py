@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from speculators.errors import SpeculatorsError
-from speculators.train.loss import Teacher, VocabMap, dense_teacher, hidden_teacher, sparse_teacher
+from speculators.train.loss import Teacher, TeacherShape, VocabMap, dense_teacher, hidden_teacher, sparse_teacher
 
 FLOAT_KEYS = ("taps", "last_hidden", "teacher_topk_logprobs")
 
@@ -237,10 +237,11 @@ class OnlineFeatures:
     """Online mode: one target forward per batch (no grad, `speculators.data.capture.compute_features`, the same
     code offline capture runs) gives taps, last hidden and the dense teacher."""
 
-    def __init__(self, target_model: Any, request: Any, vocab: VocabMap) -> None:
+    def __init__(self, target_model: Any, request: Any, vocab: VocabMap, shape: TeacherShape = TeacherShape()) -> None:
         self.model = target_model
         self.request = request  # models.base.FeatureRequest of the speculator
         self.vocab = vocab
+        self.shape = shape
 
     def __call__(self, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[dict[str, torch.Tensor],
                                                                                       Teacher]:
@@ -250,7 +251,7 @@ class OnlineFeatures:
         am = batch["attention_mask"].to(device)  # [B, T]
         with torch.no_grad():
             feats = compute_features(self.model, ids, am, self.request, teacher="logits")
-        teacher = dense_teacher(feats.pop("logits"), self.vocab)  # [B, T, V] -> draft-vocab log-probs
+        teacher = dense_teacher(feats.pop("logits"), self.vocab, self.shape)  # [B, T, V] -> draft-vocab log-probs
         return {"input_ids": ids, "attention_mask": am, **feats}, teacher
 
 
@@ -258,11 +259,13 @@ class OfflineFeatures:
     """Offline mode: stored taps / last hidden; teacher = stored top-k, or recomputed from the stored last hidden
     state with the target's lm_head."""
 
-    def __init__(self, lm_head: torch.Tensor | None, need_taps: bool, need_last: bool, vocab: VocabMap) -> None:
+    def __init__(self, lm_head: torch.Tensor | None, need_taps: bool, need_last: bool, vocab: VocabMap,
+                 shape: TeacherShape = TeacherShape()) -> None:
         self.lm_head = lm_head  # [V, H] on the training device (only for a "hidden" teacher)
         self.need_taps = need_taps
         self.need_last = need_last
         self.vocab = vocab
+        self.shape = shape
 
     def __call__(self, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[dict[str, torch.Tensor],
                                                                                       Teacher]:
@@ -275,9 +278,9 @@ class OfflineFeatures:
                 inputs[key] = batch[key].to(device, non_blocking=True)
         if "teacher_topk_ids" in batch:
             teacher = sparse_teacher(batch["teacher_topk_ids"].to(device), batch["teacher_topk_logprobs"].to(device),
-                                     self.vocab)
+                                     self.vocab, self.shape)
         elif "last_hidden" in batch and self.lm_head is not None:
-            teacher = hidden_teacher(batch["last_hidden"].to(device), self.lm_head, self.vocab)
+            teacher = hidden_teacher(batch["last_hidden"].to(device), self.lm_head, self.vocab, shape=self.shape)
         else:
             raise SpeculatorsError("the feature shards hold neither a top-k teacher nor the last hidden state; "
                                    "re-run capture (capture.teacher: topk | hidden)")

@@ -46,12 +46,22 @@ _NOT_IN_SIGNATURE = {"resume", "trackers", "wandb_project", "wandb_entity", "wan
 # stage contract
 
 
+# recipe options added after checkpoints already existed, with the default that reproduces the earlier training
+_NEW_OPTIONS = {"loss": "kl", "teacher_temperature": 1.0, "teacher_rest_mass": False, "fc_norm": False,
+                "norm_before_fc": False, "norm_output": False}
+
+
 def train_signature(recipe: Recipe) -> str:
     """Hash of everything that changes what training produces (not where/how it is launched or logged)."""
-    data = {"seed": recipe.seed, "target": to_dict(recipe.target), "speculator": to_dict(recipe.speculator),
+    def without_new_defaults(section: dict) -> dict:  # options added later leave older signatures unchanged
+        return {k: v for k, v in section.items() if k not in _NEW_OPTIONS or v != _NEW_OPTIONS[k]}
+
+    data = {"seed": recipe.seed, "target": to_dict(recipe.target),
+            "speculator": without_new_defaults(to_dict(recipe.speculator)),
             "capture": {"mode": recipe.capture.mode, "layer_ids": recipe.capture.layer_ids},
             "val_fraction": recipe.data.val_fraction,
-            "train": {k: v for k, v in to_dict(recipe.train).items() if k not in _NOT_IN_SIGNATURE}}
+            "train": without_new_defaults({k: v for k, v in to_dict(recipe.train).items()
+                                           if k not in _NOT_IN_SIGNATURE})}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -289,6 +299,7 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
 
     family = recipe.speculator.family
     SPECULATORS[family]  # noqa: B018 - unknown family -> SpeculatorsError
+    _check_teacher_shape(recipe)
     tokenizer = load_tokenizer(recipe.target)
     config = AutoConfig.from_pretrained(recipe.target.name_or_path, revision=recipe.target.revision,
                                         trust_remote_code=recipe.target.trust_remote_code)
@@ -336,6 +347,18 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
                                        f"{fp['revision']}")
             _check_signature(recipe.train.resume, ckpt, ck.read_trainer_state(ckpt).get("signature"),
                              train_signature(recipe))
+
+
+def _check_teacher_shape(recipe: Recipe) -> None:
+    t = recipe.train
+    if not 0 < t.teacher_temperature < float("inf"):
+        raise SpeculatorsError(f"train.teacher_temperature must be > 0, got {t.teacher_temperature}")
+    if t.teacher_rest_mass and (recipe.capture.mode != "offline" or recipe.capture.teacher != "topk"):
+        raise SpeculatorsError("train.teacher_rest_mass applies to a stored top-k teacher (capture.mode: offline, "
+                               "capture.teacher: topk); the other teachers are full distributions already")
+    if t.teacher_rest_mass and t.teacher_temperature != 1.0:
+        raise SpeculatorsError("train.teacher_rest_mass needs train.teacher_temperature 1: the mass outside the "
+                               "stored top-k cannot be re-tempered")
 
 
 def frozen_target_weights(cfg: Any) -> tuple[Any, Any] | None:
@@ -559,7 +582,7 @@ def train(recipe: Recipe, *, force: bool = False) -> dict:
     from speculators.models import SPECULATORS
     from speculators.train import checkpoint as ck
     from speculators.train.batches import BatchPlan, OfflineFeatures, OnlineFeatures, micro_batch_loader
-    from speculators.train.loss import VocabMap, speculator_loss
+    from speculators.train.loss import TeacherShape, VocabMap, speculator_loss
     from speculators.train.tracking import Tracker, wandb_options
 
     t = recipe.train
@@ -618,11 +641,12 @@ def train(recipe: Recipe, *, force: bool = False) -> dict:
     history: list[dict] = list(state.get("history", []))
 
     device = acc.device
+    shape = TeacherShape(temperature=t.teacher_temperature, rest_mass=t.teacher_rest_mass)
     if setup.mode == "online":
-        features = OnlineFeatures(setup.target_model, req, vocab.to(device))
+        features = OnlineFeatures(setup.target_model, req, vocab.to(device), shape)
     else:
         lm_head = setup.weights.lm_head.to(device) if setup.store.teacher == "hidden" else None
-        features = OfflineFeatures(lm_head, bool(req.tap_layer_ids), req.last_hidden, vocab.to(device))
+        features = OfflineFeatures(lm_head, bool(req.tap_layer_ids), req.last_hidden, vocab.to(device), shape)
     vocab_dev = vocab.to(device)
     weights = spec.step_weights(recipe.speculator.step_loss_decay)
     unwrapped = acc.unwrap_model(model).spec
@@ -709,7 +733,7 @@ def train(recipe: Recipe, *, force: bool = False) -> dict:
                     group["lr"] = lr
             logits = model(inputs)
             out = speculator_loss(logits, teacher, batch["loss_mask"].to(device), batch["attention_mask"].to(device),
-                                  weights, vocab_dev)
+                                  weights, vocab_dev, kind=t.loss)
             acc.backward(out.loss)
             if sync:
                 if deepspeed:

@@ -8,9 +8,16 @@ What it does:
   state with its `lm_head`), or sparse top-k probabilities [B, T, k] (stored by `capture` with teacher=topk). It
   also keeps the target's greedy token over the FULL vocab, so accuracy counts a miss where the target's choice is
   outside the draft vocab.
-- `speculator_loss`: sum_k decay^k * KL_k, where KL_k is the forward KL(teacher || draft) of step k averaged over
-  the positions that count for step k (`models.base.step_valid_mask`: token t+2+k exists, is real and is an
-  assistant token) and where the teacher has mass in the draft vocab. Step k at position t is compared with the
+- `TeacherShape`: how the stored teacher becomes the training target: a temperature (the law the draft should match;
+  1 = the target's own sampling law) and, for a sparse top-k teacher, whether the mass the target puts outside
+  the stored top-k is kept as one "rest" bucket (top-k + remaining mass) instead of renormalising the top-k.
+- `speculator_loss`: sum_k decay^k * L_k, where L_k is the step-k loss averaged over the positions that count for
+  step k (`models.base.step_valid_mask`: token t+2+k exists, is real and is an assistant token) and where the
+  teacher has mass in the draft vocab. L is `LOSSES[kind]` of the teacher p and the draft q:
+  "kl" forward KL(p || q); "tv" total variation 1 - alpha with alpha = sum_v min(p(v), q(v)) (the acceptance
+  probability of a sampled draft at T = 1); "lk" -log alpha (LK losses, arXiv 2602.23881); "hybrid"
+  w * KL + (1 - w) * (1 - alpha) with w = exp(-3 alpha) (no gradient through w). With a rest bucket the sums run
+  over the top-k plus the bucket (q's bucket = its mass outside the top-k ids). Step k at position t is compared with the
   teacher at t+1+k (the alignment convention of `models/base.py`). Also per-step top-1 accuracy counts
   (draft argmax mapped to a target id == the target's greedy token) and, on request, the per-position, per-step
   greedy acceptance used for the simulated chain tau.
@@ -29,6 +36,15 @@ import torch.nn.functional as F
 from speculators.models.base import step_valid_mask
 
 TOPK = 8  # ranks measured for per-step top-k accuracy (Medusa static trees are built from it)
+LOSSES = ("kl", "tv", "lk", "hybrid")
+
+
+@dataclass(frozen=True)
+class TeacherShape:
+    """How the stored teacher becomes the training target (see the module docstring)."""
+
+    temperature: float = 1.0
+    rest_mass: bool = False  # sparse teachers: keep the mass outside the stored top-k as one bucket
 
 
 @dataclass
@@ -60,6 +76,7 @@ class Teacher:
     logp: torch.Tensor | None = None  # [B, T, Vd] float32: dense log-probs renormalised over the draft vocab
     sparse_ids: torch.Tensor | None = None  # [B, T, k] long: draft ids of the top-k (-1: outside the draft vocab)
     sparse_p: torch.Tensor | None = None  # [B, T, k] float32: their probabilities renormalised over the draft vocab
+    rest_p: torch.Tensor | None = None  # [B, T] float32: the draft-vocab mass outside the top-k (TeacherShape.rest_mass)
 
     @property
     def has_mass(self) -> torch.Tensor:
@@ -69,46 +86,58 @@ class Teacher:
         return self.sparse_p.sum(-1) > 0
 
 
-def dense_teacher(logits: torch.Tensor, vocab: VocabMap) -> Teacher:
+def dense_teacher(logits: torch.Tensor, vocab: VocabMap, shape: TeacherShape = TeacherShape()) -> Teacher:
     """From full target logits [B, T, V]."""
     with torch.no_grad():
         restricted = logits if vocab.full else logits.index_select(-1, vocab.draft_to_target)  # [B, T, Vd]
-        return Teacher(argmax=logits.argmax(-1), logp=F.log_softmax(restricted.float(), dim=-1))
+        return Teacher(argmax=logits.argmax(-1), logp=F.log_softmax(restricted.float() / shape.temperature, dim=-1))
 
 
-def hidden_teacher(last_hidden: torch.Tensor, lm_head: torch.Tensor, vocab: VocabMap, chunk: int = 2048) -> Teacher:
+def hidden_teacher(last_hidden: torch.Tensor, lm_head: torch.Tensor, vocab: VocabMap, chunk: int = 2048,
+                   shape: TeacherShape = TeacherShape()) -> Teacher:
     """Recompute the teacher from the target's post-norm last hidden state [B, T, H] and lm_head [V, H].
 
     Only the draft-vocab rows are multiplied for the log-probs; the full-vocab argmax is computed in chunks of
     positions so no [B, T, V] float32 tensor is ever materialised for a reduced draft vocab."""
     with torch.no_grad():
         h = last_hidden.to(lm_head.dtype)
+        t = shape.temperature
         if vocab.full:
             logits = h @ lm_head.T  # [B, T, V]
-            return Teacher(argmax=logits.argmax(-1), logp=F.log_softmax(logits.float(), dim=-1))
+            return Teacher(argmax=logits.argmax(-1), logp=F.log_softmax(logits.float() / t, dim=-1))
         restricted = h @ lm_head.index_select(0, vocab.draft_to_target).T  # [B, T, Vd]
         flat = h.reshape(-1, h.shape[-1])  # [B*T, H]
         argmax = torch.cat([(flat[i:i + chunk] @ lm_head.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
-        return Teacher(argmax=argmax.view(h.shape[:-1]), logp=F.log_softmax(restricted.float(), dim=-1))
+        return Teacher(argmax=argmax.view(h.shape[:-1]), logp=F.log_softmax(restricted.float() / t, dim=-1))
 
 
-def sparse_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab: VocabMap) -> Teacher:
-    """From stored top-k target ids [B, T, k] and their full-vocab log-probs [B, T, k]."""
+def sparse_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab: VocabMap,
+                   shape: TeacherShape = TeacherShape()) -> Teacher:
+    """From stored top-k target ids [B, T, k] and their full-vocab log-probs [B, T, k]. The top-k is renormalised
+    over the draft vocab (after the temperature), or with `shape.rest_mass` kept as is next to a rest bucket of
+    the remaining draft-vocab mass (the top-k's mass outside the draft vocab is taken out of both)."""
     with torch.no_grad():
         best = topk_logprobs.argmax(-1, keepdim=True)  # [B, T, 1]
         argmax = topk_ids.gather(-1, best).squeeze(-1)  # [B, T]
         draft_ids = vocab.target_to_draft[topk_ids.clamp_min(0)]  # [B, T, k]
         inside = (draft_ids >= 0) & (topk_ids >= 0)
-        p = topk_logprobs.float().exp() * inside  # [B, T, k]
+        ids = torch.where(inside, draft_ids, -1)
+        if shape.rest_mass:
+            full = topk_logprobs.float().exp() * (topk_ids >= 0)  # [B, T, k] full-vocab probabilities
+            z = (1.0 - (full * ~inside).sum(-1, keepdim=True)).clamp_min(1e-6)  # ~ mass on the draft vocab
+            p = (full * inside) / z
+            rest = (1.0 - p.sum(-1)).clamp(0.0, 1.0)  # [B, T]
+            return Teacher(argmax=argmax, sparse_ids=ids, sparse_p=p, rest_p=rest)
+        p = (topk_logprobs.float() / shape.temperature).exp() * inside  # [B, T, k]
         z = p.sum(-1, keepdim=True)
         p = torch.where(z > 0, p / z.clamp_min(1e-30), torch.zeros_like(p))
-        return Teacher(argmax=argmax, sparse_ids=torch.where(inside, draft_ids, -1), sparse_p=p)
+        return Teacher(argmax=argmax, sparse_ids=ids, sparse_p=p)
 
 
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar, differentiable: sum_k w_k * KL_k
-    step_kl: list[float]  # KL_k per step (detached)
+    step_kl: list[float]  # L_k per step (detached; the forward KL unless another loss kind was asked for)
     correct: torch.Tensor  # [K] long: positions where the draft's top-1 equals the target's greedy token
     counted: torch.Tensor  # [K] long: positions that count for step k
     alpha: torch.Tensor | None = None  # [B, T, K] greedy acceptance per position and step (0/1)
@@ -121,23 +150,40 @@ class LossOutput:
         return [c / n if n else 0.0 for c, n in pairs]
 
 
-def _step_kl(draft_logits: torch.Tensor, teacher: Teacher, k: int, length: int) -> torch.Tensor:
-    """Forward KL(teacher || draft) of step k at positions 0..length-1.  -> [B, length]"""
+def _step_loss(draft_logits: torch.Tensor, teacher: Teacher, k: int, length: int, kind: str = "kl"
+               ) -> torch.Tensor:
+    """The step-k loss `kind` (see the module docstring) at positions 0..length-1.  -> [B, length]"""
     logq = F.log_softmax(draft_logits[:, :length].float(), dim=-1)  # [B, L, Vd]
     lo, hi = 1 + k, 1 + k + length
     if teacher.logp is not None:
-        logp = teacher.logp[:, lo:hi]  # [B, L, Vd]
-        p = logp.exp()
-        return (torch.xlogy(p, p) - p * logq).sum(-1)
-    ids = teacher.sparse_ids[:, lo:hi]  # [B, L, k]
-    p = teacher.sparse_p[:, lo:hi]  # [B, L, k]
-    logq_k = logq.gather(-1, ids.clamp_min(0))  # [B, L, k]
-    return (torch.xlogy(p, p) - p * logq_k).sum(-1)
+        p = teacher.logp[:, lo:hi].exp()  # [B, L, Vd]
+        logq_p = logq  # q's log-probs where p lives
+        rest = None
+    else:
+        ids = teacher.sparse_ids[:, lo:hi]  # [B, L, k]
+        p = teacher.sparse_p[:, lo:hi]  # [B, L, k]
+        logq_p = logq.gather(-1, ids.clamp_min(0)) + torch.where(ids >= 0, 0.0, float("-inf"))  # [B, L, k]
+        rest = None if teacher.rest_p is None else teacher.rest_p[:, lo:hi]  # [B, L]
+    kl = (torch.xlogy(p, p) - p * logq_p.clamp_min(-1e4)).sum(-1)  # [B, L]
+    if rest is not None:  # the rest bucket: q's mass outside the top-k ids
+        q_rest = (1.0 - logq_p.exp().sum(-1)).clamp_min(1e-12)
+        kl = kl + torch.xlogy(rest, rest) - rest * q_rest.log()
+    if kind == "kl":
+        return kl
+    alpha = torch.minimum(p, logq_p.exp()).sum(-1)  # [B, L]
+    if rest is not None:
+        alpha = alpha + torch.minimum(rest, q_rest)
+    if kind == "tv":
+        return 1.0 - alpha
+    if kind == "lk":
+        return -torch.log(alpha.clamp_min(1e-6))
+    w = torch.exp(-3.0 * alpha.detach())
+    return w * kl + (1.0 - w) * (1.0 - alpha)
 
 
 def speculator_loss(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor,
                     attention_mask: torch.Tensor, weights: list[float], vocab: VocabMap,
-                    with_alpha: bool = False) -> LossOutput:
+                    with_alpha: bool = False, kind: str = "kl") -> LossOutput:
     """The loss of K per-step draft logits [B, T, Vd] against the teacher (see the module docstring)."""
     b, t = loss_mask.shape
     n_steps = len(step_logits)
@@ -156,9 +202,9 @@ def speculator_loss(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask
             continue
         valid = step_valid_mask(loss_mask, attention_mask, k)[:, :length]  # [B, L] bool
         counts = valid & has_mass[:, 1 + k:1 + k + length]
-        kl = _step_kl(logits, teacher, k, length)  # [B, L]
+        per_pos = _step_loss(logits, teacher, k, length, kind)  # [B, L]
         n = counts.sum()
-        step_loss = (kl * counts).sum() / n.clamp_min(1)
+        step_loss = (per_pos * counts).sum() / n.clamp_min(1)
         total = total + weights[k] * step_loss
         kls.append(float(step_loss.detach()))
         with torch.no_grad():

@@ -39,8 +39,8 @@ def _rows(path):
 
 
 def test_local_batched_equals_unbatched_greedy(tmp_path, tiny_llama):
-    batched = _regen_recipe(tmp_path, tiny_llama, "b4", batch_size=4)
-    single = _regen_recipe(tmp_path, tiny_llama, "b1", batch_size=1)
+    batched = _regen_recipe(tmp_path, tiny_llama, "b4", batch_size=4, backend="local")
+    single = _regen_recipe(tmp_path, tiny_llama, "b1", batch_size=1, backend="local")
     prepare.run(batched)
     prepare.run(single)
     s = regenerate.run(batched)
@@ -71,8 +71,41 @@ def test_local_batched_equals_unbatched_greedy(tmp_path, tiny_llama):
     assert raw_ids != prepared["raw-code"][0]  # the completion was rewritten by the target
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "none"])
+def test_engine_backend_equals_hf_generate_and_reports_the_crosscheck(tmp_path, tiny_llama, drafter):
+    """The bundled runtime (continuous batching, drafting) writes the same rows as HF generate at T = 0 in fp32,
+    and the stage records its side-by-side check (rows, identical, seconds of both) in the manifest."""
+    hf = _regen_recipe(tmp_path, tiny_llama, "hf", batch_size=4, backend="local")
+    engine = _regen_recipe(tmp_path, tiny_llama, f"engine-{drafter}", batch_size=4, backend="engine", concurrency=3,
+                           drafter=drafter, crosscheck_rows=4)
+    for r in (hf, engine):
+        r.target.dtype = "float32"
+        prepare.run(r)
+        regenerate.run(r)
+    assert _rows(engine.paths.regenerated) == _rows(hf.paths.regenerated)
+    gen = json.loads((engine.paths.regenerated / "manifest.json").read_text())["generation"]
+    check = gen["crosscheck"]
+    assert check["rows"] == 4 and check["identical"] == 4 and check["hf_seconds"] > 0 and check["speedup"] > 0
+    assert gen["engine"]["drafter"] == drafter and gen["engine"]["requests"] >= 7
+    assert gen["engine"]["tau"] >= 1.0
+
+
+def test_engine_backend_sampling_is_reproducible_and_a_bad_drafter_is_one_line(tmp_path, tiny_llama):
+    r = _regen_recipe(tmp_path, tiny_llama, "sampled", backend="engine", temperature=1.0, crosscheck_rows=0)
+    prepare.run(r)
+    regenerate.run(r)
+    first = _rows(r.paths.regenerated)
+    regenerate.run(r, force=True)
+    assert _rows(r.paths.regenerated) == first
+    bad = _regen_recipe(tmp_path, tiny_llama, "bad", backend="engine", drafter=str(tmp_path / "missing"))
+    prepare.run(bad)
+    with pytest.raises(SpeculatorsError, match="speculator not found"):
+        regenerate.run(bad)
+    assert not bad.paths.regenerated.exists()
+
+
 def test_openai_backend_matches_local_and_reports_failed_rows(tmp_path, tiny_llama):
-    local = _regen_recipe(tmp_path, tiny_llama, "local", batch_size=1)
+    local = _regen_recipe(tmp_path, tiny_llama, "local", batch_size=1, backend="local")
     prepare.run(local)
     regenerate.run(local)
     want = _rows(local.paths.regenerated)

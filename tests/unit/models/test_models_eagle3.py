@@ -209,3 +209,40 @@ def test_weights_of_another_model_are_refused_with_one_line(family):
     with pytest.raises(SpeculatorsError, match="come from different models") as err:
         SPECULATORS[family].from_target(cfg, SpeculatorConfig(family=family), other)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("flags", [{"fc_norm": True}, {"norm_before_fc": True}, {"norm_output": True},
+                                   {"fc_norm": True, "norm_output": True}])
+def test_eagle31_normalisation_is_written_reloaded_and_served_as_trained(flags, tmp_path):
+    """EAGLE 3.1 flags: the vLLM flags are written true, the extra norms carry vLLM's tensor names, a saved
+    checkpoint reloads to the same function, and drafting (runtime chain) equals training (TTT)."""
+    from speculators.models.io import load_speculator, save_speculator
+
+    model, _, target = build("eagle3", "llama", num_steps=3, **flags)
+    randomize(model, seed=5, scale=0.2)  # norm weights away from 1, so a skipped norm would show
+    c = model.config_dict()
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert c[flag] is bool(flags.get(flag, False))
+    names = set(model.state_dict())
+    assert ("input_norm.weight" in names) is bool(flags.get("norm_before_fc"))
+    assert ("fc_norm.2.weight" in names) is bool(flags.get("fc_norm"))
+    plain, _, _ = build("eagle3", "llama", num_steps=3)
+    randomize(plain, seed=5, scale=0.2)
+    batch = _batch(target, model.layer_ids, b=1, t=16, seed=3)
+    with torch.no_grad():
+        train = model.forward_train(batch)
+        assert not torch.allclose(train[1], plain.forward_train(batch)[1], atol=1e-3)  # the flags change the math
+    ids, feats = batch["input_ids"][0], {"taps": batch["taps"][0]}
+    for t, chunks in ((0, []), (9, [4])):
+        run = _runtime_chain_logits(model, feats, ids, t, chunks)
+        for k in range(model.num_steps):
+            torch.testing.assert_close(run[k], train[k][0, t], atol=1e-5, rtol=1e-5, msg=f"t={t} step={k}")
+    save_speculator(model, tmp_path / "ck", {})
+    again = load_speculator(tmp_path / "ck", target_weights(target))
+    with torch.no_grad():
+        torch.testing.assert_close(again.forward_train(batch)[2], train[2])
+
+
+def test_fc_norm_and_norm_before_fc_are_exclusive():
+    with pytest.raises(SpeculatorsError, match="mutually exclusive"):
+        build("eagle3", "llama", fc_norm=True, norm_before_fc=True)

@@ -159,3 +159,73 @@ def test_loss_gradient_is_soft_cross_entropy_gradient() -> None:
     expected = torch.softmax(draft[0, 0].detach(), -1) - torch.softmax(logits[0, 1], -1)
     assert torch.allclose(draft.grad[0, 0], expected, atol=1e-6)
     assert draft.grad[0, 1:].abs().max().item() == 0.0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# acceptance-targeting losses and the shape of the teacher
+
+
+def _one_position(kind: str, p: list[float], logits: list[float]) -> float:
+    """The step-0 loss of one counted position: teacher p (dense, over the full vocab) vs draft logits."""
+    from speculators.train.loss import LOSSES
+
+    assert kind in LOSSES
+    v = len(p)
+    vocab = VocabMap.build(torch.arange(v), v)
+    teacher_logits = torch.log(torch.tensor([p, p, p]))  # [T=3, V]; position 0 is judged against teacher row 1
+    draft = torch.tensor([logits, logits, logits])[None]  # [1, T, V]
+    out = speculator_loss([draft], dense_teacher(teacher_logits[None], vocab), torch.tensor([[0, 0, 1]]),
+                          torch.ones(1, 3, dtype=torch.long), [1.0], vocab, kind=kind)
+    return out.loss.item()
+
+
+@pytest.mark.parametrize("kind", ["kl", "tv", "lk", "hybrid"])
+def test_acceptance_losses_match_hand_computation(kind: str) -> None:
+    p = [0.6, 0.3, 0.1]
+    logits = [0.2, 1.0, -0.5]
+    q = [math.exp(v) for v in _log_softmax(logits)]
+    alpha = sum(min(a, b) for a, b in zip(p, q, strict=True))
+    kl = _kl(p, _log_softmax(logits))
+    w = math.exp(-3 * alpha)
+    want = {"kl": kl, "tv": 1 - alpha, "lk": -math.log(alpha), "hybrid": w * kl + (1 - w) * (1 - alpha)}[kind]
+    assert _one_position(kind, p, logits) == pytest.approx(want, rel=1e-5)
+
+
+def test_acceptance_losses_have_gradients_toward_the_teacher() -> None:
+    p = torch.tensor([0.7, 0.2, 0.1])
+    for kind in ("tv", "lk", "hybrid"):
+        logits = torch.zeros(1, 3, 3, requires_grad=True)
+        vocab = VocabMap.build(torch.arange(3), 3)
+        out = speculator_loss([logits], dense_teacher(torch.log(p).expand(1, 3, 3), vocab), torch.tensor([[0, 0, 1]]),
+                              torch.ones(1, 3, dtype=torch.long), [1.0], vocab, kind=kind)
+        out.loss.backward()
+        assert logits.grad[0, 0, 0] < 0 < logits.grad[0, 0, 2]  # raise the likely token, lower the unlikely one
+
+
+def test_teacher_temperature_and_rest_mass() -> None:
+    from speculators.train.loss import TeacherShape, _step_loss
+
+    v = 6
+    vocab = VocabMap.build(torch.tensor([0, 1, 2, 3, 4]), v)  # token 5 is outside the draft vocab
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
+    logp_full = torch.log_softmax(logits, -1)
+    # temperature: the dense teacher is the tempered law restricted to the draft vocab
+    t = dense_teacher(logits.expand(1, 1, v), vocab, TeacherShape(temperature=0.5))
+    torch.testing.assert_close(t.logp[0, 0], torch.log_softmax(logits[:5] / 0.5, -1))
+    # top-3 + rest: the stored probabilities are kept and the remaining draft-vocab mass is one bucket
+    ids = torch.tensor([[[0, 1, 5]]])
+    lp = logp_full[ids]
+    st = sparse_teacher(ids, lp, vocab, TeacherShape(rest_mass=True))
+    z = 1 - logp_full[5].exp()
+    torch.testing.assert_close(st.sparse_p[0, 0, :2], logp_full[:2].exp() / z)
+    assert st.sparse_ids[0, 0].tolist() == [0, 1, -1] and st.sparse_p[0, 0, 2] == 0
+    assert st.rest_p[0, 0].item() == pytest.approx(1 - (logp_full[:2].exp().sum() / z).item(), rel=1e-5)
+    draft = torch.randn(1, 2, 5)  # [B, T, Vd]; position 0 is judged against teacher position 1
+    teacher = sparse_teacher(ids.expand(1, 2, 3), lp.expand(1, 2, 3), vocab, TeacherShape(rest_mass=True))
+    q = torch.softmax(draft[0, 0], -1)
+    p2, rest = teacher.sparse_p[0, 1, :2], teacher.rest_p[0, 1]
+    q_rest = 1 - q[:2].sum()
+    want_kl = (p2 * (p2.log() - q[:2].log())).sum() + rest * (rest.log() - q_rest.log())
+    assert _step_loss(draft, teacher, 0, 1, "kl")[0, 0].item() == pytest.approx(want_kl.item(), rel=1e-5)
+    want_alpha = torch.minimum(p2, q[:2]).sum() + torch.minimum(rest, q_rest)
+    assert _step_loss(draft, teacher, 0, 1, "tv")[0, 0].item() == pytest.approx(1 - want_alpha.item(), rel=1e-5)

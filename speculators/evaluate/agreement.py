@@ -1,0 +1,273 @@
+"""One definition, three measurements: the PREDICTED acceptance of a chain / tree (`replay.py`), the LIVE
+acceptance of the bundled runtime drafting that same chain / tree on the same rows (`live.py`), and a column for
+vLLM's measurement of the same chain (filled in by `add_vllm_measurement`), side by side per cohort and position.
+
+What is compared, per temperature (the runtime's `metrics.AcceptanceStats` definition everywhere: a_k = P(depth k
+accepted | depths < k accepted) over target calls, tau = committed tokens / target calls):
+- "chain": a chain of depth K (`evaluate.serving_chain_depth`, default `export.speculative_tokens`: what vLLM is
+  told to run). Greedy at T = 0; at T > 0 the runtime samples the chain from the draft law and verifies it with
+  min(1, p/q) (the prediction is the unbiased importance-weighted estimate of `replay.chain_weights`).
+- "tree": the runtime's default tree for this device (EAGLE-2 dynamic top-k), verified greedily at T = 0 and
+  "deterministically" at T > 0 (the replay is exact in distribution).
+- "ngram": the prompt-lookup baseline's default chain (deterministic drafts: the replay is exact).
+Adaptive depth is off in the live runs, so each cycle drafts the depth the prediction assumes.
+
+Agreement: at T = 0 the predicted tau is within `TOLERANCE` (2%) of the live tau; at T > 0 it is inside the 95%
+interval of the live tau (normal interval of the mean committed tokens per call; positions: Wilson intervals).
+The record names the positions that differ and why (at T = 0 the live output is compared with the evaluated
+continuation row by row: a differing row means a near-tie flipped between HF `generate` and the runtime, which
+moves every later cycle; equal outputs leave drafting numerics — live drafts in the runtime's precision from its
+cached forward, the prediction in float32 from one full-sequence forward).
+
+vLLM: `chain` entries carry `"vllm": null`; `vllm_measurement(num_drafts, accepted_per_pos)` turns vLLM's
+spec-decode counters into the same numbers and `add_vllm_measurement(report_dir, ...)` fills the column and
+re-renders the report. `predict_chain(...)` is the chain-K prediction for any K and rows.
+
+This module does not train, export or choose checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators import metrics
+from speculators.evaluate.live import LiveRun, load_engine, run_live
+from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain, replay_drafter, tau_interval, wilson
+from speculators.evaluate.teacher import EvalSequence, teacher_pass
+from speculators.serving.sampling import SamplingParams
+
+TOLERANCE = 0.02  # T = 0: |predicted tau - live tau| <= 2% of live tau
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# predictions
+
+
+def _spec_inputs(spec: Any, tp: Any, seq: EvalSequence) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """forward_train step logits [T, Vd] (batch row 0) and the per-position features of one teacher pass."""
+    req = spec.required_features()
+    param = next(spec.parameters())
+    feats = {k: v.to(device=param.device, dtype=param.dtype)
+             for k, v in tp.features(req.tap_layer_ids, req.last_hidden).items()}  # [1, T, ...]
+    ids = torch.tensor([seq.token_ids], dtype=torch.long, device=param.device)  # [1, T]
+    with torch.no_grad():
+        steps = spec.forward_train({"input_ids": ids, "attention_mask": torch.ones_like(ids), **feats})
+    return [s[0].float().cpu() for s in steps], {k: v[0] for k, v in feats.items()}
+
+
+def by_cohort(per_row: dict[str, CycleCounts], sequences: Sequence[EvalSequence]) -> dict[str, CycleCounts]:
+    """Per-row counts merged per cohort, plus "overall" (last)."""
+    out: dict[str, CycleCounts] = {}
+    for seq in sequences:
+        counts = per_row[seq.row.id]
+        for key in (seq.row.cohort, "overall"):
+            out.setdefault(key, CycleCounts(counts.depth)).merge(counts)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] == "overall", kv[0])))
+
+
+def predict_chain(spec: Any, target_model: Any, sequences: Sequence[EvalSequence], k: int, draft: str = "sampled",
+                  progress: bool = False) -> dict[str, CycleCounts]:
+    """Predicted acceptance of a depth-k chain (`draft` "sampled" = the runtime's chain at T > 0, "argmax" =
+    vLLM-style argmax drafts; both greedy at T = 0) PER ROW (row id -> counts; `by_cohort` merges them) on
+    sequences produced by `teacher.continuations` (prompt + the target's continuation at the sequence's
+    temperature). `spec` is a loaded speculator (float32, eval mode) and `target_model` the target."""
+    from tqdm.auto import tqdm
+
+    depth = min(int(k), int(spec.num_steps))
+    out: dict[str, CycleCounts] = {}
+    for seq in tqdm(sequences, desc=f"predict chain k={depth}", unit="seq", disable=not progress):
+        tp = teacher_pass(target_model, seq.token_ids, list(spec.required_features().tap_layer_ids or ()))
+        steps, _ = _spec_inputs(spec, tp, seq)
+        params = SamplingParams(temperature=seq.temperature)
+        w = chain_weights(steps, tp.logits.cpu(), seq.token_ids, seq.prompt_len, spec.draft_to_target.cpu(), params,
+                          depth, draft)
+        out[seq.row.id] = replay_chain(w, seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, depth)
+    return out
+
+
+def predict_drafter(drafter: Any, target_model: Any, sequences: Sequence[EvalSequence], engine: Any,
+                    progress: bool = False) -> dict[str, CycleCounts]:
+    """Predicted acceptance of a deterministic drafter with `engine`'s fixed tree (`replay.replay_drafter`) PER
+    ROW. The drafter gets the teacher pass's features; the tree settings per depth are the engine's own
+    (`Engine._tree_for`)."""
+    from tqdm.auto import tqdm
+
+    req = drafter.required_features()
+    taps = list(req.tap_layer_ids or ())
+    depth = int(engine.tree.depth)
+    out: dict[str, CycleCounts] = {}
+    for seq in tqdm(sequences, desc="predict tree", unit="seq", disable=not progress):
+        tp = teacher_pass(target_model, seq.token_ids, taps)
+        param = next(drafter.parameters(), None) if hasattr(drafter, "parameters") else None
+        feats = {k: v[0] if param is None else v[0].to(device=param.device, dtype=param.dtype)
+                 for k, v in tp.features(req.tap_layer_ids, req.last_hidden).items()}
+        out[seq.row.id] = replay_drafter(drafter, feats, seq.token_ids, seq.prompt_len, seq.row.max_new_tokens,
+                                         engine._tree_for, SamplingParams(temperature=seq.temperature), depth)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# comparison
+
+
+def _live_entry(stats: metrics.AcceptanceStats, depth: int) -> dict:
+    lo, hi = tau_interval(stats, depth)
+    intervals = [list(map(lambda x: round(x, 4), wilson(stats.accepts[k], stats.attempts[k])))
+                 for k in range(min(depth, len(stats.attempts))) if stats.attempts[k] > 0]
+    return {"tau": round(stats.tau, 4), "tau_interval": [round(lo, 4), round(hi, 4)],
+            "per_position_acceptance": [round(a, 4) for a in stats.per_position_acceptance[:depth]],
+            "per_position_interval": intervals, "target_calls": stats.target_calls,
+            "committed_tokens": stats.committed_tokens}
+
+
+def paired_gap_interval(pred_rows: Sequence[CycleCounts], live_rows: Sequence[metrics.AcceptanceStats],
+                        resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """95% interval of the relative tau gap (predicted / live - 1) from a bootstrap over rows, each row keeping its
+    predicted and live counts together: rows differ in difficulty and the two sides draw different continuations
+    at T > 0, which an interval over cycles (binomial) ignores."""
+    n = len(pred_rows)
+    if n < 2:
+        return None  # one row: no spread to resample
+    table = torch.tensor([[p.committed, p.calls, float(s.committed_tokens), float(s.target_calls)]
+                          for p, s in zip(pred_rows, live_rows, strict=True)], dtype=torch.float64)  # [n, 4]
+    idx = torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(seed))  # [B, n]
+    sums = table[idx].sum(1)  # [B, 4]
+    gap = (sums[:, 0] / sums[:, 1].clamp_min(1e-9)) / (sums[:, 2] / sums[:, 3].clamp_min(1e-9)) - 1.0
+    lo, hi = torch.quantile(gap, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return (lo, hi)
+
+
+def compare(pred: CycleCounts, live: metrics.AcceptanceStats, temperature: float, why_greedy: str,
+            pairs: tuple[Sequence[CycleCounts], Sequence[metrics.AcceptanceStats]] | None = None) -> dict:
+    """Predicted vs live for one cohort (see the module docstring); `pairs`: the cohort's rows, predicted and live,
+    for the paired interval of the gap."""
+    depth = pred.depth
+    lv = _live_entry(live, depth)
+    p_pos = pred.per_position()
+    differing = []
+    for k, a in enumerate(p_pos):
+        if k >= len(lv["per_position_acceptance"]):
+            break
+        b = lv["per_position_acceptance"][k]
+        lo, hi = lv["per_position_interval"][k]
+        off = abs(a - b) > TOLERANCE if temperature == 0 else not lo <= a <= hi
+        if off:
+            differing.append(k + 1)
+    if temperature == 0:
+        agree = abs(pred.tau - live.tau) <= TOLERANCE * max(live.tau, 1e-9)
+        why = "" if agree and not differing else why_greedy
+    gap = (pred.tau - live.tau) / max(live.tau, 1e-9)
+    band = paired_gap_interval(*pairs) if pairs else None
+    gap_lo, gap_hi = band if band is not None else (-float("inf"), float("inf"))
+    paired = gap_lo <= 0.0 <= gap_hi
+    if temperature != 0:
+        agree = lv["tau_interval"][0] <= pred.tau <= lv["tau_interval"][1]
+        why = "" if agree and not differing else (
+            f"the live run draws its own continuations (a different sample than the evaluated one); the paired row "
+            f"bootstrap of the gap [{100 * gap_lo:+.1f}%, {100 * gap_hi:+.1f}%] "
+            + ("contains 0: rows differ in difficulty more than a binomial interval over cycles allows" if paired
+               else "excludes 0 too: a real difference, or 1 chance in 20"))
+    return {"predicted": {**pred.to_dict(), "per_position_acceptance": [round(a, 4) for a in p_pos]},
+            "live": lv, "vllm": None, "agree": bool(agree), "tau_gap": round(gap, 4),
+            "tau_gap_interval_paired_rows": [round(gap_lo, 4), round(gap_hi, 4)] if band else None,
+            "agree_paired_rows": bool(paired),
+            "differing_positions": differing, "why": why}
+
+
+def _why_greedy(run: LiveRun, sequences: Sequence[EvalSequence]) -> str:
+    changed = sum(run.outputs.get(s.row.id) != s.continuation for s in sequences)
+    if changed:
+        return (f"{changed} of {len(sequences)} live outputs differ from the evaluated continuation (a near-tie "
+                f"between HF generate and the runtime's forward), which moves every later cycle of those rows")
+    return (f"outputs are identical, so drafting numerics: live drafts with {run.precision or 'its'} weights from the "
+            f"runtime's cached forward, the prediction in float32 from one full-sequence forward")
+
+
+def _block(pred_rows: dict[str, CycleCounts], run: LiveRun, temperature: float, sequences: Sequence[EvalSequence],
+           settings: dict) -> dict:
+    why = _why_greedy(run, sequences) if temperature == 0 else ""
+    members: dict[str, list[str]] = {"overall": []}
+    for s in sequences:
+        members.setdefault(s.row.cohort, []).append(s.row.id)
+        members["overall"].append(s.row.id)
+    cohorts = {}
+    for c, p in by_cohort(pred_rows, sequences).items():
+        if c in run.stats:
+            pairs = ([pred_rows[i] for i in members[c]], [run.rows[i] for i in members[c]])
+            cohorts[c] = compare(p, run.stats[c], temperature, why, pairs)
+    return {**settings, "tree": run.tree, "live_precision": run.precision, "cohorts": cohorts,
+            "agree": all(v["agree"] for v in cohorts.values())}
+
+
+def serving_agreement(target: Any, spec: Any, spec_dir: str, sequences: dict[float, list[EvalSequence]],
+                      chain_depth: int, seed: int, allow_revision_mismatch: bool = False,
+                      progress: bool = True) -> dict[str, dict]:
+    """{str(T): {"chain", "tree", "ngram": comparison blocks, "speculator" / "ngram_live" / "chain_live": the
+    live per-cohort stats}} on the rows of `sequences` (the evaluated continuations of the live rows)."""
+    from speculators.config import TreeConfig
+    from speculators.serving.drafters import NgramDrafter
+
+    rows = [s.row for s in next(iter(sequences.values()))]
+    k = min(int(chain_depth), int(spec.num_steps))
+    chain_tree = TreeConfig(kind="chain", depth=k, topk=1, budget=k, adaptive=False)
+    engines = {"chain": load_engine(target, spec_dir, chain_tree, allow_revision_mismatch),
+               "tree": load_engine(target, spec_dir, None, allow_revision_mismatch),
+               "ngram": load_engine(target, "ngram", None)}
+    out: dict[str, dict] = {}
+    for t, seqs in sequences.items():
+        runs = {name: run_live(e, rows, t, seed, f"live {name} T={t}", progress) for name, e in engines.items()}
+        draft = "sampled" if t > 0 else "argmax"
+        tree_pred = predict_drafter(spec, target.model, seqs, engines["tree"], progress)  # its configured tree
+        preds = {"chain": predict_chain(spec, target.model, seqs, k, draft, progress), "tree": tree_pred,
+                 "ngram": predict_drafter(NgramDrafter(), target.model, seqs, engines["ngram"], progress)}
+        settings = {"chain": {"k": k, "draft": draft}, "tree": {}, "ngram": {}}
+        entry = {name: _block(preds[name], runs[name], t, seqs, settings[name]) for name in preds}
+        entry["speculator"] = runs["tree"].to_dict()  # the runtime's default tree, live (earlier reports' field)
+        entry["ngram_live"] = runs["ngram"].to_dict()
+        entry["chain_live"] = runs["chain"].to_dict()
+        out[str(float(t))] = entry
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM's column
+
+
+def vllm_measurement(num_drafts: int, accepted_per_pos: Sequence[int]) -> dict:
+    """vLLM's spec-decode counters (`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens_per_pos`) as this
+    report's numbers: a_k = accepted[k] / accepted[k-1] (accepted[-1] = drafts; vLLM's per-position rate is
+    unconditional), tau = 1 + sum(accepted) / drafts (committed tokens per draft-and-verify step)."""
+    prev, per_pos = float(num_drafts), []
+    for a in accepted_per_pos:
+        per_pos.append(round(a / prev, 4) if prev > 0 else 0.0)
+        prev = float(a)
+    tau = 1.0 + sum(accepted_per_pos) / num_drafts if num_drafts else 0.0
+    return {"tau": round(tau, 4), "per_position_acceptance": per_pos, "num_drafts": int(num_drafts),
+            "accepted_per_pos": [int(a) for a in accepted_per_pos]}
+
+
+def add_vllm_measurement(report_dir: str | Path, temperature: float, cohort: str, measurement: dict) -> dict:
+    """Fill the "vLLM measured" column of `report_dir/report.json` (an `eval/<step>/` dir) for one cohort (or
+    "overall") at one temperature and re-render report.md. `measurement` comes from `vllm_measurement` (plus any
+    extra fields, e.g. the vLLM version). -> the updated report."""
+    import json
+
+    from speculators.errors import SpeculatorsError
+    from speculators.evaluate.report import write_checkpoint_report
+
+    path = Path(report_dir) / "report.json"
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpeculatorsError(f"cannot read {path}: {exc}") from None
+    chain = ((report.get("live") or {}).get(str(float(temperature))) or {}).get("chain")
+    if not chain or cohort not in chain.get("cohorts", {}):
+        raise SpeculatorsError(f"{path} has no live chain comparison for cohort {cohort!r} at T={temperature}; "
+                               f"run `speculators evaluate` with evaluate.live=true first")
+    chain["cohorts"][cohort]["vllm"] = dict(measurement)
+    write_checkpoint_report(Path(report_dir), report)
+    return report
