@@ -74,9 +74,11 @@ def wandb_options(train: Any) -> dict:
 def _where(run: Any, mode: str) -> str:
     """One line saying where a W&B run lives."""
     if mode == "offline":
-        sync = Path(str(getattr(run.settings, "sync_dir", "") or "")).parent / f"offline-run-*-{run.id}"
+        # a run resumed in the same second as it started gets a "-1" suffix: the glob covers every file of it
+        sync = Path(str(getattr(run.settings, "sync_dir", "") or "")).parent / f"offline-run-*-{run.id}*"
         return f"W&B run {run.id} is saved offline in {sync.parent}; upload it with: wandb sync {sync}"
     return f"W&B run: {run.url}" if getattr(run, "url", None) else f"W&B run {run.id} ({mode})"
+
 
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):

@@ -39,7 +39,8 @@ def offline_run(logs_dir: Path, run_id: str) -> dict:
     from wandb.proto import wandb_internal_pb2 as pb
 
     out: dict = {"run": [], "history": [], "summary": {}}
-    files = sorted(Path(logs_dir).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    # a resume in the same second as the start lands in "offline-run-<time>-<id>-1": every directory of the run
+    files = sorted(Path(logs_dir).glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb"))
     assert files, f"no offline W&B run {run_id} under {logs_dir}"
     for path in files:
         data = path.read_bytes()
