@@ -19,9 +19,26 @@ import typer
 
 from speculators.config import DEFAULT_NGRAM_GRAFT as DEFAULT_GRAFT
 from speculators.errors import SpeculatorsError
+from speculators.models import FAMILIES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train, evaluate, export and serve speculative-decoding speculators.")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@app.callback()
+def _global_options(log_level: Annotated[str, typer.Option(
+        "--log-level", help=f"how much the package logs on stderr: {', '.join(LOG_LEVELS)}")] = "info") -> None:
+    import logging
+
+    from speculators.logs import configure
+
+    if log_level.lower() not in LOG_LEVELS:
+        typer.echo(f"error: --log-level: unknown {log_level!r}; choose from {', '.join(LOG_LEVELS)}", err=True)
+        raise typer.Exit(2)
+    configure(getattr(logging, log_level.upper()))
+
 
 RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML, e.g. recipes/house-eagle3.yaml")]
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. train.lr=3e-4")]
@@ -92,14 +109,14 @@ for _name, _help in (
 def run(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
         only: Annotated[str | None, typer.Option(help="comma-separated stages to run")] = None) -> None:
     from speculators.config import dump_recipe
-    from speculators.pipeline import run_pipeline
+    from speculators.pipeline import STAGES, run_pipeline
 
+    stages = _choices(only, "--only", [s.name for s in STAGES]) if only is not None else None
     r = _load(recipe, overrides)
     if dry_run:
         typer.echo(dump_recipe(r), nl=False)
         return
-    results = run_pipeline(r, only=only.split(",") if only else None, force=force,
-                           log=lambda m: typer.echo(m, err=True))
+    results = run_pipeline(r, only=stages, force=force, log=lambda m: typer.echo(m, err=True))
     _print_summary(f"run: {r.name}", {k: _stage_line(v) for k, v in results.items()})
 
 
@@ -270,6 +287,16 @@ def bench(
                   tree=tree_cfg, include_hf=hf, compare_verify=compare_verify)
 
 
+def _choices(text: str, name: str, choices: list[str] | tuple[str, ...]) -> list[str]:
+    """A comma-separated list option whose items must each be one of `choices` (a typo is an error, never a no-op)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in items if t not in choices]
+    if unknown or not items:
+        raise SpeculatorsError(f"{name}: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}; "
+                               f"choose from {', '.join(choices)}")
+    return items
+
+
 def _floats(text: str, name: str) -> list[float]:
     try:
         return [float(t) for t in text.split(",") if t.strip()]
@@ -347,7 +374,7 @@ def profile(
         raise SpeculatorsError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     _, text = profile_command(
         target=target, shape=shape, speculator=speculator, acceptance=acceptance,
-        families=[f.strip() for f in families.split(",") if f.strip()] if families else [], device=device,
+        families=_choices(families, "--families", FAMILIES) if families else [], device=device,
         dtype=dtype, batch_sizes=_ints(batch_sizes, "--batch-sizes"), nodes=_ints(nodes, "--nodes"),
         context_len=context_len, budget_s=budget_s, max_depth=max_depth, temperature=temperature,
         check_rows=check_rows, check_depths=_ints(check_depths, "--check-depths") or [], workloads=workloads,
@@ -370,8 +397,50 @@ def train_bench(
 ) -> None:
     from speculators.train.bench import bench_command
 
-    bench_command(target=target, families=[f.strip() for f in families.split(",") if f.strip()], steps=steps,
+    bench_command(target=target, families=_choices(families, "--families", FAMILIES), steps=steps,
                   batch_size=batch_size, mode=mode, data=data, out=out, threads=threads)
+
+
+@app.command(name="build-house", help="Rebuild the embedded house target (tokenizer, model, report) and the held-out "
+             "workloads / datasets from this interpreter's standard library (about 75 minutes on 2 CPU cores).")
+@_user_errors
+def build_house(
+    out: Annotated[Path, typer.Option(help="model directory")] = Path("data/targets/stdlib-lm"),
+    workloads: Annotated[Path, typer.Option(help="held-out workloads directory")] = Path("data/workloads"),
+    datasets: Annotated[Path, typer.Option(help="chat dataset directory")] = Path("data/datasets/stdlib-chat"),
+    code_datasets: Annotated[Path, typer.Option(help="code dataset directory")] = Path("data/datasets/stdlib-code"),
+    steps: Annotated[int | None, typer.Option(help="override the number of optimizer steps")] = None,
+    data_only: Annotated[bool, typer.Option("--data-only", help="write workloads and datasets, skip the model")]
+    = False,
+) -> None:
+    from speculators.house.build import build
+
+    build(out, workloads, datasets, code_datasets, steps=steps, data_only=data_only)
+
+
+# Worker entry points: what `accelerate launch` (or a scheduler) runs on every rank. Hidden from --help.
+
+@app.command(name="worker-train", hidden=True)
+def worker_train(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
+    from speculators.train.launch import worker_main
+
+    raise typer.Exit(worker_main(str(recipe), overrides or []))
+
+
+@app.command(name="worker-capture", hidden=True)
+@_user_errors
+def worker_capture(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = False) -> None:
+    from speculators.data.capture_worker import run_rank
+
+    run_rank(str(recipe), overrides or [], force)
+
+
+@app.command(name="worker-train-bench", hidden=True)
+@_user_errors
+def worker_train_bench(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
+    from speculators.train.bench import child_main
+
+    raise typer.Exit(child_main(str(recipe), overrides or []))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -402,7 +402,104 @@ def _from_dict(cls: type, data: dict, where: str = "") -> Any:
 def recipe_from_dict(data: dict) -> Recipe:
     if not isinstance(data, dict):
         raise SpeculatorsError("a recipe must be a YAML mapping of sections (target:, data:, train: ...)")
-    return _from_dict(Recipe, data)
+    recipe = _from_dict(Recipe, data)
+    check_ranges(recipe)
+    return recipe
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# value ranges (types and Literal choices are checked while converting; these are the numbers that fit the type but
+# make no sense). (dotted setting, lowest, highest, low inclusive, high inclusive); None bounds are open; an unset
+# optional setting (None) is always allowed.
+
+_RANGES: tuple[tuple[str, float | None, float | None, bool, bool], ...] = (
+    ("seed", 0, None, True, True),
+    ("data.max_length", 2, None, True, True),
+    ("data.val_fraction", 0, 1, True, False),
+    ("data.regenerate.crosscheck_rows", 0, None, True, True),
+    ("data.regenerate.temperature", 0, None, True, True),
+    ("data.regenerate.top_p", 0, 1, False, True),
+    ("data.regenerate.max_new_tokens", 1, None, True, True),
+    ("data.regenerate.batch_size", 1, None, True, True),
+    ("data.regenerate.concurrency", 1, None, True, True),
+    ("data.regenerate.max_retries", 0, None, True, True),
+    ("data.regenerate.request_timeout", 0, None, False, True),
+    ("data.regenerate.max_failed_fraction", 0, 1, True, True),
+    ("capture.teacher_topk", 1, None, True, True),
+    ("capture.shard_tokens", 1, None, True, True),
+    ("capture.batch_size", 1, None, True, True),
+    ("capture.num_processes", 1, None, True, True),
+    ("speculator.num_steps", 1, None, True, True),
+    ("speculator.num_layers", 1, None, True, True),
+    ("speculator.draft_vocab_size", 1, None, True, True),
+    ("speculator.intermediate_size", 1, None, True, True),
+    ("speculator.step_loss_decay", 0, None, False, True),
+    ("train.epochs", 0, None, False, True),
+    ("train.max_steps", 1, None, True, True),
+    ("train.batch_size", 1, None, True, True),
+    ("train.grad_accum", 1, None, True, True),
+    ("train.lr", 0, None, False, True),
+    ("train.teacher_temperature", 0, None, False, True),
+    ("train.weight_decay", 0, None, True, True),
+    ("train.warmup_ratio", 0, 1, True, True),
+    ("train.min_lr_ratio", 0, 1, True, True),
+    ("train.grad_clip", 0, None, True, True),
+    ("train.num_processes", 1, None, True, True),
+    ("train.eval_every", 1, None, True, True),
+    ("train.save_every", 1, None, True, True),
+    ("train.keep_last", 1, None, True, True),
+    ("train.log_every", 1, None, True, True),
+    ("train.num_workers", 0, None, True, True),
+    ("evaluate.max_rows_per_cohort", 1, None, True, True),
+    ("evaluate.depth", 1, None, True, True),
+    ("evaluate.live_rows_per_cohort", 0, None, True, True),
+    ("evaluate.serving_chain_depth", 1, None, True, True),
+    ("export.speculative_tokens", 1, None, True, True),
+    ("vllm.rows_per_cohort", 1, None, True, True),
+    ("vllm.max_new_tokens", 1, None, True, True),
+    ("vllm.port", 1, 65535, True, True),
+    ("vllm.threads", 1, None, True, True),
+    ("vllm.max_model_len", 2, None, True, True),
+)
+# list settings whose items must each be in range / one of a set of choices
+_LIST_RANGES = (("train.betas", 0, 1, True, False), ("evaluate.temperatures", 0, None, True, True),
+                ("export.concurrencies", 1, None, True, True))
+_LIST_CHOICES = (("train.trackers", ("jsonl", "tensorboard", "wandb")),)
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        obj = getattr(obj, key)
+    return obj
+
+
+def _out_of_range(value: float, low: float | None, high: float | None, low_in: bool, high_in: bool) -> bool:
+    return (low is not None and (value < low or (value == low and not low_in))) or \
+        (high is not None and (value > high or (value == high and not high_in)))
+
+
+def _range_text(low: float | None, high: float | None, low_in: bool, high_in: bool) -> str:
+    if high is None:
+        return f"{'>=' if low_in else '>'} {low}"
+    return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
+def check_ranges(recipe: Recipe) -> None:
+    """One-line SpeculatorsError for the first setting out of its range or list item outside its choices."""
+    for name, low, high, low_in, high_in in _RANGES:
+        value = _get(recipe, name)
+        if value is not None and _out_of_range(value, low, high, low_in, high_in):
+            raise SpeculatorsError(f"{name} must be {_range_text(low, high, low_in, high_in)}, got {value}")
+    for name, low, high, low_in, high_in in _LIST_RANGES:
+        bad = [v for v in _get(recipe, name) if _out_of_range(v, low, high, low_in, high_in)]
+        if bad:
+            raise SpeculatorsError(f"every item of {name} must be {_range_text(low, high, low_in, high_in)}, "
+                                   f"got {bad}")
+    for name, choices in _LIST_CHOICES:
+        unknown = [v for v in _get(recipe, name) if v not in choices]
+        if unknown:
+            raise SpeculatorsError(f"{name}: unknown {unknown}; choose from {', '.join(choices)}")
+    recipe.serve.validate()
 
 
 def to_dict(obj: Any) -> Any:

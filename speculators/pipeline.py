@@ -51,9 +51,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("prepare", "speculators.data.prepare", "chat template -> input_ids + assistant loss mask"),
     Stage("regenerate", "speculators.data.regenerate", "the target rewrites the assistant turns"),
     Stage("capture", "speculators.data.capture", "target hidden-state taps -> feature shards + draft vocab"),
-    Stage("train", "speculators.train.loop", "train the speculator (accelerate)"),
+    Stage("train", "speculators.train.stage", "train the speculator (accelerate)"),
     Stage("evaluate", "speculators.evaluate.acceptance", "per-position acceptance on held-out workloads"),
-    Stage("export", "speculators.export.vllm", "vLLM-loadable checkpoint + pairing.json"),
+    Stage("export", "speculators.export.stage", "vLLM-loadable checkpoint + pairing.json"),
     Stage("vllm-check", "speculators.export.vllm_check", "serve the export with real vLLM: lossless + "
           "acceptance vs prediction"),
 )
@@ -82,6 +82,9 @@ def run_stage(name: str, recipe: Recipe, *, force: bool = False, log: Callable[[
 def run_pipeline(recipe: Recipe, *, only: list[str] | None = None, force: bool = False,
                  log: Callable[[str], None] = print) -> dict[str, dict]:
     """Run every enabled stage in order; skip stages whose outputs are already complete and valid."""
+    unknown = sorted(set(only or ()) - {s.name for s in STAGES})
+    if unknown:
+        raise SpeculatorsError(f"unknown stage(s) {unknown}; stages: {', '.join(s.name for s in STAGES)}")
     results: dict[str, dict] = {}
     for s in STAGES:
         if only and s.name not in only:

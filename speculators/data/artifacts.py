@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speculators.core.atomic import write_json_atomic
 from speculators.errors import SpeculatorsError
 
 PREPARED_FORMAT = "speculators.prepared/v1"
@@ -37,18 +38,6 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to `path` via a temp file + fsync + os.replace (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=False, default=str)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -11,7 +11,7 @@
   sidecar and checksum are valid (resume). Work happens in `features.partial/`; rank 0 then writes
   `token_freq.safetensors`, `vocab-<Vd>.safetensors` (EAGLE-3 with a reduced vocab), `manifest.json` (last) and
   moves the dir to `features/`, so an earlier complete output stays intact until the new one is complete.
-- `capture.num_processes > 1` runs `accelerate launch` with `speculators.data.capture_worker`.
+- `capture.num_processes > 1` runs `accelerate launch` with `speculators worker-capture` (capture_worker.py).
 - `compute_features` is also what the training loop calls in online mode (`capture.mode: online`, no disk).
 
 This module does not train anything and does not import the speculator families.
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from speculators.config import Recipe
+from speculators.core.atomic import write_json_atomic
 from speculators.data import artifacts, shards, vocab
 from speculators.errors import SpeculatorsError
 
@@ -46,17 +47,10 @@ TOPK_MASS_WARNING = 0.9  # the summary says so when the stored top-k holds less 
 
 
 def feature_request(recipe: Recipe, num_layers: int) -> Any:
-    """The FeatureRequest of the recipe's speculator family (own mapping; never imports the families)."""
-    from speculators.models.base import FeatureRequest
-    from speculators.target import default_tap_layers, validate_layer_ids
+    """The FeatureRequest of the recipe's speculator family (its class says what it needs; unknown: one error)."""
+    from speculators.models import SPECULATORS
 
-    family = recipe.speculator.family
-    if family == "eagle3":
-        ids = recipe.capture.layer_ids if recipe.capture.layer_ids is not None else default_tap_layers(num_layers)
-        return FeatureRequest(tap_layer_ids=tuple(validate_layer_ids(list(ids), num_layers)), last_hidden=False)
-    if family in ("medusa", "mtp"):
-        return FeatureRequest(tap_layer_ids=None, last_hidden=True)
-    raise SpeculatorsError(f"unknown speculator family {family!r}; known: eagle3, medusa, mtp")
+    return SPECULATORS[recipe.speculator.family].capture_request(recipe.capture.layer_ids, num_layers)
 
 
 def stored_features(request: Any, teacher: str) -> list[str]:
@@ -306,7 +300,7 @@ def _capture_shard(job: Job, target: Any, request: Any, i: int, bar: Any) -> dic
            "inputs_hash": job.inputs_hash, "forward_seconds": round(t_fwd, 3),
            "quant_sq_err": {k: v for k, v in err.items() if v[1] > 0},
            "topk_mass": mass if cap.teacher == "topk" else None}
-    artifacts.write_json_atomic(_sidecar(job.partial, i), rec)
+    write_json_atomic(_sidecar(job.partial, i), rec)
     return rec
 
 
@@ -410,8 +404,8 @@ def _rechunk(col: Any, like: Any) -> list[Any]:
 
 def _workload_counts(job: Job) -> dict[str, torch.Tensor]:
     """Token counts [V] of the held-out workload prompts, per cohort (as the target would see them)."""
+    from speculators.core.workloads import load_workloads
     from speculators.data.chat import ChatEncoder
-    from speculators.data.workloads import load_workloads
     from speculators.target import load_tokenizer
 
     rows = load_workloads(job.recipe.evaluate.workloads, job.recipe.evaluate.max_rows_per_cohort)
@@ -439,7 +433,7 @@ def finalize(job: Job, seconds: float, rank_stats: dict | None = None) -> dict:
                                                          job.recipe.data.val_fraction, "seed": job.recipe.seed})
     coverage: dict[str, Any] = {}
     vd = job.recipe.speculator.draft_vocab_size
-    if job.recipe.speculator.family == "eagle3" and vd is not None:
+    if _uses_draft_vocab(job.recipe) and vd is not None:
         d2t, t2d = vocab.build_vocab(train_c, vd, forced)
         coverage = {"draft_vocab_size": vd,
                     "train_assistant_tokens": round(vocab.coverage(t2d, train_c), 4),
@@ -484,7 +478,7 @@ def finalize(job: Job, seconds: float, rank_stats: dict | None = None) -> dict:
         "shards": [{"file": r["file"], "rows": r["rows"][1] - r["rows"][0], "tokens": r["tokens"],
                     "bytes": r["bytes"], "sha256": r["sha256"]} for r in recs],
     }
-    artifacts.write_json_atomic(job.partial / artifacts.MANIFEST, manifest)
+    write_json_atomic(job.partial / artifacts.MANIFEST, manifest)
     (job.partial / "inputs.json").unlink(missing_ok=True)
     artifacts.replace_dir(job.partial, job.final)
     return manifest
@@ -512,9 +506,15 @@ def summary_of(manifest: dict, status: str) -> dict:
     return out
 
 
+def _uses_draft_vocab(recipe: Recipe) -> bool:
+    from speculators.models import SPECULATORS
+
+    return bool(SPECULATORS[recipe.speculator.family].USES_DRAFT_VOCAB)
+
+
 def _vocab_ready(recipe: Recipe, features: Path) -> bool:
     vd = recipe.speculator.draft_vocab_size
-    return recipe.speculator.family != "eagle3" or vd is None or vocab.vocab_file(features, vd).is_file()
+    return not _uses_draft_vocab(recipe) or vd is None or vocab.vocab_file(features, vd).is_file()
 
 
 def is_complete(recipe: Recipe) -> bool:
@@ -550,7 +550,7 @@ def _launch(recipe: Recipe, force: bool) -> None:
     recipe_file.write_text(dump_recipe(recipe))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
            "--num_processes", str(recipe.capture.num_processes), "--mixed_precision", "no", "--dynamo_backend",
-           "no", "--main_process_port", str(_free_port()), "-m", "speculators.data.capture_worker",
+           "no", "--main_process_port", str(_free_port()), "-m", "speculators.cli", "worker-capture",
            str(recipe_file)] + (["--force"] if force else [])
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // recipe.capture.num_processes)))

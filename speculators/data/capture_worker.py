@@ -1,32 +1,33 @@
 """One capture process under `accelerate launch` (multi-process / multi-GPU capture).
 
-    accelerate launch --multi_gpu --num_processes N -m speculators.data.capture_worker RECIPE.yaml [--force]
+    accelerate launch --multi_gpu --num_processes N -m speculators.cli worker-capture RECIPE.yaml [--force]
 
 Every rank validates the recipe (`capture.make_job`); rank 0 prepares `features.partial/` (resume or fresh);
 rank r then writes shards r, r+N, ... on its own device; after a barrier rank 0 checks all shards, writes the
 token frequencies, the draft vocabulary and the merged manifest, and moves the output into place. On CPU the
 processes use gloo (`Accelerator(cpu=True)`). `speculators capture` starts this when `capture.num_processes > 1`.
 
-This module only wires accelerate to `speculators.data.capture`; it does no capture work of its own.
+This module only wires accelerate to `speculators.data.capture`; it does no capture work of its own and parses
+no arguments (`cli.py`'s hidden `worker-capture` command calls `run_rank`).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
-import typer
-
+from speculators.config import load_recipe
+from speculators.data import capture
 from speculators.errors import SpeculatorsError
 
+log = logging.getLogger(__name__)
 
-def main(recipe: str, overrides: list[str] | None = typer.Argument(None),
-         force: bool = typer.Option(False, "--force")) -> None:
+
+def run_rank(recipe: str, overrides: list[str], force: bool) -> None:
+    """This process's share of a launched capture (every rank calls it); exits 2 on a user error on any rank."""
     import torch
     from accelerate import Accelerator
-
-    from speculators.config import load_recipe
-    from speculators.data import capture
 
     t0 = time.time()
     acc = Accelerator(cpu=not torch.cuda.is_available())
@@ -34,12 +35,12 @@ def main(recipe: str, overrides: list[str] | None = typer.Argument(None),
     failed = torch.zeros(1)
     job = None
     try:
-        r = load_recipe(recipe, overrides or [])
+        r = load_recipe(recipe, overrides)
         job = capture.make_job(r)
         if rank == 0:
             capture.setup_partial(job, force)
     except SpeculatorsError as exc:
-        print(f"error: [rank {rank}] {exc}", file=sys.stderr)
+        log.error("[rank %d] %s", rank, exc)
         failed += 1
     failed = acc.reduce(failed.to(acc.device), reduction="sum").cpu()
     if int(failed.item()):
@@ -47,17 +48,13 @@ def main(recipe: str, overrides: list[str] | None = typer.Argument(None),
     try:
         capture.capture_rank(job, rank, world, device=str(acc.device))
     except SpeculatorsError as exc:
-        print(f"error: [rank {rank}] {exc}", file=sys.stderr)
+        log.error("[rank %d] %s", rank, exc)
         sys.exit(2)
     acc.wait_for_everyone()
     if rank == 0:
         try:
             capture.finalize(job, time.time() - t0, {"processes": world})
         except SpeculatorsError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            log.error("%s", exc)
             sys.exit(2)
     acc.wait_for_everyone()
-
-
-if __name__ == "__main__":
-    typer.run(main)

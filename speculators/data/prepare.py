@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from speculators.config import DataConfig, Recipe
+from speculators.core.atomic import write_json_atomic
 from speculators.data import artifacts
 from speculators.data.chat import ChatEncoder, RowEncodeError
 from speculators.data.schemas import (
@@ -233,6 +234,6 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         "tokens": stats, "tokens_per_s": round(stats["total"] / seconds, 1),
         "bytes_per_token": round(artifacts.dir_bytes(tmp) / max(stats["total"], 1), 2),
     }
-    artifacts.write_json_atomic(tmp / artifacts.MANIFEST, manifest)
+    write_json_atomic(tmp / artifacts.MANIFEST, manifest)
     artifacts.replace_dir(tmp, out_dir)
     return summary_of(manifest, "done")

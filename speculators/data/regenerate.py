@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from speculators.config import Recipe
+from speculators.core.atomic import write_json_atomic
 from speculators.data import artifacts
 from speculators.data.prepare import RowEncoder, make_encoder
 from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState, Turn
@@ -105,7 +106,7 @@ class LocalBackend:
 
     def engine_ids(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[list[int]]:
         """The runtime's answers (ids up to and including the first stop token); request j samples with seed+j."""
-        from speculators.serving.sampling import SamplingParams
+        from speculators.core.sampling import SamplingParams
 
         rg = self.recipe.data.regenerate
         params = [SamplingParams(max_new_tokens=m, temperature=rg.temperature, top_p=rg.top_p,
@@ -356,6 +357,6 @@ def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, n: int, ident
                        **engine_info},
         "tokens": stats, "bytes_per_token": round(artifacts.dir_bytes(tmp_dir) / max(stats["total"], 1), 2),
     }
-    artifacts.write_json_atomic(tmp_dir / artifacts.MANIFEST, manifest)
+    write_json_atomic(tmp_dir / artifacts.MANIFEST, manifest)
     artifacts.replace_dir(tmp_dir, out_dir)
     return manifest

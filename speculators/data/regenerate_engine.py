@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from speculators.config import TreeConfig
+from speculators.core.sampling import SamplingParams
 from speculators.errors import SpeculatorsError
-from speculators.serving.sampling import SamplingParams
 
 GenerateFn = Callable[[list[list[int]], list[int], int], list[list[int]]]
 

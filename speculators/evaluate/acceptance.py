@@ -36,7 +36,11 @@ from typing import Any
 import torch
 
 from speculators.config import Recipe, to_dict
-from speculators.data.workloads import WorkloadRow, load_workloads
+from speculators.core.atomic import atomic_dir, write_json_atomic
+from speculators.core.checkpoints import describe_incomplete, list_checkpoints, read_pointer, step_number, write_pointer
+from speculators.core.pairing import check_pairing, draft_revision, read_pairing
+from speculators.core.sampling import SamplingParams
+from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
 from speculators.evaluate.select import (
@@ -44,17 +48,10 @@ from speculators.evaluate.select import (
     checkpoint_family,
     checkpoint_loss,
     choose_best,
-    list_checkpoints,
-    read_pointer,
     selection_record,
-    step_number,
-    write_pointer,
 )
 from speculators.evaluate.tally import CeilingTally, SpeculatorTally
 from speculators.evaluate.teacher import EvalSequence, continuations, teacher_pass
-from speculators.export.atomic import atomic_dir, write_json_atomic
-from speculators.export.pairing import check_pairing, draft_revision, read_pairing
-from speculators.serving.sampling import SamplingParams
 
 EVAL_FORMAT = "speculators.eval/v1"
 
@@ -92,7 +89,7 @@ def _checkpoints(recipe: Recipe) -> list[Path]:
     found = list_checkpoints(ckdir)
     if not found:
         raise SpeculatorsError(f"no checkpoints to evaluate in {ckdir} (expected step-* directories written by "
-                               f"`speculators train`); run the train stage first")
+                               f"`speculators train`); run the train stage first{describe_incomplete(ckdir)}")
     for c in found:
         fam = checkpoint_family(c)
         if fam != recipe.speculator.family:
@@ -276,7 +273,7 @@ def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed:
     selection["recipe"] = to_dict(recipe.evaluate)
     write_overview(eval_dir, selection, reports)
     if recipe.evaluate.select_best:
-        write_pointer(recipe.paths.checkpoints, recipe.paths.checkpoints / best, "best")
+        write_pointer(recipe.paths.checkpoints, "best", recipe.paths.checkpoints / best)
     write_json_atomic(eval_dir / "selection.json", selection)  # the manifest: written last
     return selection
 

@@ -1,6 +1,7 @@
 """One definition, three measurements: the PREDICTED acceptance of a chain / tree (`replay.py`), the LIVE
-acceptance of the bundled runtime drafting that same chain / tree on the same rows (`live.py`), and a column for
-vLLM's measurement of the same chain (filled in by `add_vllm_measurement`), side by side per cohort and position.
+acceptance of the bundled runtime drafting that same chain / tree on the same rows (`live.py`), side by side per
+cohort and position. vLLM's measurement of the exported chain is the `vllm-check` stage (export/vllm_check.py), which
+compares it with the same prediction.
 
 What is compared, per temperature (the runtime's `metrics.AcceptanceStats` definition everywhere: a_k = P(depth k
 accepted | depths < k accepted) over target calls, tau = committed tokens / target calls):
@@ -19,9 +20,7 @@ continuation row by row: a differing row means a near-tie flipped between HF `ge
 moves every later cycle; equal outputs leave drafting numerics — live drafts in the runtime's precision from its
 cached forward, the prediction in float32 from one full-sequence forward).
 
-vLLM: `chain` entries carry `"vllm": null`; `vllm_measurement(num_drafts, accepted_per_pos)` turns vLLM's
-spec-decode counters into the same numbers and `add_vllm_measurement(report_dir, ...)` fills the column and
-re-renders the report. `predict_chain(...)` is the chain-K prediction for any K and rows.
+`predict_chain(...)` is the chain-K prediction for any K and rows.
 
 This module does not train, export or choose checkpoints.
 """
@@ -29,16 +28,15 @@ This module does not train, export or choose checkpoints.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from speculators import metrics
+from speculators.core.sampling import SamplingParams
 from speculators.evaluate.live import LiveRun, load_engine, run_live
 from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain, replay_drafter, tau_interval, wilson
 from speculators.evaluate.teacher import EvalSequence, teacher_pass
-from speculators.serving.sampling import SamplingParams
 
 TOLERANCE = 0.02  # T = 0: |predicted tau - live tau| <= 2% of live tau
 
@@ -172,7 +170,7 @@ def compare(pred: CycleCounts, live: metrics.AcceptanceStats, temperature: float
             + ("contains 0: rows differ in difficulty more than a binomial interval over cycles allows" if paired
                else "excludes 0 too: a real difference, or 1 chance in 20"))
     return {"predicted": {**pred.to_dict(), "per_position_acceptance": [round(a, 4) for a in p_pos]},
-            "live": lv, "vllm": None, "agree": bool(agree), "tau_gap": round(gap, 4),
+            "live": lv, "agree": bool(agree), "tau_gap": round(gap, 4),
             "tau_gap_interval_paired_rows": [round(gap_lo, 4), round(gap_hi, 4)] if band else None,
             "agree_paired_rows": bool(paired),
             "differing_positions": differing, "why": why}
@@ -209,7 +207,7 @@ def serving_agreement(target: Any, spec: Any, spec_dir: str, sequences: dict[flo
     """{str(T): {"chain", "tree", "ngram": comparison blocks, "speculator" / "ngram_live" / "chain_live": the
     live per-cohort stats}} on the rows of `sequences` (the evaluated continuations of the live rows)."""
     from speculators.config import TreeConfig
-    from speculators.serving.drafters import NgramDrafter
+    from speculators.serving.model_free import NgramDrafter
 
     rows = [s.row for s in next(iter(sequences.values()))]
     k = min(int(chain_depth), int(spec.num_steps))
@@ -231,43 +229,3 @@ def serving_agreement(target: Any, spec: Any, spec_dir: str, sequences: dict[flo
         entry["chain_live"] = runs["chain"].to_dict()
         out[str(float(t))] = entry
     return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# vLLM's column
-
-
-def vllm_measurement(num_drafts: int, accepted_per_pos: Sequence[int]) -> dict:
-    """vLLM's spec-decode counters (`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens_per_pos`) as this
-    report's numbers: a_k = accepted[k] / accepted[k-1] (accepted[-1] = drafts; vLLM's per-position rate is
-    unconditional), tau = 1 + sum(accepted) / drafts (committed tokens per draft-and-verify step)."""
-    prev, per_pos = float(num_drafts), []
-    for a in accepted_per_pos:
-        per_pos.append(round(a / prev, 4) if prev > 0 else 0.0)
-        prev = float(a)
-    tau = 1.0 + sum(accepted_per_pos) / num_drafts if num_drafts else 0.0
-    return {"tau": round(tau, 4), "per_position_acceptance": per_pos, "num_drafts": int(num_drafts),
-            "accepted_per_pos": [int(a) for a in accepted_per_pos]}
-
-
-def add_vllm_measurement(report_dir: str | Path, temperature: float, cohort: str, measurement: dict) -> dict:
-    """Fill the "vLLM measured" column of `report_dir/report.json` (an `eval/<step>/` dir) for one cohort (or
-    "overall") at one temperature and re-render report.md. `measurement` comes from `vllm_measurement` (plus any
-    extra fields, e.g. the vLLM version). -> the updated report."""
-    import json
-
-    from speculators.errors import SpeculatorsError
-    from speculators.evaluate.report import write_checkpoint_report
-
-    path = Path(report_dir) / "report.json"
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpeculatorsError(f"cannot read {path}: {exc}") from None
-    chain = ((report.get("live") or {}).get(str(float(temperature))) or {}).get("chain")
-    if not chain or cohort not in chain.get("cohorts", {}):
-        raise SpeculatorsError(f"{path} has no live chain comparison for cohort {cohort!r} at T={temperature}; "
-                               f"run `speculators evaluate` with evaluate.live=true first")
-    chain["cohorts"][cohort]["vllm"] = dict(measurement)
-    write_checkpoint_report(Path(report_dir), report)
-    return report

@@ -9,7 +9,7 @@ fixed seed otherwise), so feeding it as the teacher-forced input simulates the c
 
 - `speculator_alpha`: draft logits over the draft vocab are mapped onto the target vocab through
   `draft_to_target`; greedy -> `metrics.greedy_alpha`, sampling -> `metrics.sampled_alpha` on
-  `serving.sampling.logits_to_probs` of both laws (same temperature / top-k / top-p).
+  `core.sampling.logits_to_probs` of both laws (same temperature / top-k / top-p).
 - `speculator_block_alpha` (sampling only): the same laws judged by block verification of the sampled chain
   (`metrics.block_alpha`: per-depth ratios of the block reach, summarised like alpha).
 - `ngram_alpha`: the n-gram (prompt lookup) proposal of `serving.ngram.ngram_propose` is a deterministic draft;
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculators import metrics
-from speculators.serving.sampling import SamplingParams, logits_to_probs
+from speculators.core.sampling import SamplingParams, logits_to_probs
 
 Proposer = Callable[[list[int], int], list[int]]
 

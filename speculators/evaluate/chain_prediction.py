@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from speculators.config import TreeConfig
-from speculators.data.workloads import WorkloadRow
+from speculators.core.sampling import SamplingParams
+from speculators.core.workloads import WorkloadRow
 from speculators.evaluate.alpha import speculator_alpha
 from speculators.evaluate.teacher import encode_row, greedy_tokens, teacher_pass
 from speculators.metrics import ChainCounts, walk_chain
-from speculators.serving.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0)
 

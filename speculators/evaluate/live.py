@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculators import metrics
-from speculators.data.workloads import WorkloadRow
+from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
 
 
@@ -67,7 +67,7 @@ def run_live(engine: Any, rows: Sequence[WorkloadRow], temperature: float, seed:
 
     from tqdm.auto import tqdm
 
-    from speculators.serving.sampling import SamplingParams
+    from speculators.core.sampling import SamplingParams
 
     per_cohort: dict[str, metrics.AcceptanceStats] = {}
     overall = metrics.AcceptanceStats()

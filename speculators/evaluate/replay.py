@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from speculators import metrics
-from speculators.serving.sampling import SamplingParams, logits_to_probs
+from speculators.core.sampling import SamplingParams, logits_to_probs
 
 Z95 = 1.959963984540054
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from speculators.export.atomic import write_json_atomic, write_text_atomic
+from speculators.core.atomic import write_json_atomic, write_text_atomic
 
 
 def _fmt(x: object, nd: int = 3) -> str:
@@ -121,20 +121,19 @@ def _agreement_lines(lv: dict, t: str) -> list[str]:
         shape = f"depth {tree.get('depth')}" + (f", top-{tree.get('topk')}, {tree.get('budget')} nodes"
                                                 if tree.get("kind") != "chain" else "")
         extra = f", drafts: {block['draft']}" if block.get("draft") else ""
-        lines += [f"### T = {t}: predicted vs live vs vLLM — {title} ({shape}{extra}; live drafting: "
+        lines += [f"### T = {t}: predicted vs live — {title} ({shape}{extra}; live drafting: "
                   f"{block.get('live_precision') or '?'})", "",
-                  "| cohort | predicted tau | live tau [95% binomial] | vLLM tau | gap [95% paired rows] | "
-                  "a_k predicted | a_k live | a_k vLLM | agree (binomial / paired) | positions that differ |",
-                  "|" + "---|" * 10]
+                  "| cohort | predicted tau | live tau [95% binomial] | gap [95% paired rows] | "
+                  "a_k predicted | a_k live | agree (binomial / paired) | positions that differ |",
+                  "|" + "---|" * 8]
         whys = []
         for c, v in block["cohorts"].items():
-            p, lvv, vl = v["predicted"], v["live"], v.get("vllm") or {}
+            p, lvv = v["predicted"], v["live"]
             lo, hi = lvv["tau_interval"]
             lines.append(" | ".join([
-                f"| {c}", _fmt(p["tau"]), f"{_fmt(lvv['tau'])} [{_fmt(lo)}, {_fmt(hi)}]", _fmt(vl.get("tau")),
+                f"| {c}", _fmt(p["tau"]), f"{_fmt(lvv['tau'])} [{_fmt(lo)}, {_fmt(hi)}]",
                 _gap(v), " ".join(_fmt(a, 2) for a in p["per_position_acceptance"]),
                 " ".join(_fmt(a, 2) for a in lvv["per_position_acceptance"]),
-                " ".join(_fmt(a, 2) for a in vl.get("per_position_acceptance", [])) or "–",
                 ("yes" if v["agree"] else "**no**") + " / " + ("yes" if v.get("agree_paired_rows", True) else "**no**"),
                 ", ".join(map(str, v["differing_positions"])) or "–"]) + " |")
             if v.get("why"):

@@ -1,8 +1,6 @@
 """Checkpoint choice by held-out acceptance: the best checkpoint is the one with the highest simulated tau.
 
-- `list_checkpoints(dir)`: the kept `step-*` checkpoint directories, oldest first.
-- `read_pointer` / `write_pointer`: the small text files `checkpoints/best` and `checkpoints/latest` (one line, a
-  step dir name; written atomically).
+- The checkpoint folder itself (step dirs, `best` / `latest` pointers) is `core/checkpoints.py`.
 - `choose_best(reports, temperature)`: the checkpoint whose teacher-forced simulated tau at `temperature`, averaged
   over cohorts, is highest (ties -> the later step). Training loss is recorded next to it for reference only:
   loss keeps falling after acceptance peaks, so it never decides.
@@ -14,50 +12,12 @@ This module does not evaluate anything; it reads reports produced by `acceptance
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
+from speculators.core.checkpoints import step_number
 from speculators.errors import SpeculatorsError
-from speculators.export.atomic import write_text_atomic
 
 SELECTION_FORMAT = "speculators.selection/v1"
-_STEP = re.compile(r"^step-(\d+)$")
-
-
-def step_number(path: str | Path) -> int:
-    m = _STEP.match(Path(path).name)
-    return int(m.group(1)) if m else -1
-
-
-def list_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
-    """`step-*` directories that hold a config.json, ordered by step."""
-    d = Path(checkpoints_dir)
-    if not d.is_dir():
-        return []
-    found = [p for p in d.iterdir() if p.is_dir() and _STEP.match(p.name) and (p / "config.json").is_file()]
-    return sorted(found, key=step_number)
-
-
-def read_pointer(checkpoints_dir: str | Path, name: str = "best") -> Path | None:
-    """The checkpoint dir a pointer file names, or None when the file is absent."""
-    d = Path(checkpoints_dir)
-    f = d / name
-    if not f.is_file():
-        return None
-    text = f.read_text().strip()
-    if not text:
-        raise SpeculatorsError(f"{f} is empty; re-run `speculators evaluate` to rewrite it")
-    p = Path(text)
-    target = p if p.is_absolute() else d / p
-    if not target.is_dir():
-        raise SpeculatorsError(f"{f} names {text}, which does not exist; re-run `speculators evaluate`")
-    return target
-
-
-def write_pointer(checkpoints_dir: str | Path, step_dir: str | Path, name: str = "best") -> Path:
-    return write_text_atomic(Path(checkpoints_dir) / name, Path(step_dir).name + "\n")
-
-
 def checkpoint_loss(step_dir: str | Path) -> float | None:
     """The validation (else training) loss the trainer recorded in `speculators_native`, if any (reference only)."""
     try:

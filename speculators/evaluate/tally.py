@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
+from speculators.core.sampling import SamplingParams
 from speculators.evaluate.alpha import AlphaAccumulator, speculator_alpha, teacher_ceilings, truncate
 from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain
 from speculators.evaluate.teacher import EvalSequence
-from speculators.serving.sampling import SamplingParams
 
 
 def _tkey(t: float) -> str:

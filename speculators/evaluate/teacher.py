@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from speculators.data.workloads import WorkloadRow
+from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
 from speculators.target import cache_kwarg, forward_with_taps
 

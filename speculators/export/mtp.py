@@ -13,7 +13,7 @@
 - Any other family (the house target is Llama): config.json + model.safetensors in our native layout, README.md
   and FORMAT note stating that vLLM cannot serve it and `launch.sh` running the bundled runtime.
 
-This module writes into a directory the caller provides (see vllm.run, which makes it atomic).
+This module writes into a directory the caller provides (see stage.run, which makes it atomic).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from speculators.config import Recipe, to_dict
+from speculators.core.atomic import write_json_atomic, write_text_atomic
+from speculators.core.pairing import draft_revision, pairing_record
 from speculators.errors import SpeculatorsError
-from speculators.export.atomic import write_json_atomic, write_text_atomic
-from speculators.export.pairing import draft_revision, pairing_record
 
 DEEPSEEK_STYLE = ("deepseek_v3", "deepseek_v32", "glm4_moe")
 QWEN_NEXT_STYLE = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
@@ -152,7 +152,7 @@ NATIVE_NOTE = ("vLLM cannot serve this MTP module: vLLM loads MTP heads only fro
                "none. Only the bundled runtime (`speculators serve` / `speculators generate`) serves this directory.")
 
 
-def export_mtp(recipe: Recipe, ckpt: Path, target: Any, fingerprint: dict, out_dir: Path) -> dict:
+def export_mtp(recipe: Recipe, ckpt: Path, family: str, target: Any, fingerprint: dict, out_dir: Path) -> dict:
     """Write the MTP export of `ckpt` into `out_dir` (stitched or native); returns the pairing record."""
     from speculators.export.validate import validate_vllm_export
     from speculators.export.vllm import (
@@ -225,7 +225,7 @@ def export_mtp(recipe: Recipe, ckpt: Path, target: Any, fingerprint: dict, out_d
     write_text_atomic(out_dir / "report.md", (render_markdown(report) if report else
                                               "# Acceptance report\n\nThe exported checkpoint was not evaluated.")
                       + "\n")
-    return pairing_record(target=fingerprint, family="mtp", layer_ids=None, draft_dir=out_dir,
+    return pairing_record(target=fingerprint, family=family, layer_ids=None, draft_dir=out_dir,
                           recipe=to_dict(recipe), evaluation=summary,
                           extra={"export": {"format": "speculators.export/v1", "kind": kind,
                                             "source_checkpoint": str(ckpt), "source_revision": draft_revision(ckpt),

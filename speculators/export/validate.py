@@ -125,7 +125,8 @@ def _pairing_target(directory: Path) -> dict | None:
 # EAGLE-3 in the vLLM speculators format
 
 
-def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: list[str]) -> None:
+def _eagle3_speculators_config(config: dict, problems: list[str]) -> None:
+    """speculators_model_type and speculators_config: what vLLM reads first."""
     sc = config.get("speculators_config")
     smt = config.get("speculators_model_type")
     if smt is None:
@@ -155,14 +156,17 @@ def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: l
     elif not isinstance(verifier.get("architectures"), list) or not verifier["architectures"]:
         problems.append("speculators_config.verifier.architectures must list the target's architectures")
 
+
+def _eagle3_layer_config(config: dict, problems: list[str]) -> dict | None:
+    """transformer_layer_config (the draft's HF config in vLLM) and the norm flags; None when unusable."""
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         problems.append("transformer_layer_config must be a mapping (it becomes the draft's HF config in vLLM)")
-        return
+        return None
     missing = [k for k in LAYER_KEYS if k not in layer]
     if missing:
         problems.append(f"transformer_layer_config lacks {', '.join(missing)}")
-        return
+        return None
     if layer["model_type"] not in EAGLE3_ARCHS:
         problems.append(f"transformer_layer_config.model_type {layer['model_type']!r} has no vLLM EAGLE-3 "
                         f"architecture (allowed: {', '.join(EAGLE3_ARCHS)})")
@@ -176,31 +180,12 @@ def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: l
         problems.append("norm_before_fc and fc_norm are mutually exclusive")
     if "eagle_config" in config:
         problems.append("top-level eagle_config is not part of the speculators format; remove it")
+    return layer
 
+
+def _eagle3_expected_shapes(config: dict, layer: dict, vd: int, target_h: int) -> dict[str, list[int]]:
+    """Every tensor name vLLM's Eagle3LlamaForCausalLM loads, with its shape."""
     h = int(layer["hidden_size"])
-    vocab = int(layer["vocab_size"])
-    vd = config.get("draft_vocab_size")
-    if not _is_int(vd) or vd < 1:
-        problems.append(f"draft_vocab_size must be a positive int, got {vd!r}")
-        return
-    if vd > vocab:
-        problems.append(f"draft_vocab_size {vd} exceeds the vocab size {vocab}")
-    target_h = config.get("target_hidden_size") or h
-    aux = config.get("eagle_aux_hidden_state_layer_ids")
-    if not isinstance(aux, list) or not all(_is_int(i) and i >= 0 for i in aux):
-        problems.append("eagle_aux_hidden_state_layer_ids must be a list of layer ids (else vLLM silently "
-                        "falls back to (2, N//2, N-3))")
-        aux = [0, 0, 0]
-    elif len(aux) != 3:
-        problems.append(f"eagle_aux_hidden_state_layer_ids has {len(aux)} ids; vLLM builds fc for exactly 3 aux "
-                        f"layers (load crash otherwise)")
-    elif len(set(aux)) != 3:
-        problems.append(f"eagle_aux_hidden_state_layer_ids {aux} contains duplicates")
-
-    bad_prefix = sorted(k for k in t.info if k.startswith("model."))
-    if bad_prefix:
-        problems.append(f"weights carry a 'model.' prefix ({bad_prefix[0]} ...); vLLM adds it itself, so they "
-                        f"would not load")
     n_layers = int(layer["num_hidden_layers"])
     heads, kv = int(layer["num_attention_heads"]), int(layer["num_key_value_heads"])
     hd = int(layer.get("head_dim") or h // heads)
@@ -228,19 +213,11 @@ def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: l
     if config.get("fc_norm"):
         for i in range(3):
             expected[f"fc_norm.{i}.weight"] = [target_h]
-    for name, shape in expected.items():
-        _expect_shape(t, name, shape, problems)
-    optional = {"d2t", "t2d", "embed_tokens.weight"} | {f"layers.{i}.hidden_norm.weight" for i in range(n_layers)}
-    unknown = sorted(k for k in t.info if k not in expected and k not in optional and not k.startswith("model."))
-    if unknown:
-        problems.append(f"unexpected tensors {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; vLLM's loader "
-                        f"fails on parameter names it does not know")
-    if "embed_tokens.weight" in t.info:
-        _expect_shape(t, "embed_tokens.weight", [vocab, h], problems)
-    else:
-        problems.append("embed_tokens.weight is missing: vLLM's speculators library (0.9) then drafts with an "
-                        "all-zero embedding (vLLM itself would share the target's)")
+    return expected
 
+
+def _eagle3_vocab_map(t: _Tensors, vd: int, vocab: int, problems: list[str]) -> None:
+    """d2t / t2d: present exactly when the draft vocab is reduced, int64 offsets onto distinct target ids."""
     if vd == vocab and "d2t" in t.info:
         problems.append(f"d2t is present but draft_vocab_size == vocab ({vocab}): vLLM >= 0.30 creates no "
                         "draft_id_to_target_id then and refuses to load the file; leave d2t and t2d out")
@@ -267,6 +244,53 @@ def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: l
                     problems.append(f"t2d must be bool [{vocab}], got {t.dtype('t2d')} {list(t2d.shape)}")
                 elif int(t2d.sum()) != vd or not bool(t2d[ids].all()):
                     problems.append("t2d does not mark exactly the target ids that d2t maps to")
+
+
+def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: list[str]) -> None:
+    _eagle3_speculators_config(config, problems)
+    layer = _eagle3_layer_config(config, problems)
+    if layer is None:
+        return
+    h = int(layer["hidden_size"])
+    vocab = int(layer["vocab_size"])
+    vd = config.get("draft_vocab_size")
+    if not _is_int(vd) or vd < 1:
+        problems.append(f"draft_vocab_size must be a positive int, got {vd!r}")
+        return
+    if vd > vocab:
+        problems.append(f"draft_vocab_size {vd} exceeds the vocab size {vocab}")
+    target_h = config.get("target_hidden_size") or h
+    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or not all(_is_int(i) and i >= 0 for i in aux):
+        problems.append("eagle_aux_hidden_state_layer_ids must be a list of layer ids (else vLLM silently "
+                        "falls back to (2, N//2, N-3))")
+        aux = [0, 0, 0]
+    elif len(aux) != 3:
+        problems.append(f"eagle_aux_hidden_state_layer_ids has {len(aux)} ids; vLLM builds fc for exactly 3 aux "
+                        f"layers (load crash otherwise)")
+    elif len(set(aux)) != 3:
+        problems.append(f"eagle_aux_hidden_state_layer_ids {aux} contains duplicates")
+
+    bad_prefix = sorted(k for k in t.info if k.startswith("model."))
+    if bad_prefix:
+        problems.append(f"weights carry a 'model.' prefix ({bad_prefix[0]} ...); vLLM adds it itself, so they "
+                        f"would not load")
+    n_layers = int(layer["num_hidden_layers"])
+    expected = _eagle3_expected_shapes(config, layer, vd, target_h)
+    for name, shape in expected.items():
+        _expect_shape(t, name, shape, problems)
+    optional = {"d2t", "t2d", "embed_tokens.weight"} | {f"layers.{i}.hidden_norm.weight" for i in range(n_layers)}
+    unknown = sorted(k for k in t.info if k not in expected and k not in optional and not k.startswith("model."))
+    if unknown:
+        problems.append(f"unexpected tensors {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; vLLM's loader "
+                        f"fails on parameter names it does not know")
+    if "embed_tokens.weight" in t.info:
+        _expect_shape(t, "embed_tokens.weight", [vocab, h], problems)
+    else:
+        problems.append("embed_tokens.weight is missing: vLLM's speculators library (0.9) then drafts with an "
+                        "all-zero embedding (vLLM itself would share the target's)")
+
+    _eagle3_vocab_map(t, vd, vocab, problems)
     if target:
         if int(target.get("vocab_size", vocab)) != vocab:
             problems.append(f"transformer_layer_config.vocab_size {vocab} differs from the target's "

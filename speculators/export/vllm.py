@@ -1,4 +1,5 @@
-"""The `export` stage: a checkpoint -> a directory vLLM loads with no conversion (+ pairing, report, launch.sh).
+"""The vLLM exporter: a checkpoint -> a directory vLLM loads with no conversion (+ pairing, report, launch.sh).
+The stage's entry (`run` / `is_complete`) is `export/stage.py`.
 
 Formats (field by field in export/FORMAT.md):
 - EAGLE-3 -> the vLLM speculators format: config.json without a top-level `model_type`, with
@@ -15,7 +16,7 @@ dtype rounding, same greedy drafts) before it is moved into place.
 Directory: config.json, model.safetensors, pairing.json (target fingerprint, draft revision, recipe, evaluation
 summary, source checkpoint), report.json / report.md (evaluation of the exported checkpoint + launch choice),
 README.md, launch.sh. Everything is written into a temp dir and renamed into place; pairing.json is written last
-inside it. This module does not train or evaluate.
+inside it (by stage.py). This module does not train or evaluate.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from typing import Any
 import torch
 
 from speculators.config import Recipe, to_dict
+from speculators.core.atomic import write_json_atomic, write_text_atomic
+from speculators.core.checkpoints import describe_incomplete, list_checkpoints, read_pointer
+from speculators.core.pairing import draft_revision, pairing_record
 from speculators.errors import SpeculatorsError
-from speculators.evaluate.select import checkpoint_family, list_checkpoints, read_pointer
-from speculators.export.atomic import atomic_dir, write_json_atomic, write_text_atomic
-from speculators.export.pairing import draft_revision, pairing_record, read_pairing, write_pairing
+from speculators.evaluate.select import checkpoint_family
 from speculators.export.validate import validate_vllm_export
 
 EXPORT_FORMAT = "speculators.export/v1"
@@ -59,7 +61,7 @@ def resolve_checkpoint(recipe: Recipe) -> Path:
     found = list_checkpoints(ckdir)
     if not found:
         raise SpeculatorsError(f"no checkpoints to export in {ckdir} (expected step-* directories written by "
-                               f"`speculators train`); run the train stage first")
+                               f"`speculators train`); run the train stage first{describe_incomplete(ckdir)}")
     pointer = read_pointer(ckdir, choice)
     if pointer is not None:
         return pointer
@@ -375,63 +377,3 @@ def export_vllm(recipe: Recipe, ckpt: Path, family: str, target: Any, fingerprin
 def _layer_ids(spec: Any) -> list[int] | None:
     ids = spec.required_features().tap_layer_ids
     return list(ids) if ids else None
-
-
-def run(recipe: Recipe, *, force: bool = False) -> dict:
-    from speculators.export import mtp
-    from speculators.target import fingerprint_target, load_target
-
-    ckpt = resolve_checkpoint(recipe)
-    family = check_source(ckpt, recipe)
-    target = load_target(recipe.target)
-    fp = fingerprint_target(recipe.target, tokenizer=target.tokenizer, model_config=target.model.config).to_dict()
-    from speculators.export.pairing import check_pairing
-
-    check_pairing(read_pairing(ckpt), fp, allow_revision_mismatch=recipe.serve.allow_revision_mismatch)
-    out = recipe.paths.export
-    with atomic_dir(out) as tmp:
-        if family == "mtp":
-            record = mtp.export_mtp(recipe, ckpt, target, fp, tmp)
-        else:
-            record = export_vllm(recipe, ckpt, family, target, fp, tmp)
-        write_pairing(tmp, record)  # the manifest: last
-    summary: dict[str, Any] = {"export": str(out), "source": str(ckpt), "family": family,
-                               "format": record["export"]["kind"], "vllm_method": record["export"]["vllm_method"],
-                               "k": record["export"]["launch_k"], "draft_revision": record["draft"]["revision"][:19],
-                               "vllm": record["export"].get("vllm_served")}
-    ev = record.get("evaluation")
-    if ev:
-        t = str(float(recipe.evaluate.select_temperature))
-        summary[f"mean tau@T={t}"] = ev["temperatures"].get(t, {}).get("mean_tau")
-    summary["launch"] = str(out / "launch.sh")
-    return summary
-
-
-def require_valid_export(directory: str | Path) -> None:
-    """Raise one SpeculatorsError line when an export directory is incomplete or not vLLM-loadable."""
-    d = Path(directory)
-    if not d.is_dir():
-        raise SpeculatorsError(f"export dir {d} does not exist; run `speculators export` first")
-    missing = [f for f in REQUIRED_FILES if not (d / f).is_file()]
-    if missing:
-        raise SpeculatorsError(f"export dir {d} is missing {', '.join(missing)}; it is incomplete (re-run "
-                               f"`speculators export`)")
-    record = read_pairing(d)
-    if record.get("export", {}).get("vllm_loadable", True):
-        problems = validate_vllm_export(d)
-        if problems:
-            raise SpeculatorsError(f"export dir {d} is not vLLM-loadable: {'; '.join(problems[:3])}")
-    if draft_revision(d) != record["draft"]["revision"]:
-        raise SpeculatorsError(f"the weights in {d} changed since pairing.json was written; re-run "
-                               f"`speculators export`")
-
-
-def is_complete(recipe: Recipe) -> bool:
-    """The export exists, is valid, and was made from the checkpoint the recipe now resolves to."""
-    try:
-        require_valid_export(recipe.paths.export)
-        record = read_pairing(recipe.paths.export)
-        ckpt = resolve_checkpoint(recipe)
-    except SpeculatorsError:
-        return False
-    return record.get("export", {}).get("source_revision") == draft_revision(ckpt)

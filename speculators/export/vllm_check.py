@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from speculators.config import Recipe
-from speculators.data.workloads import WorkloadRow, load_workloads
+from speculators.core.atomic import write_json_atomic, write_text_atomic
+from speculators.core.pairing import draft_revision, read_pairing
+from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.evaluate.chain_prediction import (
     comparison,
@@ -33,9 +35,8 @@ from speculators.evaluate.chain_prediction import (
     predict_rows,
 )
 from speculators.evaluate.report import VLLM_SECTION_HEADING, with_vllm_section
-from speculators.export.atomic import write_json_atomic, write_text_atomic
-from speculators.export.pairing import draft_revision, read_pairing
-from speculators.export.vllm import require_valid_export, verifier_name
+from speculators.export.stage import require_valid_export
+from speculators.export.vllm import verifier_name
 from speculators.export.vllm_consumer import (
     VllmServer,
     complete_ids,

@@ -1,6 +1,6 @@
 """Rebuild the house target from scratch: corpus -> tokenizer -> Llama LM -> held-out report, plus datasets.
 
-Run as `python -m speculators.house.build --out data/targets/stdlib-lm` (see `data/targets/stdlib-lm/rebuild.sh`).
+Run as `speculators build-house --out data/targets/stdlib-lm` (see `data/targets/stdlib-lm/rebuild.sh`).
 Steps, each deterministic for a given Python installation and seed:
 
 1. corpus: stdlib source files split by whole module (`corpus.HELD_OUT_MODULES`), language-reference topics;
@@ -17,8 +17,8 @@ It does not run any speculator stage.
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import math
 import random
 import time
@@ -27,6 +27,8 @@ from pathlib import Path
 
 from speculators.house import corpus, tasks
 from speculators.house.tokenizer import END_OF_TEXT, render_chat
+
+log = logging.getLogger(__name__)
 
 WORKLOAD_MAX_NEW_TOKENS = {
     "code-completion": 64, "docstring-to-code": 128, "prose": 96, "json-tool-call": 64, "copy-heavy": 128,
@@ -311,42 +313,37 @@ def greedy_samples(model, tokenizer, data: dict, n: int = 3) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
+def build(out: Path, workloads: Path, datasets: Path, code_datasets: Path, steps: int | None = None,
+          data_only: bool = False) -> None:
+    """Rebuild the house target into `out` (and the workloads / datasets it is held out from); `data_only` writes
+    the data files only. `speculators build-house` calls this."""
     import torch
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="data/targets/stdlib-lm")
-    parser.add_argument("--workloads", default="data/workloads")
-    parser.add_argument("--datasets", default="data/datasets/stdlib-chat")
-    parser.add_argument("--code-datasets", default="data/datasets/stdlib-code")
-    parser.add_argument("--steps", type=int, default=None, help="override the number of optimizer steps")
-    parser.add_argument("--data-only", action="store_true", help="write workloads and datasets, skip the model")
-    args = parser.parse_args(argv)
     cfg = BuildConfig()
-    if args.steps is not None:
-        cfg.steps = args.steps
+    if steps is not None:
+        cfg.steps = steps
     torch.set_num_threads(cfg.threads)
-    out = Path(args.out)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "build.log"
     # --data-only must not truncate the shipped model's build log (it rewrites data files only)
-    log_fh = None if args.data_only else log_path.open("w")
+    log_fh = None if data_only else log_path.open("w")
 
     def log(msg: str) -> None:
-        print(msg, flush=True)
+        log.info(msg)
         if log_fh is not None:
             log_fh.write(msg + "\n")
             log_fh.flush()
 
     t_start = time.time()
     data = collect(cfg)
-    counts = write_workloads(data["held_tasks"], Path(args.workloads), cfg.workload_rows_per_cohort, cfg.seed)
-    n_chat = write_chat_dataset(data["train_tasks"], Path(args.datasets), cfg.dataset_rows, cfg.seed)
-    n_code = write_code_dataset(data["train_files"], Path(args.code_datasets), cfg.code_dataset_rows, cfg.seed)
+    counts = write_workloads(data["held_tasks"], Path(workloads), cfg.workload_rows_per_cohort, cfg.seed)
+    n_chat = write_chat_dataset(data["train_tasks"], Path(datasets), cfg.dataset_rows, cfg.seed)
+    n_code = write_code_dataset(data["train_files"], Path(code_datasets), cfg.code_dataset_rows, cfg.seed)
     log(f"corpus: {len(data['train_files'])} train files, {len(data['held_files'])} held-out files, "
         f"{len(data['train_tasks'])} train chat tasks; workloads {counts}; chat dataset rows {n_chat}; "
         f"code dataset rows {n_code}")
-    if args.data_only:
+    if data_only:
         return
 
     from speculators.house.tokenizer import train_tokenizer
@@ -386,7 +383,3 @@ def main(argv: list[str] | None = None) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     log(json.dumps({k: report[k] for k in ("per_cohort_loss", "heldout_code_bits_per_byte", "build_seconds")}))
     log_fh.close()
-
-
-if __name__ == "__main__":
-    main()

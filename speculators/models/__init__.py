@@ -10,6 +10,7 @@ from typing import Any
 
 _FAMILY_MODULES = {"eagle3": "speculators.models.eagle3", "medusa": "speculators.models.medusa",
                    "mtp": "speculators.models.mtp"}
+FAMILIES: tuple[str, ...] = tuple(_FAMILY_MODULES)  # the family names, without importing any family
 
 
 class _Registry(dict):

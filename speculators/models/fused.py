@@ -23,17 +23,14 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculators.models.kv_cache import AttendFn, KVCache
 from speculators.models.packed import PackedLinear, PackedProduct, packed_float16_available
-
-if TYPE_CHECKING:
-    from speculators.models.layers import AttendFn, DecoderLayer, KVCache
-
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> [..., out]
 
@@ -124,7 +121,7 @@ class _Layer:
     packed: bool  # float16 packed products (the layer's linears are `PackedLinear`s)
 
     @classmethod
-    def of(cls, layer: DecoderLayer) -> _Layer:
+    def of(cls, layer: nn.Module) -> _Layer:  # a layers.DecoderLayer
         a, m = layer.self_attn, layer.mlp
         qk_norm = bool(getattr(a, "qk_norm", False))
         packed = isinstance(a.q_proj, PackedLinear)

@@ -12,7 +12,7 @@
 - `read_speculator_config(directory)`, `family_of(config)`, `target_weights(model)` (the frozen tensors of a
   loaded HF model or PeftModel), `tensor_digest`, `digests_match`.
 
-Not here: training state (optimizer, RNG: speculators.train.checkpoint), pairing.json (speculators.export.pairing),
+Not here: training state (optimizer, RNG: speculators.train.checkpoint), pairing.json (speculators.core.pairing),
 the vLLM export (speculators.export.vllm).
 """
 

@@ -11,7 +11,7 @@ What it does:
 - Two attention paths with explicit masks and no HF modules:
   * `ttt_attention` (training-time test): step k at query t sees the step-0 keys at positions <= t (additive
     mask) plus the diagonal keys of steps 1..k at t. O(T^2 + T*k) memory.
-  * `cached_attention` (drafting): SDPA over a preallocated `KVCache` with a boolean mask (committed prefix +
+  * `kv_cache.cached_attention` (drafting): SDPA over a preallocated `KVCache` with a boolean mask (committed prefix +
     the node's ancestors among the speculative slots).
 - `RecurrentSpeculator`: the common body of EAGLE-3 and MTP (a decoder stack fed (token, hidden), its own
   pre-norm output — or, with `feedback`, its normed output — fed back as the next step's hidden): `forward_train` with K unrolled TTT steps, and the runtime
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +39,12 @@ from torch import nn
 from speculators.errors import SpeculatorsError
 from speculators.models.base import Speculator, TargetWeights, shift_for_step
 from speculators.models.fused import FusedStack
+from speculators.models.kv_cache import AttendFn, KVCache
 
 if TYPE_CHECKING:
     from speculators.config import SpeculatorConfig, TreeConfig
-    from speculators.serving.sampling import SamplingParams
-    from speculators.serving.trees import DraftTree
+    from speculators.core.sampling import SamplingParams
+    from speculators.core.trees import DraftTree
 
 DRAFT_ARCHS = ("llama", "qwen3")
 
@@ -300,9 +300,6 @@ class DecoderLayer(nn.Module):
         return self.input_layernorm(x), x
 
 
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 def run_layers(layers: nn.ModuleList, x: torch.Tensor, hidden: torch.Tensor | None, cos: torch.Tensor,
                sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
     """The decoder stack on x [B, S, H] (+ hidden [B, S, H] for a fused first layer); `attend(layer_index, q, k, v)`
@@ -435,34 +432,6 @@ class TTTAttention:
             return ttt_attention(q, self.k0[i], self.v0[i], self.mask0, self.dk[i], self.dv[i])
 
         return attend
-
-
-class KVCache:
-    """Preallocated keys/values of the draft layers for one request: [L, nkv, max_len, hd] each."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
-        self.k = torch.zeros(num_layers, num_kv_heads, max_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.max_len = max_len
-
-    def attend_fn(self, start: int, mask: torch.Tensor) -> AttendFn:
-        """Write the S new keys/values at slots start..start+S-1, then attend over slots [0, mask.shape[1])
-        with `mask` [S, L] bool (True = visible)."""
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            s = k.shape[2]
-            self.k[i, :, start:start + s] = k[0]
-            self.v[i, :, start:start + s] = v[0]
-            length = mask.shape[1]
-            return cached_attention(q, self.k[i, None, :, :length], self.v[i, None, :, :length], mask)
-
-        return attend
-
-
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [1, nh, S, hd], k/v [1, nkv, L, hd], mask [S, L] bool -> [1, nh, S, hd] (SDPA, explicit mask, GQA)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------------------------

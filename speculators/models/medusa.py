@@ -28,8 +28,8 @@ from speculators.models.layers import check_full_vocab, dtype_name, native_optio
 
 if TYPE_CHECKING:
     from speculators.config import SpeculatorConfig, TreeConfig
-    from speculators.serving.sampling import SamplingParams
-    from speculators.serving.trees import DraftTree
+    from speculators.core.sampling import SamplingParams
+    from speculators.core.trees import DraftTree
 
 
 class ResBlocks(nn.Module):

@@ -52,6 +52,7 @@ class SharedHead(nn.Module):
 class MTPSpeculator(RecurrentSpeculator):
     family: ClassVar[str] = "mtp"
     VLLM_METHOD: ClassVar[str | None] = "mtp"
+    EXPORTER: ClassVar[str] = "mtp"
     VLLM_SERVED: ClassVar[str] = ("vLLM serves MTP only stitched into a target with a native MTP slot (DeepSeek-V3 "
                                   "style, Qwen3-Next, Qwen3.5; not run in tests here); for every other target (Llama, "
                                   "the house target) no vLLM serves it: only the bundled runtime")

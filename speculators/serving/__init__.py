@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speculators.serving.sampling import SamplingParams
+from speculators.core.sampling import SamplingParams
 from speculators.serving.verify import verify_tree
 
 __all__ = ["Engine", "GenerateOutput", "SamplingParams", "verify_tree"]

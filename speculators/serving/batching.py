@@ -29,9 +29,9 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from speculators.core.sampling import SamplingParams
 from speculators.errors import SpeculatorsError
 from speculators.serving.engine import Engine, GenerateOutput, Slot, StreamChunk, VerifyForward
-from speculators.serving.sampling import SamplingParams
 from speculators.serving.target_runner import ForwardOutput
 
 Emit = Callable[[StreamChunk | BaseException | None], None]

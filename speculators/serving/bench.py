@@ -47,6 +47,7 @@ import torch
 from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
+from speculators.serving.batching import generate_batch
 
 HF_PROMPT_LOOKUP_TOKENS = 10
 
@@ -148,7 +149,7 @@ def run_methods(methods: list[Method], rows: list[tuple[str, list[int], int]], t
                 model: Any) -> list[list[list[int]]]:
     """Every method on every row, row by row (each row runs all methods back to back, so a machine whose speed
     drifts during the run slows every method alike); fills `method.cells`; returns outputs[method][row]."""
-    from speculators.serving.sampling import SamplingParams
+    from speculators.core.sampling import SamplingParams
 
     def one(method: Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], Any]:
         if method.kind == "runtime":
@@ -192,13 +193,13 @@ def _run_batched(methods: list[Method], rows: list[tuple[str, list[int], int]], 
                  batch: int) -> list[tuple[Method, list[list[int]]]]:
     """Every runtime method on all rows at once, `batch` requests sharing each target forward; returns the new
     `<method>@batchB` methods (cell "all") with their outputs in row order."""
-    from speculators.serving.sampling import SamplingParams
+    from speculators.core.sampling import SamplingParams
 
     params = [SamplingParams(max_new_tokens=max_new, temperature=temperature) for _, _, max_new in rows]
     done = []
     for method in [m for m in methods if m.kind == "runtime" and not m.sampled_only]:  # comparisons: batch 1 only
         t0 = time.perf_counter()
-        outs = method.engine.generate_batch([ids for _, ids, _ in rows], params, max_batch=batch)
+        outs = generate_batch(method.engine, [ids for _, ids, _ in rows], params, max_batch=batch)
         seconds = time.perf_counter() - t0
         cell = _Cell(tokens=sum(len(o.token_ids) for o in outs), seconds=seconds, rows=len(outs),
                      acceptance=AcceptanceStats())
@@ -211,7 +212,7 @@ def _run_batched(methods: list[Method], rows: list[tuple[str, list[int], int]], 
 
 def bench_rows(engine: Any, workloads: str, rows_per_cohort: int) -> list[tuple[str, list[int], int]]:
     """(cohort, prompt token ids, max_new_tokens) of the first `rows_per_cohort` rows of every cohort."""
-    from speculators.data.workloads import load_workloads
+    from speculators.core.workloads import load_workloads
 
     return [(r.cohort, engine.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
             for r in load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,9 @@ from typing import Any
 from speculators.config import DEFAULT_NGRAM_GRAFT, ServeConfig
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
+from speculators.serving.batching import generate_batch
+
+log = logging.getLogger(__name__)
 
 
 def _engine(target: str | None, speculator: str | None, device: str, dtype: str, allow_revision_mismatch: bool,
@@ -34,9 +38,9 @@ def _engine(target: str | None, speculator: str | None, device: str, dtype: str,
                                     dtype=dtype, allow_revision_mismatch=allow_revision_mismatch,
                                     draft_dtype=draft_dtype, ngram_graft=ngram_graft)
     for warning in engine.info.pairing_warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+        log.warning(warning)
     if engine.info.precision:
-        print(f"drafting: {engine.info.family} in {engine.info.precision}", file=sys.stderr)
+        log.info("drafting: %s in %s", engine.info.family, engine.info.precision)
     overrides = {k: v for k, v in (("kind", tree), ("depth", depth), ("topk", topk), ("budget", budget))
                  if v is not None}
     if overrides:
@@ -60,7 +64,7 @@ def generate_command(*, target: str | None, speculator: str | None, prompt: str 
                      draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT, batch: int = 1) -> None:
     import time
 
-    from speculators.serving.sampling import SamplingParams
+    from speculators.core.sampling import SamplingParams
 
     given = [name for name, v in (("--prompt", prompt), ("--chat", chat), ("--workload", workload)) if v is not None]
     if len(given) != 1:
@@ -76,7 +80,7 @@ def generate_command(*, target: str | None, speculator: str | None, prompt: str 
         raise SpeculatorsError(f"--batch must be >= 1, got {batch}")
     rows: list[tuple[str, str, Any, int]] = []  # (id, cohort, prompt, max_new_tokens)
     if workload is not None:
-        from speculators.data.workloads import load_workloads
+        from speculators.core.workloads import load_workloads
 
         for row in load_workloads([str(workload)]):
             rows.append((row.id, row.cohort, row.prompt if row.prompt is not None else row.messages,
@@ -90,8 +94,8 @@ def generate_command(*, target: str | None, speculator: str | None, prompt: str 
     requests = [dataclasses.replace(params, max_new_tokens=mnt) for _, _, _, mnt in rows]
     if batch > 1:
         t0 = time.perf_counter()
-        outs = engine.generate_batch([r[2] for r in rows], requests, max_batch=batch)
-        print(f"batch of up to {batch}: {len(outs)} requests in {time.perf_counter() - t0:.3f}s", file=sys.stderr)
+        outs = generate_batch(engine, [r[2] for r in rows], requests, max_batch=batch)
+        log.info("batch of up to %d: %d requests in %.3fs", batch, len(outs), time.perf_counter() - t0)
     else:
         outs = (engine.generate(r[2], p) for r, p in zip(rows, requests, strict=True))
     for (rid, cohort, _, _), out in zip(rows, outs, strict=True):
@@ -151,9 +155,8 @@ def serve_command(*, target: str | None, speculator: str | None, device: str, dt
     app = create_app(engine, config, api_key=api_key)  # refuses settings that contradict the model's context
     svc = app.state.service
     if config.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        print(f"warning: serving on {config.host} without an API key", file=sys.stderr)
-    print(f"serving {engine.target.cfg.name_or_path} with drafter {engine.info.name} on "
-          f"http://{config.host}:{config.port}/v1 (context {engine.max_len} tokens, prompts up to "
-          f"{svc.max_prompt_tokens}, up to {config.max_new_tokens} new tokens per request)", file=sys.stderr,
-          flush=True)
+        log.warning("serving on %s without an API key", config.host)
+    log.info("serving %s with drafter %s on http://%s:%d/v1 (context %d tokens, prompts up to %d, up to %d new tokens "
+             "per request)", engine.target.cfg.name_or_path, engine.info.name, config.host, config.port, engine.max_len,
+             svc.max_prompt_tokens, config.max_new_tokens)
     run_server(app, host=config.host, port=config.port)

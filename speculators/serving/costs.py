@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from speculators.config import TreeConfig
+from speculators.core.sampling import SamplingParams
 from speculators.serving.drafters import depth_tree
-from speculators.serving.sampling import SamplingParams
 from speculators.serving.target_runner import Segment, TargetRunner
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)

@@ -6,9 +6,9 @@ The protocol is the runtime half of `speculators.models.base.Speculator` (batch 
                                              # the token that follows each one
     tree = d.propose(state, root_token, tree_cfg, sampling, generator)   # a DraftTree rooted at root_token
     d.required_features() -> FeatureRequest
-Model speculators (EAGLE-3, Medusa, MTP) ARE drafters: the engine calls their own methods. This module adds the
-two model-free ones — `NgramDrafter` (prompt lookup) and `NoDrafter` (plain decoding: root-only trees) — plus
-`load_drafter` (None | "none" | "ngram" | a speculator directory, with the pairing check) and `prune_tree`.
+Model speculators (EAGLE-3, Medusa, MTP) ARE drafters: the engine calls their own methods; the model-free ones
+(`NgramDrafter`, `NoDrafter`) live in model_free.py. This module has `load_drafter` (None | "none" | "ngram" | a
+speculator directory, with the pairing check), the tree defaults and `prune_tree`.
 
 Drafters that set `needs_token_ids = True` also get `features["input_ids"]` [n] (the tokens at the absorbed
 positions); drafters that set `samples_drafts = True` propose sampled chains / trees (TreeConfig kinds "chain" /
@@ -21,113 +21,21 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from speculators.config import TargetConfig
+from speculators.core.trees import DraftTree, depths_of
 from speculators.errors import SpeculatorsError
-from speculators.models.base import FeatureRequest
-from speculators.serving.ngram import ngram_continuations
-from speculators.serving.trees import DraftTree, depths_of
+from speculators.serving.graft import NgramGraft
+from speculators.serving.model_free import NgramDrafter, NoDrafter
 
 if TYPE_CHECKING:
     from speculators.config import TreeConfig
-    from speculators.serving.sampling import SamplingParams
     from speculators.target import LoadedTarget
 
 REQUIRED_SPECULATOR_FILES = ("config.json", "model.safetensors", "pairing.json")
-
-
-@runtime_checkable
-class Drafter(Protocol):
-    def required_features(self) -> FeatureRequest: ...
-
-    def new_state(self, max_len: int, device: torch.device | str) -> Any: ...
-
-    def absorb(self, state: Any, features: dict[str, torch.Tensor], next_tokens: torch.Tensor) -> None: ...
-
-    def propose(self, state: Any, root_token: int, tree: TreeConfig, sampling: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree: ...
-
-
-def _root_mode(sampling: SamplingParams) -> str:
-    return "greedy" if sampling.greedy else "deterministic"
-
-
-class NoDrafter:
-    """Plain decoding through the same loop: every tree is the root alone."""
-
-    name = "none"
-    needs_token_ids = False
-    samples_drafts = False
-
-    def required_features(self) -> FeatureRequest:
-        return FeatureRequest(tap_layer_ids=None, last_hidden=False)
-
-    def new_state(self, max_len: int, device: torch.device | str) -> None:
-        return None
-
-    def absorb(self, state: Any, features: dict[str, torch.Tensor], next_tokens: torch.Tensor) -> None:
-        return None
-
-    def propose(self, state: Any, root_token: int, tree: TreeConfig, sampling: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree:
-        return DraftTree.root_only(int(root_token), _root_mode(sampling))
-
-
-@dataclass
-class NgramState:
-    tokens: list[int] = field(default_factory=list)  # the committed context, ending with the next root
-
-
-class NgramDrafter:
-    """Prompt lookup: a chain (kind "chain") or a small tree of the continuations of several matches."""
-
-    name = "ngram"
-    needs_token_ids = True
-    samples_drafts = False
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
-        # min_ngram 2: single-token matches are mostly noise (measured on the house target: tau 1.42 vs 1.38 on
-        # code completion, and fewer wasted verification nodes)
-        if not 1 <= min_ngram <= max_ngram:
-            raise SpeculatorsError(f"n-gram drafter needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def required_features(self) -> FeatureRequest:
-        return FeatureRequest(tap_layer_ids=None, last_hidden=False)
-
-    def default_tree(self) -> TreeConfig:
-        from speculators.config import TreeConfig
-
-        return TreeConfig(kind="chain", depth=6, topk=1, budget=6)
-
-    def new_state(self, max_len: int, device: torch.device | str) -> NgramState:
-        return NgramState()
-
-    def absorb(self, state: NgramState, features: dict[str, torch.Tensor], next_tokens: torch.Tensor) -> None:
-        if not state.tokens:
-            state.tokens.extend(int(t) for t in features["input_ids"][:1].tolist())
-        state.tokens.extend(int(t) for t in next_tokens.reshape(-1).tolist())
-
-    def propose(self, state: NgramState, root_token: int, tree: TreeConfig, sampling: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree:
-        context = state.tokens or [int(root_token)]
-        width = 1 if tree.kind == "chain" else max(1, tree.topk)
-        conts = ngram_continuations(context, tree.depth, self.max_ngram, self.min_ngram, num=width)
-        tokens, parents = [int(root_token)], [-1]
-        budget = max(0, tree.budget) if tree.kind != "chain" else tree.depth
-        for cont in conts:  # distinct first tokens: disjoint branches under the root
-            parent = 0
-            for tok in cont:
-                if len(tokens) - 1 >= budget:
-                    break
-                tokens.append(int(tok))
-                parents.append(parent)
-                parent = len(tokens) - 1
-        return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long),
-                         parents=torch.tensor(parents, dtype=torch.long), mode=_root_mode(sampling))
 
 
 # On a CPU every verified node costs target time (a 17-node forward of the house target costs 1.5x a 1-node one),
@@ -273,7 +181,7 @@ def prepare_for_drafting(spec: torch.nn.Module, device: torch.device | str, dtyp
 def paired_target(speculator: str | os.PathLike | None) -> TargetConfig:
     """The target a speculator directory's pairing.json names (its hub commit for hub targets, its adapter), or
     the house target when there is no such directory (plain decoding, n-gram)."""
-    from speculators.export.pairing import read_pairing
+    from speculators.core.pairing import read_pairing
 
     if speculator is None or str(speculator) in ("", "none", "ngram"):
         return TargetConfig()
@@ -297,7 +205,7 @@ def load_drafter(speculator: str | os.PathLike | None, target: LoadedTarget, *,
         return NoDrafter(), DrafterInfo("none", "none")
     if str(speculator) == "ngram":
         return NgramDrafter(), DrafterInfo("ngram", "ngram")
-    from speculators.export.pairing import check_pairing, read_pairing
+    from speculators.core.pairing import check_pairing, read_pairing
     from speculators.models.io import load_speculator, target_weights
 
     directory = resolve_speculator_dir(speculator)
@@ -314,7 +222,5 @@ def load_drafter(speculator: str | os.PathLike | None, target: LoadedTarget, *,
     family = getattr(spec, "family", record.get("draft", {}).get("family", "?"))
     info = DrafterInfo(str(directory), family, str(directory), warnings, precision)
     if ngram_graft:
-        from speculators.serving.graft import NgramGraft
-
         return NgramGraft(spec, max_new_nodes=ngram_graft), dataclasses.replace(info, name=f"{info.name}+ngram")
     return spec, info

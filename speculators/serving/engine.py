@@ -35,7 +35,7 @@ A seeded sampled request is reproducible (same engine settings, same seed -> sam
 instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in distribution,
 not per sample path).
 
-Several requests share each target forward through `generate_batch` / `batching.BatchRunner`, which drive the same
+Several requests share each target forward through `batching.generate_batch` / `batching.BatchRunner`, which drive the same
 per-request coroutine (`request`) that `stream` drives alone. Not here: CUDA graphs, paged KV, penalties /
 grammars, HTTP (server.py).
 """
@@ -52,6 +52,8 @@ from typing import Any
 import torch
 
 from speculators.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
+from speculators.core.sampling import SamplingParams, logits_to_probs
+from speculators.core.trees import DraftTree, ancestor_mask
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.adaptive import AdaptiveDepth, CostModel
@@ -65,10 +67,8 @@ from speculators.serving.drafters import (
     prune_tree,
 )
 from speculators.serving.kv_cache import StaticKVCache
-from speculators.serving.sampling import SamplingParams, logits_to_probs
 from speculators.serving.target_rows import TargetRows, TokenLogprob, first_child_chain
 from speculators.serving.target_runner import ForwardOutput, Segment, TargetRunner
-from speculators.serving.trees import DraftTree, ancestor_mask
 from speculators.serving.verify import verify_tree_lazy
 
 DEFAULT_MAX_LEN = 8192
@@ -319,14 +319,6 @@ class Engine:
             out = chunk.output
         assert out is not None
         return out
-
-    def generate_batch(self, prompts: list[str | list[dict] | list[int]], params: SamplingParams | list[SamplingParams],
-                       max_batch: int = 8) -> list[GenerateOutput]:
-        """Generate for several prompts with up to `max_batch` requests sharing each target forward
-        (`batching.BatchRunner`); outputs in prompt order. A bad prompt fails before anything runs."""
-        from speculators.serving.batching import generate_batch
-
-        return generate_batch(self, prompts, params, max_batch)
 
     def stream(self, prompt: str | list[dict] | list[int] | torch.Tensor, params: SamplingParams | None = None,
                *, text_deltas: bool = True, **kwargs: Any) -> Iterator[StreamChunk]:

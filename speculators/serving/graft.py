@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from speculators.config import DEFAULT_NGRAM_GRAFT
+from speculators.core.trees import SAMPLED_MODES, DraftTree
 from speculators.errors import SpeculatorsError
-from speculators.serving.drafters import NgramDrafter, NgramState
+from speculators.serving.model_free import NgramDrafter, NgramState
 from speculators.serving.ngram import ngram_continuations
-from speculators.serving.trees import SAMPLED_MODES, DraftTree
 
 if TYPE_CHECKING:
     from speculators.config import TreeConfig
+    from speculators.core.sampling import SamplingParams
     from speculators.models.base import FeatureRequest
-    from speculators.serving.sampling import SamplingParams
 
 
 @dataclass

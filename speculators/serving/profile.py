@@ -29,13 +29,14 @@ import torch
 
 from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
+from speculators.models import FAMILIES
 from speculators.serving import costs as measure
 from speculators.serving.adaptive import CostModel
-from speculators.serving.drafters import NoDrafter, default_tree
+from speculators.serving.drafters import default_tree
+from speculators.serving.model_free import NoDrafter
 from speculators.serving.oracle import Acceptance, Costs, load_acceptance, predict, schedule
 
 PROFILE_FORMAT = "speculators.profile/v1"
-FAMILIES = ("eagle3", "medusa", "mtp")
 GRIDS = {  # (batch sizes, verified tokens per sequence) by device type
     "cpu": ([1, 2, 4], [1, 2, 3, 4, 5, 6, 8, 11, 16]),
     "cuda": ([1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128]),

@@ -63,7 +63,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from speculators.serving.sampling import sample
+from speculators.core.sampling import sample
 from speculators.serving.verify_inputs import check_draft, check_rows, describe
 
 __all__ = [

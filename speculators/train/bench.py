@@ -8,13 +8,14 @@ forward if any, forward, loss, backward, optimizer; evaluation and checkpoint wr
 (the same work divided by the process's CPU time: comparable on a shared, loaded machine), peak memory (max RSS on
 CPU, max CUDA allocated on GPU), steps, final loss, and the capture time.
 
-`python -m speculators.train.bench RECIPE` is the per-family child (its arguments go to `load_recipe`); it prints
+`python -m speculators.cli worker-train-bench RECIPE` is the per-family child (`child_main`); it prints
 one JSON line. This module does not parse options (cli.py does) and writes only under its work dir.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -24,8 +25,10 @@ from pathlib import Path
 
 from speculators.config import dump_recipe, load_recipe
 from speculators.errors import SpeculatorsError
+from speculators.models import FAMILIES
 
-FAMILIES = ("eagle3", "medusa", "mtp")
+log = logging.getLogger(__name__)
+
 RESULT_PREFIX = "TRAIN_BENCH_RESULT "
 
 
@@ -87,8 +90,8 @@ def bench_command(*, target: str = "data/targets/stdlib-lm", families: list[str]
         run_dir = work / family / "run"
         recipe_file = _family_recipe(family, target, str(rows_file), steps, mode, batch_size, run_dir,
                                      Path(recipes_dir))
-        print(f"[train-bench] {family}: {mode}, {steps} steps ...", file=sys.stderr, flush=True)
-        proc = subprocess.run([sys.executable, "-m", "speculators.train.bench", str(recipe_file)], env=env,
+        log.info("[train-bench] %s: %s, %d steps ...", family, mode, steps)
+        proc = subprocess.run([sys.executable, "-m", "speculators.cli", "worker-train-bench", str(recipe_file)], env=env,
                               capture_output=True, text=True, check=False)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)), None)
         if proc.returncode != 0 or line is None:
@@ -107,16 +110,16 @@ def bench_command(*, target: str = "data/targets/stdlib-lm", families: list[str]
                       f"{r['capture_seconds']:.1f}", f"{r['train_seconds']:.1f}")
     Console().print(table)
     (work / "train-bench.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"[train-bench] results: {work / 'train-bench.json'}", file=sys.stderr)
+    log.info("[train-bench] results: %s", work / "train-bench.json")
     return results
 
 
-def child_main(argv: list[str]) -> int:
+def child_main(recipe_file: str, overrides: list[str]) -> int:
     """One family: capture (offline mode) + train, then print the result line."""
     from speculators.data import prepare
     from speculators.train.loop import train
 
-    recipe = load_recipe(argv[0], argv[1:])
+    recipe = load_recipe(recipe_file, overrides)
     prepare.run(recipe)
     capture_s = 0.0
     if recipe.capture.mode == "offline":
@@ -140,11 +143,3 @@ def _threads() -> int:
     import torch
 
     return int(torch.get_num_threads())
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(child_main(sys.argv[1:]))
-    except SpeculatorsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)

@@ -3,7 +3,7 @@
 A checkpoint is `checkpoints/step-XXXXXXX/` holding
 - `config.json` + `model.safetensors` (`speculators.models.io.save_speculator`: the family's vLLM-layout config with a
   `speculators_native` block recording the recipe, package versions, step and the target fingerprint),
-- `pairing.json` (`speculators.export.pairing`: the target's name, revision and content/tokenizer hashes the
+- `pairing.json` (`speculators.core.pairing`: the target's name, revision and content/tokenizer hashes the
   runtime checks),
 - `training_state/`: `accelerator.save_state` (trainable weights, optimizer, RNG of every rank; DeepSpeed/FSDP
   shards in their own layout) + `trainer_state.json` (optimizer step, micro-step = data position, tokens seen,
@@ -17,6 +17,7 @@ What it does not do: decide when to save or evaluate (loop.py), or export for se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,59 +25,21 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from speculators.core.atomic import write_text_atomic
+from speculators.core.checkpoints import (
+    STATE_DIR,
+    STEP_RE,
+    TRAINER_STATE,
+    is_resumable,
+    list_checkpoints,
+    read_pointer,
+    step_name,
+    write_pointer,
+)
 from speculators.errors import SpeculatorsError
 
-STEP_RE = re.compile(r"^step-(\d{7,})$")
 POINTER_TMP_RE = re.compile(r"^\..+\.tmp\d+$")  # `write_text_atomic`'s temp of a file such as `best`
-STATE_DIR = "training_state"
-TRAINER_STATE = "trainer_state.json"
 SUMMARY_FILE = "train-summary.json"
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def is_complete_checkpoint(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / "model.safetensors").is_file() and \
-        (path / "pairing.json").is_file() and (path / STATE_DIR / TRAINER_STATE).is_file()
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete step dirs under `root`, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        m = STEP_RE.match(p.name)
-        if m and p.is_dir() and is_complete_checkpoint(p):
-            out.append((int(m.group(1)), p))
-    return sorted(out)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def write_pointer(root: Path, name: str, target: Path) -> None:
-    """`checkpoints/latest` or `checkpoints/best`: one line naming a step dir of `root`."""
-    write_text_atomic(Path(root) / name, Path(target).name + "\n")
-
-
-def read_pointer(root: Path, name: str) -> Path | None:
-    """The complete checkpoint a pointer names, or None."""
-    p = Path(root) / name
-    if not p.is_file():
-        return None
-    target = Path(root) / p.read_text().strip()
-    return target if STEP_RE.match(target.name) and is_complete_checkpoint(target) else None
 
 
 def remove_dir(path: Path) -> None:
@@ -102,10 +65,10 @@ def clean_partial(root: Path) -> None:
 def prune(root: Path, keep_last: int) -> list[Path]:
     """Keep the newest `keep_last` checkpoints plus whatever `latest` / `best` name; return the removed dirs."""
     ckpts = list_checkpoints(root)
-    protect = {p.name for p in (read_pointer(root, "latest"), read_pointer(root, "best")) if p is not None}
-    keep = {p.name for _, p in ckpts[-max(1, keep_last):]} | protect
+    protect = {(root / name).read_text().strip() for name in ("latest", "best") if (root / name).is_file()}
+    keep = {p.name for p in ckpts[-max(1, keep_last):]} | protect
     removed = []
-    for _, p in ckpts:
+    for p in ckpts:
         if p.name not in keep:
             remove_dir(p)
             removed.append(p)
@@ -131,11 +94,12 @@ def find_resume(resume: str, root: Path) -> Path | None:
     if resume == "never":
         return None
     if resume == "auto":
-        latest = read_pointer(root, "latest")
-        if latest is not None:
-            return latest
-        ckpts = list_checkpoints(root)
-        return ckpts[-1][1] if ckpts else None
+        with contextlib.suppress(SpeculatorsError):  # a broken pointer: fall back to the newest complete step dir
+            latest = read_pointer(root, "latest")
+            if latest is not None and is_resumable(latest):
+                return latest
+        resumable = [p for p in list_checkpoints(root) if is_resumable(p)]
+        return resumable[-1] if resumable else None
     path = Path(resume)
     if path.is_dir() and STEP_RE.match(path.name) is None and (path / "latest").is_file():
         pointed = read_pointer(path, "latest")  # a checkpoints/ dir: take its latest
@@ -144,7 +108,7 @@ def find_resume(resume: str, root: Path) -> Path | None:
     if not path.is_dir():
         raise SpeculatorsError(f"train.resume: checkpoint {resume} not found (give a checkpoints/step-XXXXXXX dir, "
                                "'auto' or 'never')")
-    if not is_complete_checkpoint(path):
+    if not is_resumable(path):
         raise SpeculatorsError(f"train.resume: {resume} is not a complete training checkpoint (needs config.json, "
                                f"model.safetensors, pairing.json and {STATE_DIR}/{TRAINER_STATE})")
     return path
@@ -154,7 +118,7 @@ def check_resume(ckpt: Path, family: str, target_fp: dict, trainable_shapes: dic
     """Refuse a checkpoint of another family, another target or another architecture. Returns trainer state."""
     from safetensors import safe_open
 
-    from speculators.export.pairing import read_pairing
+    from speculators.core.pairing import read_pairing
     from speculators.models.io import family_of, read_speculator_config
 
     theirs = family_of(read_speculator_config(ckpt))
@@ -217,7 +181,7 @@ class CheckpointWriter:
     def save(self, step: int, spec_for_save: Any, *, metadata: dict, target_fp: dict, layer_ids: list[int] | None,
              recipe: dict, trainer_state: dict, evaluation: dict | None, is_best: bool) -> Path:
         """Write step-XXXXXXX atomically, move `latest` (and `best` when `is_best`), prune old ones."""
-        from speculators.export.pairing import pairing_record, write_pairing
+        from speculators.core.pairing import pairing_record, write_pairing
         from speculators.models.io import save_speculator
 
         acc = self.acc

@@ -6,12 +6,12 @@
 - `launch(recipe, force)`: validates the accelerate config (it exists, parses, names a DeepSpeed JSON that exists,
   DeepSpeed is installed; FSDP needs CUDA) and runs `loop.preflight` (data, features' target, draft vocab, resume
   checkpoint) in THIS process, so bad input fails with one line before any worker starts; then runs
-  `python -m accelerate.commands.launch [--config_file X] [--num_processes N] ... -m speculators.train.launch
+  `python -m accelerate.commands.launch [--config_file X] [--num_processes N] ... -m speculators.cli worker-train
   RECIPE.yaml` with the resolved recipe in a temp file. Workers report a `SpeculatorsError` through an error file
   (one line for the user, not one per rank); rank 0's summary comes back through a result file (on every node).
   Without a config file, N > 1 processes use accelerate's multi-GPU launcher (torchrun), which on a machine
   without CUDA gives CPU DDP over gloo (`Accelerator(cpu=True)` in the worker).
-- `python -m speculators.train.launch RECIPE [section.key=value ...]` is the worker: what `accelerate launch`
+- `python -m speculators.cli worker-train RECIPE [section.key=value ...]` is the worker (`worker_main`): what `accelerate launch`
   (or torchrun, or a multi-node scheduler) runs on every rank. On M nodes, every node runs its own launcher with its
   accelerate config (`num_machines`, `machine_rank`, `main_process_ip` / `_port`); every rank ends with rank 0's
   summary and each node's first process hands it to that node's launcher, so every node reports the same result.
@@ -23,6 +23,7 @@ What it does not do: parse command-line options (cli.py does; the worker only fo
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -31,14 +32,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from speculators.config import Recipe, dump_recipe
+from speculators.config import Recipe, dump_recipe, load_recipe
 from speculators.errors import SpeculatorsError
+from speculators.train.loop import train
+from speculators.train.setup import SHARDS_VERIFIED_ENV, preflight
+
+log = logging.getLogger(__name__)
 
 WORKER_ENV = "SPECULATORS_TRAIN_WORKER"
 RESULT_ENV = "SPECULATORS_TRAIN_RESULT"
 ERROR_ENV = "SPECULATORS_TRAIN_ERROR"
 FORCE_ENV = "SPECULATORS_TRAIN_FORCE"
-SHARDS_VERIFIED_ENV = "SPECULATORS_SHARDS_VERIFIED"  # preflight verified every feature shard's checksum
 
 
 def in_worker() -> bool:
@@ -125,13 +129,12 @@ def launch_command(recipe: Recipe, recipe_file: Path) -> list[str]:
         cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     if cfg is None or int(cfg.get("num_machines", 1) or 1) == 1:
         cmd += ["--main_process_port", str(_free_port())]
-    cmd += ["-m", "speculators.train.launch", str(recipe_file)]
+    cmd += ["-m", "speculators.cli", "worker-train", str(recipe_file)]
     return cmd
 
 
 def launch(recipe: Recipe, *, force: bool = False) -> dict:
     """Run training under `accelerate launch` and return rank 0's summary."""
-    from speculators.train.loop import preflight
 
     if recipe.train.accelerate_config:
         check_accelerate_config(recipe.train.accelerate_config)
@@ -160,33 +163,21 @@ def launch(recipe: Recipe, *, force: bool = False) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def worker_main(argv: list[str]) -> int:
-    """Entry point of every launched rank: `python -m speculators.train.launch RECIPE [overrides ...]`."""
-    from speculators.config import load_recipe
-    from speculators.logs import configure
-    from speculators.train.loop import train
-
-    configure()
+def worker_main(recipe_file: str, overrides: list[str]) -> int:
+    """Entry point of every launched rank (`speculators worker-train RECIPE [overrides ...]`); returns the exit code."""
     os.environ[WORKER_ENV] = "1"
-    if not argv:
-        print("usage: python -m speculators.train.launch RECIPE.yaml [section.key=value ...]", file=sys.stderr)
-        return 2
     rank = os.environ.get("RANK", "0")
     try:
-        recipe = load_recipe(argv[0], argv[1:])
+        recipe = load_recipe(recipe_file, overrides)
         summary = train(recipe, force=os.environ.get(FORCE_ENV) == "1")
     except SpeculatorsError as exc:
         err = os.environ.get(ERROR_ENV)
         if err:
             Path(f"{err}.{rank}").write_text(str(exc) + "\n")
         else:
-            print(f"error: {exc}", file=sys.stderr)
+            log.error("%s", exc)
         return exc.exit_code
     out = os.environ.get(RESULT_ENV)
     if out and os.environ.get("LOCAL_RANK", rank) == "0":  # the first process of every node: each node's launcher
         Path(out).write_text(json.dumps(summary, default=str))  # gets rank 0's summary (train() shares it)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:]))

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from speculators.config import TreeConfig
-from speculators.data.workloads import load_workloads
+from speculators.core.workloads import load_workloads
 from speculators.serving import Engine, SamplingParams
 from tests.gpu.gpu_helpers import hf_greedy, loaded_target, near_tie_limit, top2
 from tests.unit.serving.runtime_helpers import make_speculator_dir

@@ -68,7 +68,7 @@ def test_evaluate_then_export_through_the_cli(run_recipe: Path) -> None:
     assert rep["cohorts"] == ["code-completion", "json-tool-call", "short-output"]
     assert set(rep["temperatures"]) == {"0.0", "1.0"}
     assert rep["live"]["0.0"]["speculator"]["overall"]["target_calls"] > 0
-    assert rep["live"]["0.0"]["ngram"]["overall"]["target_calls"] > 0
+    assert rep["live"]["0.0"]["ngram_live"]["overall"]["target_calls"] > 0
     for name in ("report.md", "per_position.png", "tau.png"):
         assert (recipe.paths.eval / sel["best"] / name).is_file()
     res = _cli("run", str(run_recipe), "--only", "evaluate")

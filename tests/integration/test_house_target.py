@@ -43,7 +43,7 @@ def test_chat_template_and_assistant_mask(house_target: Path) -> None:
 def test_greedy_continuation_of_held_out_code_looks_like_python(house_target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from speculators.data.workloads import load_workloads
+    from speculators.core.workloads import load_workloads
 
     model = AutoModelForCausalLM.from_pretrained(house_target, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(house_target)

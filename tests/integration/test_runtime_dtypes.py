@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from speculators.config import TargetConfig, TreeConfig
-from speculators.data.workloads import load_workloads
+from speculators.core.workloads import load_workloads
 from speculators.serving import Engine, SamplingParams
+from speculators.serving.batching import generate_batch
 from speculators.serving.drafters import DrafterInfo
 from speculators.target import load_target
 from tests.unit.serving.oracle_drafter import OracleDrafter, chi_square_p, exact_prefix_law
@@ -103,7 +104,7 @@ def test_bf16_is_lossless_in_distribution(house_target, drafter: str) -> None:
     sampling = dict(temperature=0.8)  # no top-k / top-p: rounding can move a token across their cut in bf16
     prompt = engine.encode("    def read(self, n):\n        return self.read(n)\n\n    def write(self, data):\n"
                            "        return self.")
-    outs = engine.generate_batch([prompt] * SAMPLES, [SamplingParams(max_new_tokens=3, seed=i, **sampling)
+    outs = generate_batch(engine, [prompt] * SAMPLES, [SamplingParams(max_new_tokens=3, seed=i, **sampling)
                                                       for i in range(SAMPLES)], max_batch=8)
     law, support = exact_prefix_law(model, prompt, SamplingParams(**sampling), 3, 5.0 / SAMPLES, engine.eos_ids)
     keys = [tuple(o.token_ids[:3]) for o in outs]

@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 
 from speculators.config import TreeConfig
-from speculators.data.workloads import load_workloads
+from speculators.core.workloads import load_workloads
 from speculators.serving import Engine, SamplingParams
+from speculators.serving.batching import generate_batch
 from tests.unit.serving.runtime_helpers import (  # noqa: F401
     FAMILIES,
     hf_greedy,
@@ -110,7 +111,7 @@ def test_batched_requests_on_a_cohort_subset(house_target, rows, spec_dirs, reco
     engine = Engine.from_pretrained(loaded_target(str(house_target)), spec_dirs["eagle3"], tree=TREES["dynamic"],
                                     ngram_graft=3)
     subset = [r for r in rows if r["subset"]]
-    outs = engine.generate_batch([r["ids"] for r in subset],
+    outs = generate_batch(engine, [r["ids"] for r in subset],
                                  [SamplingParams(max_new_tokens=r["max_new"]) for r in subset], max_batch=4)
     verdicts = [_compare(house_target, r, o.token_ids, r["max_new"]) for r, o in zip(subset, outs, strict=True)]
     failures = [v for v in verdicts if v not in ("equal", "near-tie")]

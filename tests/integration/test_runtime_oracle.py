@@ -18,11 +18,11 @@ from functools import partial
 import pytest
 
 from speculators.config import TreeConfig
+from speculators.core.sampling import sample
 from speculators.serving import Engine, SamplingParams
-from speculators.serving.batching import BatchRunner
+from speculators.serving.batching import BatchRunner, generate_batch
 from speculators.serving.drafters import DrafterInfo
 from speculators.serving.engine import StreamChunk
-from speculators.serving.sampling import sample
 from tests.unit.serving.oracle_drafter import CycleLog, OracleDrafter, chi_square_p, exact_prefix_law
 from tests.unit.serving.runtime_helpers import hf_greedy, hf_model, loaded_target, single_thread, top2_margin  # noqa: F401
 
@@ -60,7 +60,7 @@ def test_greedy_parity_through_deep_paths(house_target, batch: int) -> None:
     engine = _engine(house_target, FIXED)
     prompts = [engine.encode(p) for p in GREEDY_PROMPTS]
     params = SamplingParams(max_new_tokens=32)
-    outs = engine.generate_batch(prompts, params, max_batch=batch) if batch else \
+    outs = generate_batch(engine, prompts, params, max_batch=batch) if batch else \
         [engine.generate(p, params) for p in prompts]
     _check_parity(house_target, engine, prompts, outs, 32)
     seen = engine.seen
@@ -72,7 +72,7 @@ def test_greedy_parity_through_deep_paths(house_target, batch: int) -> None:
 def _first_three(engine: Engine, house_target, params: list[SamplingParams], batch: int,
                  sampling: dict = SAMPLING) -> float:
     prompt = engine.encode(PROMPT)
-    outs = engine.generate_batch([prompt] * len(params), params, max_batch=batch) if batch else \
+    outs = generate_batch(engine, [prompt] * len(params), params, max_batch=batch) if batch else \
         [engine.generate(prompt, p) for p in params]
     return _score(house_target, engine, prompt, [tuple(o.token_ids[:3]) for o in outs], sampling)
 

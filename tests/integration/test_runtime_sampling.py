@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from speculators.config import TreeConfig
+from speculators.core.sampling import logits_to_probs, sample
 from speculators.models.base import FeatureRequest
 from speculators.models.drafting import propose_tree
 from speculators.serving import Engine, SamplingParams
-from speculators.serving.drafters import NgramDrafter
-from speculators.serving.sampling import logits_to_probs, sample
+from speculators.serving.batching import generate_batch
+from speculators.serving.model_free import NgramDrafter
 from tests.unit.serving.oracle_drafter import chi_square_p, exact_prefix_law
 from tests.unit.serving.runtime_helpers import hf_model, loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
@@ -65,7 +66,7 @@ def _chi_square(engine: Engine, house_target, prompt: list[int], sampling: dict,
     law, support = exact_prefix_law(hf_model(str(house_target)), prompt, params, 2, min_mass=5.0 / samples,
                                     eos=engine.eos_ids)
     requests = [SamplingParams(max_new_tokens=3, seed=seed + i, **sampling) for i in range(samples)]
-    outs = (engine.generate_batch([prompt] * samples, requests, max_batch=max_batch) if max_batch
+    outs = (generate_batch(engine, [prompt] * samples, requests, max_batch=max_batch) if max_batch
             else (engine.generate(prompt, r) for r in requests))
     keys = [tuple(out.token_ids[:2]) for out in outs]
     for key in keys:

@@ -50,7 +50,7 @@ def test_family_trains_through_the_cli(family: str, tmp_path: Path, house_target
     # the best/latest checkpoints load with the target's frozen tensors and carry the pairing
     from transformers import AutoModelForCausalLM
 
-    from speculators.export.pairing import read_pairing
+    from speculators.core.pairing import read_pairing
     from speculators.models.io import load_speculator, target_weights
 
     ckpt_root = run_dir / "checkpoints"

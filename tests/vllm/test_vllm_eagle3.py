@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from speculators.config import load_recipe
-from speculators.data.workloads import load_workloads
+from speculators.core.workloads import load_workloads
 from speculators.evaluate.teacher import encode_row
 from speculators.export import launch
 from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, spec_counters

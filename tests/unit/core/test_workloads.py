@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from speculators.data.workloads import load_workloads
+from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
 
 REPO = Path(__file__).resolve().parents[3]

@@ -2,7 +2,7 @@
 speculator checkpoints of any family on a tiny random target, and small held-out workloads.
 
 Nothing here stands in for product code: checkpoints are written with `models.io.save_speculator` and
-`export.pairing`, exactly as the train stage writes them.
+`core.pairing`, exactly as the train stage writes them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from speculators.config import Recipe, load_recipe, to_dict
-from speculators.export.pairing import pairing_record, write_pairing
+from speculators.core.pairing import pairing_record, write_pairing
 from speculators.models import SPECULATORS
 from speculators.models.io import save_speculator, target_weights
 from speculators.target import fingerprint_target, load_target

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from speculators import metrics
+from speculators.core.sampling import SamplingParams
 from speculators.evaluate.alpha import (
     AlphaAccumulator,
     ngram_alpha,
@@ -19,7 +20,6 @@ from speculators.evaluate.alpha import (
     valid_matrix,
 )
 from speculators.serving.ngram import ngram_propose
-from speculators.serving.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 T1 = SamplingParams(temperature=1.0)

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from speculators.config import TreeConfig
+from speculators.core.sampling import SamplingParams
+from speculators.core.trees import DraftTree
 from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain, replay_drafter, tau_interval
 from speculators.metrics import AcceptanceStats
 from speculators.models.base import FeatureRequest
 from speculators.serving.engine import Engine
-from speculators.serving.sampling import SamplingParams
-from speculators.serving.trees import DraftTree
 from tests.unit.serving.runtime_helpers import loaded_target
 
 torch.set_num_threads(1)

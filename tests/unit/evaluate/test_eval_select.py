@@ -9,10 +9,11 @@ import pytest
 import torch
 from evalexport_helpers import build_speculator, make_recipe, save_checkpoint
 
-from speculators.data.workloads import load_workloads
+from speculators.core.checkpoints import read_pointer
+from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.evaluate import acceptance
-from speculators.evaluate.select import choose_best, list_checkpoints, read_pointer, write_pointer
+from speculators.evaluate.select import choose_best
 from speculators.evaluate.teacher import continuations, teacher_pass
 from speculators.target import fingerprint_target, load_target
 
@@ -32,22 +33,6 @@ def test_choose_best_by_tau_at_the_selection_temperature() -> None:
     assert choose_best(tie, 0.0) == "step-0000020"  # ties: the later step
     with pytest.raises(SpeculatorsError, match="no temperature 0.5"):
         choose_best(reports, 0.5)
-
-
-def test_pointer_files(tmp_path: Path) -> None:
-    (tmp_path / "step-0000100").mkdir()
-    (tmp_path / "step-0000100" / "config.json").write_text("{}")
-    (tmp_path / "step-0000020").mkdir()
-    (tmp_path / "step-0000020" / "config.json").write_text("{}")
-    (tmp_path / "step-0000030").mkdir()  # no config.json: not a checkpoint
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-0000020", "step-0000100"]
-    assert read_pointer(tmp_path, "best") is None
-    write_pointer(tmp_path, tmp_path / "step-0000100")
-    assert (tmp_path / "best").read_text() == "step-0000100\n"
-    assert read_pointer(tmp_path).name == "step-0000100"
-    (tmp_path / "best").write_text("step-0000999\n")
-    with pytest.raises(SpeculatorsError, match="does not exist"):
-        read_pointer(tmp_path)
 
 
 def _fit(spec, model, sequences, steps: int = 30) -> None:

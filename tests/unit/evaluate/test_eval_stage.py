@@ -9,9 +9,9 @@ import pytest
 import torch
 from evalexport_helpers import build_speculator, make_recipe, make_run, save_checkpoint
 
+from speculators.core.checkpoints import read_pointer
 from speculators.errors import PairingError, SpeculatorsError
 from speculators.evaluate import acceptance
-from speculators.evaluate.select import read_pointer
 from speculators.target import fingerprint_target, load_target
 
 torch.set_num_threads(1)

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
 from evalexport_helpers import REPO, make_run  # noqa: E402
 
-from speculators.export import vllm  # noqa: E402
+from speculators.export import stage as export_stage  # noqa: E402
 from speculators.export.validate import validate_vllm_export  # noqa: E402
 
 torch.set_num_threads(1)
@@ -64,7 +64,7 @@ def test_export_matches_golden(tmp_path: Path, tiny_llama: Path, case: str) -> N
     kw = dict(CASES[case])
     recipe = make_run(tmp_path, tiny_llama, kw.pop("family"), steps=(10,), num_steps=3,
                       extra=("export.checkpoint=latest",), **kw)
-    vllm.run(recipe)
+    export_stage.run(recipe)
     out = recipe.paths.export
     got = {"config.json": normalized_config(out / "config.json"),
            "tensors.json": tensor_listing(out / "model.safetensors")}
@@ -108,7 +108,7 @@ def test_golden_files_encode_the_vllm_rules() -> None:
 def test_qwen3_draft_layout_exports_valid(tmp_path: Path, tiny_qwen3: Path) -> None:
     recipe = make_run(tmp_path, tiny_qwen3, "eagle3", steps=(10,), num_steps=2,
                       extra=("export.checkpoint=latest", "speculator.draft_arch=qwen3"))
-    vllm.run(recipe)
+    export_stage.run(recipe)
     out = recipe.paths.export
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["transformer_layer_config"]["model_type"] == "qwen3"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from speculators.export import launch
+from speculators.export import stage as export_stage
 
 torch.set_num_threads(1)
 
@@ -154,10 +155,8 @@ def test_launch_script_of_an_unevaluated_export(tmp_path: Path, tiny_llama: Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
     from evalexport_helpers import make_run
 
-    from speculators.export import vllm
-
     recipe = make_run(tmp_path, tiny_llama, "medusa", steps=(10,), num_steps=2, extra=("export.checkpoint=latest",))
-    vllm.run(recipe)
+    export_stage.run(recipe)
     script = (recipe.paths.export / "launch.sh").read_text()
     assert "was not evaluated" in script
     args = _run_launch(tmp_path, script)

@@ -14,9 +14,10 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
 from evalexport_helpers import build_speculator, make_recipe, make_run, save_checkpoint  # noqa: E402
 
+from speculators.core.pairing import check_pairing, read_pairing  # noqa: E402
 from speculators.errors import PairingError  # noqa: E402
+from speculators.export import stage as export_stage  # noqa: E402
 from speculators.export import vllm  # noqa: E402
-from speculators.export.pairing import check_pairing, read_pairing  # noqa: E402
 from speculators.models.io import load_speculator, target_weights  # noqa: E402
 from speculators.target import fingerprint_target, load_target  # noqa: E402
 
@@ -29,7 +30,7 @@ def test_export_reloads_with_identical_drafts(tmp_path: Path, tiny_llama: Path, 
     recipe = make_run(tmp_path, tiny_llama, family, steps=(10,), num_steps=2,
                       draft_vocab_size=512 if family == "eagle3" else None,
                       extra=("export.checkpoint=latest", f"export.dtype={dtype}"))
-    vllm.run(recipe)
+    export_stage.run(recipe)
     out = recipe.paths.export
     loaded = load_target(recipe.target)
     w = target_weights(loaded.model)
@@ -46,7 +47,7 @@ def test_export_reloads_with_identical_drafts(tmp_path: Path, tiny_llama: Path, 
 
 def test_round_trip_catches_a_tampered_export(tmp_path: Path, tiny_llama: Path) -> None:
     recipe = make_run(tmp_path, tiny_llama, "eagle3", steps=(10,), num_steps=2, extra=("export.checkpoint=latest",))
-    vllm.run(recipe)
+    export_stage.run(recipe)
     out = recipe.paths.export
     loaded = load_target(recipe.target)
     w = target_weights(loaded.model)
@@ -74,7 +75,7 @@ def test_eagle3_export_always_carries_its_embedding(tmp_path: Path, tiny_llama: 
     save_checkpoint(recipe, spec, 10, fp)
     ckpt_names = set(load_file(str(recipe.paths.checkpoints / "step-0000010" / "model.safetensors")))
     assert ("embed_tokens.weight" in ckpt_names) == changed
-    vllm.run(recipe)
+    export_stage.run(recipe)
     names = load_file(str(recipe.paths.export / "model.safetensors"))
     w = target_weights(loaded.model)
     want = spec.embed_tokens.weight if changed else w.embed_tokens
@@ -85,7 +86,7 @@ def test_eagle3_export_always_carries_its_embedding(tmp_path: Path, tiny_llama: 
 
 def test_full_vocab_export_has_no_vocab_map_and_reloads(tmp_path: Path, tiny_llama: Path) -> None:
     recipe = make_run(tmp_path, tiny_llama, "eagle3", steps=(10,), num_steps=2, extra=("export.checkpoint=latest",))
-    vllm.run(recipe)
+    export_stage.run(recipe)
     out = recipe.paths.export
     assert not set(load_file(str(out / "model.safetensors"))) & {"d2t", "t2d"}
     reloaded = load_speculator(out, target_weights(load_target(recipe.target).model))
@@ -96,7 +97,7 @@ def test_bundled_runtime_serves_the_export(tmp_path: Path, tiny_llama: Path) -> 
     from speculators.serving import Engine, SamplingParams
 
     recipe = make_run(tmp_path, tiny_llama, "eagle3", steps=(10,), num_steps=2, extra=("export.checkpoint=latest",))
-    vllm.run(recipe)
+    export_stage.run(recipe)
     loaded = load_target(recipe.target)
     engine = Engine.from_pretrained(target=loaded, speculator=str(recipe.paths.export))
     plain = Engine.from_pretrained(target=loaded, speculator=None)
@@ -125,7 +126,7 @@ def _other_tokenizer_target(path: Path) -> Path:
 def test_pairing_refuses_another_target_and_another_tokenizer(tmp_path: Path, tiny_llama: Path,
                                                               tiny_qwen3: Path) -> None:
     recipe = make_run(tmp_path, tiny_llama, "medusa", steps=(10,), num_steps=2, extra=("export.checkpoint=latest",))
-    vllm.run(recipe)
+    export_stage.run(recipe)
     out = recipe.paths.export
     record = read_pairing(out)
     assert record["draft"]["family"] == "medusa" and record["export"]["kind"] == "medusa"

@@ -13,11 +13,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
 from evalexport_helpers import build_speculator, make_recipe, make_run  # noqa: E402
 
+from speculators.core.checkpoints import write_pointer  # noqa: E402
+from speculators.core.pairing import read_pairing  # noqa: E402
 from speculators.errors import SpeculatorsError  # noqa: E402
 from speculators.evaluate import acceptance  # noqa: E402
-from speculators.evaluate.select import write_pointer  # noqa: E402
 from speculators.export import mtp, vllm  # noqa: E402
-from speculators.export.pairing import read_pairing  # noqa: E402
+from speculators.export import stage as export_stage  # noqa: E402
 from speculators.export.validate import validate_vllm_export  # noqa: E402
 from speculators.target import load_target  # noqa: E402
 
@@ -29,7 +30,7 @@ def test_export_of_the_evaluated_best_with_measured_launch_plan(tmp_path: Path, 
                       extra=("export.concurrencies=[1, 4]",), temperatures=(0.0, 1.0))
     acceptance.run(recipe, progress=False)
     best = json.loads((recipe.paths.eval / "selection.json").read_text())["best"]
-    summary = vllm.run(recipe)
+    summary = export_stage.run(recipe)
     out = recipe.paths.export
     assert summary["source"].endswith(best) and summary["format"] == "eagle3"
     for name in vllm.REQUIRED_FILES + ("report.md",):
@@ -51,67 +52,67 @@ def test_export_of_the_evaluated_best_with_measured_launch_plan(tmp_path: Path, 
     assert block["tau_block"] >= block["tau_token"] - 1e-3
     assert "### Block verification" in readme
     assert ('"rejection_sample_method": "block"' in (out / "launch.sh").read_text().replace("\\", "")) == block["use"]
-    assert vllm.is_complete(recipe)
+    assert export_stage.is_complete(recipe)
     # a different best makes the export stale
     other = "step-0000010" if best == "step-0000020" else "step-0000020"
-    write_pointer(recipe.paths.checkpoints, recipe.paths.checkpoints / other)
-    assert not vllm.is_complete(recipe)
+    write_pointer(recipe.paths.checkpoints, "best", recipe.paths.checkpoints / other)
+    assert not export_stage.is_complete(recipe)
 
 
 def test_is_complete_and_missing_files(tmp_path: Path, tiny_llama: Path) -> None:
     recipe = make_run(tmp_path, tiny_llama, "medusa", steps=(10,), num_steps=2, extra=("export.checkpoint=latest",))
-    assert not vllm.is_complete(recipe)
-    vllm.run(recipe)
-    assert vllm.is_complete(recipe)
+    assert not export_stage.is_complete(recipe)
+    export_stage.run(recipe)
+    assert export_stage.is_complete(recipe)
     (recipe.paths.export / "launch.sh").unlink()
-    assert not vllm.is_complete(recipe)
+    assert not export_stage.is_complete(recipe)
     with pytest.raises(SpeculatorsError, match="is missing launch.sh"):
-        vllm.require_valid_export(recipe.paths.export)
+        export_stage.require_valid_export(recipe.paths.export)
 
 
 def test_bad_inputs_fail_in_one_line(tmp_path: Path, tiny_llama: Path) -> None:
     empty = make_recipe(tmp_path, tiny_llama, "eagle3")
     with pytest.raises(SpeculatorsError, match="no checkpoints to export"):
-        vllm.run(empty)
+        export_stage.run(empty)
     recipe = make_run(tmp_path, tiny_llama, "medusa", steps=(10,), num_steps=2)
     with pytest.raises(SpeculatorsError, match="run `speculators evaluate`"):
-        vllm.run(recipe)  # export.checkpoint=best and nothing evaluated yet
+        export_stage.run(recipe)  # export.checkpoint=best and nothing evaluated yet
     wrong = make_recipe(tmp_path, tiny_llama, "eagle3", extra=("export.checkpoint=latest",))
     with pytest.raises(SpeculatorsError, match="is a medusa speculator but the recipe says speculator.family=eagle3"):
-        vllm.run(wrong)
+        export_stage.run(wrong)
     latest = make_recipe(tmp_path, tiny_llama, "medusa", extra=("export.checkpoint=latest",))
     (latest.paths.checkpoints / "step-0000010" / "model.safetensors").unlink()
     with pytest.raises(SpeculatorsError, match="is missing model.safetensors"):
-        vllm.run(latest)
+        export_stage.run(latest)
     with pytest.raises(SpeculatorsError, match="is not a directory"):
-        vllm.run(make_recipe(tmp_path, tiny_llama, "medusa", extra=(f"export.checkpoint={tmp_path / 'nope'}",)))
+        export_stage.run(make_recipe(tmp_path, tiny_llama, "medusa", extra=(f"export.checkpoint={tmp_path / 'nope'}",)))
     assert not recipe.paths.export.exists()
 
 
 def test_a_failed_export_leaves_the_previous_one_intact(tmp_path: Path, tiny_llama: Path) -> None:
     recipe = make_run(tmp_path, tiny_llama, "eagle3", steps=(10,), num_steps=2, extra=("export.checkpoint=latest",))
-    vllm.run(recipe)
+    export_stage.run(recipe)
     before = {p.name: p.read_bytes() for p in recipe.paths.export.iterdir()}
     cfg_path = recipe.paths.checkpoints / "step-0000010" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["transformer_layer_config"]["intermediate_size"] = 7  # weights no longer match the config
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(SpeculatorsError):
-        vllm.run(recipe)
+        export_stage.run(recipe)
     assert {p.name: p.read_bytes() for p in recipe.paths.export.iterdir()} == before
     assert [p.name for p in recipe.paths.run_dir.iterdir() if p.name.startswith(".export")] == []
 
 
 def test_mtp_on_a_llama_target_is_a_native_dir_that_says_so(tmp_path: Path, tiny_llama: Path) -> None:
     recipe = make_run(tmp_path, tiny_llama, "mtp", steps=(10,), num_steps=2, extra=("export.checkpoint=latest",))
-    summary = vllm.run(recipe)
+    summary = export_stage.run(recipe)
     out = recipe.paths.export
     assert summary["format"] == "mtp-native" and summary["vllm_method"] == "bundled-runtime"
     assert "vLLM cannot serve this MTP module" in (out / "README.md").read_text()
     assert "speculators serve" in (out / "launch.sh").read_text()
     assert "only the bundled runtime" in validate_vllm_export(out)[0]
     assert read_pairing(out)["export"]["vllm_loadable"] is False
-    assert vllm.is_complete(recipe)
+    assert export_stage.is_complete(recipe)
 
 
 def _relabelled_deepseek(src: Path, dst: Path) -> Path:

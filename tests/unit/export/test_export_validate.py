@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
 from evalexport_helpers import make_run  # noqa: E402
 
 from speculators.errors import SpeculatorsError  # noqa: E402
-from speculators.export import vllm  # noqa: E402
+from speculators.export import stage as export_stage  # noqa: E402
 from speculators.export.validate import validate_vllm_export  # noqa: E402
 
 torch.set_num_threads(1)
@@ -28,7 +28,7 @@ def good_exports(tmp_path_factory, tiny_llama: Path) -> dict[str, Path]:
     for family, kw in (("eagle3", {"draft_vocab_size": 512}), ("medusa", {})):
         recipe = make_run(tmp_path_factory.mktemp(family), tiny_llama, family, steps=(10,), num_steps=2,
                           extra=("export.checkpoint=latest",), **kw)
-        vllm.run(recipe)
+        export_stage.run(recipe)
         out[family] = recipe.paths.export
     return out
 
@@ -123,7 +123,7 @@ def test_missing_files_and_unknown_configs(good_exports: dict[str, Path], tmp_pa
     (d / "model.safetensors").unlink()
     _one(validate_vllm_export(d), "no *.safetensors weight file")
     with pytest.raises(SpeculatorsError, match="is missing model.safetensors"):
-        vllm.require_valid_export(d)
+        export_stage.require_valid_export(d)
     (d / "config.json").unlink()
     _one(validate_vllm_export(d), "config.json is missing")
     (d / "config.json").write_text("{not json")
@@ -138,7 +138,7 @@ def test_d2t_with_the_full_vocab_is_refused(tiny_llama: Path, tmp_path: Path) ->
     (tmp_path / "run").mkdir()
     recipe = make_run(tmp_path / "run", tiny_llama, "eagle3", steps=(10,), num_steps=2,
                       extra=("export.checkpoint=latest",))
-    vllm.run(recipe)
+    export_stage.run(recipe)
     good = recipe.paths.export
     assert validate_vllm_export(good) == []
     names = set(load_file(str(good / "model.safetensors")))

@@ -16,6 +16,8 @@ from models_helpers import (
 )
 
 from speculators.config import TreeConfig
+from speculators.core.sampling import SamplingParams, logits_to_probs
+from speculators.core.trees import depths_of
 from speculators.models.drafting import (
     build_dynamic_tree,
     build_sampled_tree,
@@ -23,8 +25,6 @@ from speculators.models.drafting import (
     to_target_logits,
     tree_verify_mode,
 )
-from speculators.serving.sampling import SamplingParams, logits_to_probs
-from speculators.serving.trees import depths_of
 from speculators.serving.verify import verify_tree
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -12,7 +12,8 @@ from models_helpers import (
 )
 
 from speculators.models.fused import FusedStack, packed_layer_kernel
-from speculators.models.layers import DecoderLayer, DecoderSpec, KVCache, Rotary, run_layers
+from speculators.models.kv_cache import KVCache
+from speculators.models.layers import DecoderLayer, DecoderSpec, Rotary, run_layers
 from speculators.models.packed import PackedLinear, pack_linears, packed_float16_available
 
 

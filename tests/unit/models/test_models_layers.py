@@ -13,14 +13,13 @@ from models_helpers import (
 )
 
 from speculators.errors import SpeculatorsError
+from speculators.models.kv_cache import KVCache, cached_attention
 from speculators.models.layers import (
     DecoderLayer,
     DecoderSpec,
-    KVCache,
     RMSNorm,
     Rotary,
     TTTAttention,
-    cached_attention,
     run_layers,
     train_mask,
     ttt_attention,

@@ -17,11 +17,11 @@ from models_helpers import (
 )
 
 from speculators.config import TreeConfig
+from speculators.core.sampling import SamplingParams
 from speculators.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.models.base import FeatureRequest
 from speculators.models.drafting import default_choices, medusa_choices_from_accuracy
-from speculators.serving.sampling import SamplingParams
 
 
 def _batch(target, b=2, t=10, seed=0):

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speculators.core.sampling import SamplingParams, logits_to_probs
+from speculators.core.trees import DraftTree, depths_of
 from speculators.models.base import FeatureRequest
 from speculators.serving.engine import Engine
-from speculators.serving.sampling import SamplingParams, logits_to_probs
-from speculators.serving.trees import DraftTree, depths_of
 
 
 @dataclass

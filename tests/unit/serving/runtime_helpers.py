@@ -58,7 +58,7 @@ def make_speculator_dir(target_dir: str | Path, family: str, out: str | Path, *,
     """A randomly initialised speculator of `family` for the target in `target_dir`, saved with its
     pairing.json to `out` (a real checkpoint dir, as training writes it)."""
     from speculators.config import SpeculatorConfig, TargetConfig
-    from speculators.export.pairing import pairing_record, write_pairing
+    from speculators.core.pairing import pairing_record, write_pairing
     from speculators.models import SPECULATORS
     from speculators.models.io import save_speculator, target_weights
     from speculators.target import fingerprint_target

@@ -7,7 +7,7 @@ import pytest
 
 from speculators.errors import SpeculatorsError
 from speculators.serving import Engine, SamplingParams
-from speculators.serving.batching import BatchRunner
+from speculators.serving.batching import BatchRunner, generate_batch
 from tests.unit.serving.runtime_helpers import loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
 PROMPTS = ["def f(x):", "a b c a b c a b", "import os\nimport sys\n", "x = 1\ny = 2\nz =", "class A:\n    def"]
@@ -49,8 +49,8 @@ def test_batched_greedy_equals_alone(tiny_llama, spec_dirs, drafter: str) -> Non
 def test_seeded_sampled_batch_repeats_and_generate_batch_keeps_order(tiny_llama, spec_dirs) -> None:
     engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), spec_dirs["eagle3"], max_len=128)
     params = [_params(i, temperature=0.9, top_p=0.95, seed=10 + i) for i in range(len(PROMPTS))]
-    first = engine.generate_batch(PROMPTS, params, max_batch=4)
-    again = engine.generate_batch(PROMPTS, params, max_batch=4)
+    first = generate_batch(engine, PROMPTS, params, max_batch=4)
+    again = generate_batch(engine, PROMPTS, params, max_batch=4)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert all(o.finish_reason == "stop" or len(o.token_ids) == p.max_new_tokens
                for o, p in zip(first, params, strict=True))
@@ -100,11 +100,11 @@ def test_bad_requests_are_refused_before_anything_runs(tiny_llama) -> None:
     engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram", max_len=64)
     calls_before = engine.totals.target_calls
     with pytest.raises(SpeculatorsError, match="exceed the KV cache"):
-        engine.generate_batch(PROMPTS[:2], [_params(0), SamplingParams(max_new_tokens=500)])
+        generate_batch(engine, PROMPTS[:2], [_params(0), SamplingParams(max_new_tokens=500)])
     with pytest.raises(SpeculatorsError, match="top_p must be in"):
-        engine.generate_batch(PROMPTS[:2], SamplingParams(top_p=0.0))
+        generate_batch(engine, PROMPTS[:2], SamplingParams(top_p=0.0))
     with pytest.raises(SpeculatorsError, match="2 prompts but 1 SamplingParams"):
-        engine.generate_batch(PROMPTS[:2], [_params(0)])
+        generate_batch(engine, PROMPTS[:2], [_params(0)])
     with pytest.raises(SpeculatorsError, match="max_batch must be >= 1"):
         BatchRunner(engine, max_batch=0)
     assert engine.totals.target_calls == calls_before

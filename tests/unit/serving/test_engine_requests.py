@@ -9,6 +9,7 @@ import pytest
 from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.serving import Engine, SamplingParams
+from speculators.serving.batching import generate_batch
 from speculators.serving.engine import GenerateOutput
 from tests.unit.serving.runtime_helpers import loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
@@ -108,7 +109,7 @@ def test_logprobs_are_the_targets_own(tiny_llama, temperature: float) -> None:
     eng = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram", max_len=64, tree=tree)
     params = SamplingParams(max_new_tokens=16, temperature=temperature, seed=7, logprobs=3)
     alone = eng.generate(PROMPT, params)
-    batched = eng.generate_batch([PROMPT, PROMPT[:6]], [params, params], max_batch=2)[0]
+    batched = generate_batch(eng, [PROMPT, PROMPT[:6]], [params, params], max_batch=2)[0]
     assert eng.totals.drafted_tokens > 0
     assert temperature > 0 or eng.totals.accepted_tokens > 0  # greedy: tokens came through accepted draft nodes
     for out in (alone, batched):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from speculators.core.trees import ancestor_mask, depths_of
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest
 from speculators.serving.target_runner import Segment, TargetRunner
-from speculators.serving.trees import ancestor_mask, depths_of
 from tests.conftest import tiny_config
 from tests.unit.serving.runtime_helpers import single_thread  # noqa: F401
 

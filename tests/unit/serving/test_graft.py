@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speculators.core.trees import DraftTree, depths_of, path_to
 from speculators.errors import SpeculatorsError
 from speculators.serving.graft import NgramGraft, graft_chain
-from speculators.serving.trees import DraftTree, depths_of, path_to
 
 
 def _tree() -> DraftTree:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from speculators.config import TreeConfig
-from speculators.serving.drafters import NgramDrafter, prune_tree
+from speculators.core.sampling import SamplingParams
+from speculators.core.trees import DraftTree, ancestor_mask
+from speculators.serving.drafters import prune_tree
+from speculators.serving.model_free import NgramDrafter
 from speculators.serving.ngram import ngram_continuations, ngram_propose
-from speculators.serving.sampling import SamplingParams
-from speculators.serving.trees import DraftTree, ancestor_mask
 
 
 def test_propose_follows_most_recent_match_of_longest_suffix() -> None:

@@ -10,8 +10,8 @@ import torch
 from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.serving import costs as measure
-from speculators.serving.drafters import NoDrafter
 from speculators.serving.engine import Engine
+from speculators.serving.model_free import NoDrafter
 from speculators.serving.shapes import random_drafter, random_target, shape_config, shape_names
 from speculators.serving.target_runner import TargetRunner
 from tests.unit.serving.runtime_helpers import single_thread  # noqa: F401

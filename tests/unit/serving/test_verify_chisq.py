@@ -33,7 +33,7 @@ from verify_harness import (
     draft_tree,
 )
 
-from speculators.serving.sampling import SamplingParams, logits_to_probs, sample
+from speculators.core.sampling import SamplingParams, logits_to_probs, sample
 from speculators.serving.verify import TorchRandomness, TorchRowOps, Tree, verify_tree, walk_tree
 
 N_RUNS = 10_000

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speculators.core.trees import path_to
 from speculators.serving.target_rows import TargetRows
-from speculators.serving.trees import path_to
 from speculators.serving.verify import verify_tree, verify_tree_lazy
 
 VOCAB = 12

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from speculators.config import Recipe, SpeculatorConfig
+from speculators.core.checkpoints import step_number
 from speculators.errors import SpeculatorsError
 from speculators.train import checkpoint as ck
 
@@ -26,7 +27,7 @@ def rig(tiny_llama: Path):
 
     from speculators.models import SPECULATORS
     from speculators.models.io import target_weights
-    from speculators.train.loop import _train_module_class, make_accelerator
+    from speculators.train.accelerator import make_accelerator, train_module_class
 
     target = AutoModelForCausalLM.from_pretrained(tiny_llama)
     weights = target_weights(target)
@@ -35,7 +36,7 @@ def rig(tiny_llama: Path):
     recipe = Recipe()
     recipe.target.device = "cpu"
     acc = make_accelerator(recipe)
-    module = _train_module_class()(spec)
+    module = train_module_class()(spec)
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
     model, opt = acc.prepare(module, opt)
     fp = dict(FP, vocab_size=int(target.config.vocab_size))
@@ -70,7 +71,7 @@ def test_keep_last_n_keeps_best_and_pointers(tmp_path: Path, rig) -> None:
     assert names == ["best", "latest", "step-0000002", "step-0000004", "step-0000005"]
     assert ck.read_pointer(tmp_path, "latest").name == "step-0000005"
     assert ck.read_pointer(tmp_path, "best").name == "step-0000002"
-    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [2, 4, 5]
+    assert [step_number(p) for p in ck.list_checkpoints(tmp_path)] == [2, 4, 5]
     ckpt = tmp_path / "step-0000005"
     pairing = json.loads((ckpt / "pairing.json").read_text())
     assert pairing["target"]["content_hash"] == fp["content_hash"] and pairing["draft"]["family"] == "eagle3"
@@ -99,7 +100,7 @@ def test_crash_mid_write_leaves_last_good_checkpoint(tmp_path: Path, rig, monkey
     monkeypatch.setattr(io, "save_speculator", crash)
     with pytest.raises(OSError):
         _save(writer, spec, fp, 2, best=True)
-    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [1]  # the half-written step 2 is not a checkpoint
+    assert [step_number(p) for p in ck.list_checkpoints(tmp_path)] == [1]  # the half-written step 2 is not a checkpoint
     assert ck.read_pointer(tmp_path, "latest").name == "step-0000001"
     assert ck.find_resume("auto", tmp_path).name == "step-0000001"
     assert (tmp_path / "step-0000001" / "model.safetensors").read_bytes() == before
@@ -123,14 +124,14 @@ def test_resume_state_round_trip(tmp_path: Path, rig, tiny_llama: Path) -> None:
     _step(model, opt, 99)  # move everything on
 
     from speculators.models import SPECULATORS
-    from speculators.train.loop import _train_module_class, make_accelerator
+    from speculators.train.accelerator import make_accelerator, train_module_class
 
     recipe = Recipe()
     recipe.target.device = "cpu"
     acc2 = make_accelerator(recipe)
     torch.manual_seed(123)
     spec2 = SPECULATORS["eagle3"].from_target(_cfg(tiny_llama), SpeculatorConfig(num_steps=1), weights)
-    module2 = _train_module_class()(spec2)
+    module2 = train_module_class()(spec2)
     opt2 = torch.optim.AdamW([p for p in module2.parameters() if p.requires_grad], lr=1e-2)
     model2, opt2 = acc2.prepare(module2, opt2)
     w2 = ck.CheckpointWriter(tmp_path, acc2, keep_last=2)

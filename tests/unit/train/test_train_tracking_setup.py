@@ -79,7 +79,7 @@ def test_frozen_target_weights_equal_a_full_load(fixture: str, request) -> None:
 
     from speculators.config import TargetConfig
     from speculators.models.io import target_weights
-    from speculators.train.loop import frozen_target_weights
+    from speculators.train.setup import frozen_target_weights
 
     path = request.getfixturevalue(fixture)
     config, weights = frozen_target_weights(TargetConfig(name_or_path=str(path)))
@@ -91,7 +91,7 @@ def test_frozen_target_weights_equal_a_full_load(fixture: str, request) -> None:
 
 
 def test_eos_coverage_check() -> None:
-    from speculators.train.loop import check_eos_covered
+    from speculators.train.setup import check_eos_covered
 
     d2t = torch.tensor([0, 0, 1, 1])  # draft ids 0..3 -> target ids 0, 1, 3, 4
     check_eos_covered(d2t, [3, 4], "test")
@@ -101,7 +101,7 @@ def test_eos_coverage_check() -> None:
 
 def test_train_signature_ignores_launch_and_logging_settings() -> None:
     from speculators.config import load_recipe
-    from speculators.train.loop import train_signature
+    from speculators.train.setup import train_signature
 
     base = load_recipe(None, [])
     same = load_recipe(None, ["train.num_processes=4", "train.trackers=[jsonl]", "train.resume=never",

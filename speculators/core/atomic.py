@@ -1,7 +1,7 @@
-"""Atomic writes for evaluation and export outputs: a reader sees the old complete output or the new one, never
-a half-written one.
+"""The one atomic writer: a reader (or a crash) sees the old complete file or the new one, never a half-written one.
 
-- `write_text_atomic(path, text)`: temp file in the same directory + `os.replace`.
+- `write_text_atomic(path, text)` / `write_json_atomic(path, data)`: temp file in the same directory, flushed and
+  fsynced, then `os.replace`.
 - `atomic_dir(dest)`: a context manager yielding a fresh temp directory next to `dest`; on success the temp dir
   replaces `dest` (the old one is moved aside first and removed after), on error the temp dir is removed and
   `dest` is untouched.
@@ -12,6 +12,7 @@ This module knows nothing about formats.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
@@ -20,17 +21,20 @@ from pathlib import Path
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` through a fsynced temp file in the same directory and `os.replace`."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(p)
+    with tmp.open("w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, p)
     return p
 
 
 def write_json_atomic(path: str | Path, data: object) -> Path:
-    import json
-
+    """JSON (indent 2, non-JSON values as str, trailing newline) written with `write_text_atomic`."""
     return write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 

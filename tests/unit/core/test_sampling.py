@@ -8,8 +8,8 @@ import pytest
 import scipy.stats
 import torch
 
+from speculators.core.sampling import inverse_cdf, logits_to_probs, sample, sample_without_replacement
 from speculators.serving import SamplingParams
-from speculators.serving.sampling import inverse_cdf, logits_to_probs, sample, sample_without_replacement
 
 
 def params(**kw: object) -> SamplingParams:

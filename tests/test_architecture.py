@@ -1,0 +1,237 @@
+"""The house rules of DESIGN §2, read from the source (AST): a rule that breaks fails here, naming the file.
+
+- Imports point downward only: cli -> pipeline -> stages (data, train, evaluate, export, serving, house) -> models ->
+  shared (core/, config, target, metrics, errors, logs). Stages use each other only as a DAG; `serving` never
+  imports `train` or `data`; `models` imports no stage; shared modules import no stage and no model.
+- No import circle between files (every import counts: top level, inside functions, under TYPE_CHECKING).
+- Every `speculators.*` import names a module that exists and, for `from X import name`, a name X defines.
+- Nothing outside cli.py parses arguments (argparse, typer, click, sys.argv).
+- `import speculators` does not import deepspeed, wandb, datasets or vllm.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "speculators"
+
+SHARED = {"core", "config", "target", "metrics", "errors", "logs", ""}
+STAGES = {"data", "train", "evaluate", "export", "serving", "house"}
+RANK = {"cli": 4, "pipeline": 3, **{s: 2 for s in STAGES}, "models": 1, **{s: 0 for s in SHARED}}
+FORBIDDEN_STAGE_EDGES = {("serving", "train"), ("serving", "data")}
+ARGUMENT_PARSERS = ("argparse", "typer", "click", "optparse")
+
+
+def _module_name(path: Path) -> str:
+    parts = ("speculators",) + path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+@cache
+def _tree(module: str) -> ast.Module:
+    return ast.parse(_modules()[module].read_text(), filename=str(_modules()[module]))
+
+
+def _group(module: str) -> str:
+    """The room a module lives in: 'cli', 'pipeline', a stage, 'models', or a shared name ('' = the package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(module: str) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every import of a `speculators` module."""
+    out = []
+    is_pkg = _modules()[module].name == "__init__.py"
+    for node in ast.walk(_tree(module)):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == "speculators"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_pkg else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] == "speculators":
+                out.append((base, [a.name for a in node.names], node.lineno))
+    return out
+
+
+def _edges(module: str) -> set[str]:
+    """Modules of the package that `module` imports (a `from pkg import sub` counts as importing pkg.sub)."""
+    mods = _modules()
+    out = set()
+    for base, names, _ in _imports(module):
+        targets = [f"{base}.{n}" for n in names if f"{base}.{n}" in mods] or [base]
+        out.update(t for t in targets if t in mods and t != module)
+    return out
+
+
+def _defined_names(module: str) -> set[str] | None:
+    """Top-level names a module defines (None when it has a module `__getattr__`: anything may resolve)."""
+    names: set[str] = set()
+    for node in _tree(module).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name == "__getattr__":
+                return None
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Import | ast.ImportFrom):
+                    names.update((a.asname or a.name).split(".")[0] for a in sub.names)
+                elif isinstance(sub, ast.FunctionDef | ast.ClassDef):
+                    names.add(sub.name)
+                elif isinstance(sub, ast.Assign):
+                    names.update(n.id for t in sub.targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def test_every_module_is_in_a_known_room() -> None:
+    unknown = sorted({_group(m) for m in _modules()} - set(RANK))
+    assert not unknown, f"packages with no place in DESIGN §2's layering: {unknown} (add them to RANK here)"
+
+
+def test_imports_point_downward_only() -> None:
+    broken = []
+    for module in _modules():
+        me = _group(module)
+        for dep in _edges(module):
+            them = _group(dep)
+            if me == them:
+                continue
+            if RANK[them] > RANK[me] or (RANK[them] == RANK[me] and me in SHARED | {"models"} and them not in SHARED):
+                broken.append(f"{module} -> {dep} (an arrow back up: {me or 'speculators'} is below {them})")
+            elif (me, them) in FORBIDDEN_STAGE_EDGES:
+                broken.append(f"{module} -> {dep} (serving never imports train or data)")
+    assert not broken, "\n".join(broken)
+
+
+def test_stages_use_each_other_as_a_dag() -> None:
+    graph: dict[str, set[str]] = {s: set() for s in STAGES}
+    for module in _modules():
+        me = _group(module)
+        if me in STAGES:
+            graph[me].update(_group(d) for d in _edges(module) if _group(d) in STAGES and _group(d) != me)
+    assert not _cycles(graph), f"stages import each other in a circle: {_cycles(graph)}"
+
+
+def test_no_import_circle_between_files() -> None:
+    graph = {m: _edges(m) for m in _modules()}
+    assert not _cycles(graph), "import circles:\n" + "\n".join(" -> ".join(c) for c in _cycles(graph))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_every_internal_import_resolves() -> None:
+    """A moved or renamed module / name fails here, not when a rarely run function first imports it."""
+    mods = _modules()
+    missing = []
+    for module in mods:
+        for base, names, line in _imports(module):
+            where = f"{_modules()[module].relative_to(PACKAGE.parent)}:{line}"
+            if base not in mods:
+                missing.append(f"{where}: no module {base}")
+                continue
+            defined = _defined_names(base)
+            for name in names:
+                if name != "*" and f"{base}.{name}" not in mods and defined is not None and name not in defined:
+                    missing.append(f"{where}: {base} has no {name}")
+    assert not missing, "\n".join(missing)
+
+
+def test_the_tests_import_what_exists() -> None:
+    """The same check over tests/ (a test importing a moved name fails here with its line, not at collection)."""
+    mods = _modules()
+    missing = []
+    for path in sorted(PACKAGE.parent.joinpath("tests").rglob("*.py")):
+        if "vllm" in path.parts and "scripts" in path.parts:  # run in .venv-vllm, where `speculators` is vLLM's library
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "speculators":
+                if node.module not in mods:
+                    missing.append(f"{path.name}:{node.lineno}: no module {node.module}")
+                    continue
+                defined = _defined_names(node.module)
+                missing += [f"{path.name}:{node.lineno}: {node.module} has no {a.name}" for a in node.names
+                            if f"{node.module}.{a.name}" not in mods and defined is not None and a.name not in defined]
+    assert not missing, "\n".join(missing)
+
+
+def test_only_cli_parses_arguments() -> None:
+    offenders = []
+    for module, path in _modules().items():
+        if module == "speculators.cli":
+            continue
+        for node in ast.walk(_tree(module)):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                              if n.split(".")[0] in ARGUMENT_PARSERS]
+            elif isinstance(node, ast.Attribute) and node.attr == "argv" and \
+                    isinstance(node.value, ast.Name) and node.value.id == "sys":
+                offenders.append(f"{path.name}:{node.lineno} reads sys.argv")
+    assert not offenders, "argument parsing outside cli.py:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("heavy", ["deepspeed", "wandb", "datasets", "vllm"])
+def test_import_speculators_stays_light(heavy: str) -> None:
+    code = f"import sys, speculators, speculators.cli, speculators.pipeline; print({heavy!r} in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout.strip()
+    assert out == "False", f"`import speculators` imported {heavy}"
+
+
+def test_the_rules_catch_a_broken_house(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks above are not vacuous: on a copy of the package with a model importing serving, a circle and an
+    argparse import, each of them fails."""
+    import shutil
+
+    copy = tmp_path / "speculators"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "models" / "upward.py").write_text("from speculators.serving.engine import Engine\n")
+    (copy / "core" / "ring_a.py").write_text("from speculators.core import ring_b\n")
+    (copy / "core" / "ring_b.py").write_text("from speculators.core import ring_a\nimport argparse\n")
+    (copy / "core" / "stale.py").write_text("from speculators.core.atomic import no_such_writer\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy)
+    for fn in (_modules, _tree):
+        fn.cache_clear()
+    try:
+        for check in (test_imports_point_downward_only, test_no_import_circle_between_files,
+                      test_only_cli_parses_arguments, test_every_internal_import_resolves):
+            with pytest.raises(AssertionError):
+                check()
+    finally:
+        for fn in (_modules, _tree):
+            fn.cache_clear()
