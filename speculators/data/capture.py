@@ -14,7 +14,8 @@
 - `capture.num_processes > 1` runs `accelerate launch` with `speculators worker-capture` (capture_worker.py).
 - `compute_features` is also what the training loop calls in online mode (`capture.mode: online`, no disk).
 
-This module does not train anything and does not import the speculator families.
+What to store comes from the family's class (`Speculator.capture_request`); this module never branches on the family
+name and trains nothing.
 """
 
 from __future__ import annotations

@@ -66,6 +66,13 @@ def test_last_error_line_quotes_vllms_own_error(tmp_path: Path) -> None:
                    "ValueError: There is no module or parameter named 'draft_id_to_target_id'\nINFO shutting down\n")
     assert last_error_line(log).startswith("ValueError: There is no module or parameter named")
     assert last_error_line(tmp_path / "missing.log") == "no log"
+    # the engine core's error is logged by its worker process; the API server's wrapper after it only points at it
+    log.write_text("(Worker pid=48) ERROR 12-01 12:34:30 [multiproc_executor.py:953]     raise ValueError(msg)\n"
+                   "(Worker pid=48) ERROR 12-01 12:34:30 [multiproc_executor.py:953] ValueError: There is no module or "
+                   "parameter named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM.\n"
+                   "    raise RuntimeError(\nRuntimeError: Engine core initialization failed. See root cause above. "
+                   "Failed core proc(s): {'EngineCore': 1}\n")
+    assert last_error_line(log).startswith("ValueError: There is no module or parameter named 'draft_id_to_target_id'")
 
 
 def test_vllm_section_replaces_an_older_copy(tmp_path: Path) -> None:
