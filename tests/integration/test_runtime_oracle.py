@@ -20,6 +20,7 @@ import pytest
 from speculators.config import TreeConfig
 from speculators.core.sampling import sample
 from speculators.serving import Engine, SamplingParams
+from speculators.serving.adaptive import CostModel
 from speculators.serving.batching import BatchRunner, generate_batch
 from speculators.serving.drafters import DrafterInfo
 from speculators.serving.engine import StreamChunk
@@ -39,6 +40,24 @@ CONTROL = dict(temperature=1.5, top_k=4)  # flat enough that deep rejections hap
 PROMPT = "    def read(self, n):\n        return self.read(n)\n\n    def write(self, data):\n        return self."
 GREEDY_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(top):\n", "class Stack:\n    def __init__(self):\n",
                   "    for i in range(10):\n", "def read_config(path):\n    with open(path) as f:\n"]
+
+
+class _HeadPricedDrafts(CostModel):
+    """The oracle drafts with the whole target, so its measured drafting costs as much as verifying and the adaptive
+    controller may rightly stop speculating (it did on a loaded CI machine: 1 deep residual in 3,017 cycles). Priced
+    as a real draft head would be (1/20 of what it measures), the controller keeps choosing deep trees whatever the
+    machine's load, and the test exercises what it is about: the unseeded adaptive path's output law."""
+
+    PRICE = 0.05
+
+    def set_draft(self, depth: int, drafted_nodes: int, seconds: float, kind: str = "") -> None:
+        super().set_draft(depth, drafted_nodes, seconds * self.PRICE, kind)
+
+    def observe_draft(self, depth: int, drafted_nodes: int, seconds: float, kind: str = "") -> None:
+        super().observe_draft(depth, drafted_nodes, seconds * self.PRICE, kind)
+
+    def observe_absorb(self, seconds: float) -> None:
+        super().observe_absorb(seconds * self.PRICE)
 
 
 def _engine(house_target, tree: TreeConfig, cls: type[Engine] = CycleLog) -> Engine:
@@ -98,6 +117,7 @@ def test_unseeded_adaptive_serving_path(house_target) -> None:
     """What the server runs: no seeds, adaptive depth, requests sharing forwards in a `BatchRunner`, each client
     leaving once it has its first three tokens (as a disconnecting client does; the rest is never generated)."""
     engine = _engine(house_target, ADAPTIVE)
+    engine.cost = _HeadPricedDrafts()
     prompt = engine.encode(PROMPT)
     runner = BatchRunner(engine, max_batch=4)
     firsts: list[list[int]] = [[] for _ in range(SAMPLES)]
