@@ -119,20 +119,23 @@ class VllmServer:
 
 # "(Worker pid=4886) ERROR 12-01 12:34:30 [multiproc_executor.py:953] " before a line of a vLLM process's log
 _LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\)\s+(?:[A-Z]+\s+\d\d-\d\d\s+[\d:]+\s+\[[^\]]*\]\s*)?")
-# vLLM's wrappers that point at an error logged earlier (by another process) instead of naming it
-_WRAPPERS = ("root cause above",)
+# a raised exception's message line: "ValueError: ...", "torch.OutOfMemoryError: ..."
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)(:|$)")
 
 
 def last_error_line(log: Path) -> str:
-    """vLLM's own error: the last line of its log that names an error, preferring the root cause over vLLM's
-    wrappers that point at it (else the last line), without the process / time prefix."""
+    """vLLM's own error, without the process / time prefix: the FIRST exception raised (its processes re-raise a
+    worker's error as wrappers that only point at it: "See root cause above", "See stack trace for root cause"),
+    else the last line that names an error, else the last line."""
     try:
         lines = [_LOG_PREFIX.sub("", ln.strip()) for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return "no log"
+    raised = [ln for ln in lines if _EXCEPTION.match(ln) and "root cause" not in ln]
+    if raised:
+        return raised[0][:400]
     errors = [ln for ln in lines if re.search(r"(Error|Exception|error:)", ln) and not ln.startswith(("File ", "raise "))]
-    causes = [ln for ln in errors if not any(w in ln for w in _WRAPPERS)]
-    return (causes or errors or lines or ["empty log"])[-1][:400]
+    return (errors or lines or ["empty log"])[-1][:400]
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:

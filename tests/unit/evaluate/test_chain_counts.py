@@ -70,9 +70,13 @@ def test_last_error_line_quotes_vllms_own_error(tmp_path: Path) -> None:
     log.write_text("(Worker pid=48) ERROR 12-01 12:34:30 [multiproc_executor.py:953]     raise ValueError(msg)\n"
                    "(Worker pid=48) ERROR 12-01 12:34:30 [multiproc_executor.py:953] ValueError: There is no module or "
                    "parameter named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM.\n"
+                   "(EngineCore pid=46) ERROR 12-01 12:34:32 [core.py:1510] Exception: WorkerProc initialization "
+                   "failed due to an exception in a background process. See stack trace for root cause.\n"
                    "    raise RuntimeError(\nRuntimeError: Engine core initialization failed. See root cause above. "
                    "Failed core proc(s): {'EngineCore': 1}\n")
     assert last_error_line(log).startswith("ValueError: There is no module or parameter named 'draft_id_to_target_id'")
+    log.write_text("WARNING ulimit: can cause `OSError: [Errno 24] Too many open files`\nINFO ...\n")  # no exception
+    assert last_error_line(log).startswith("WARNING ulimit")
 
 
 def test_vllm_section_replaces_an_older_copy(tmp_path: Path) -> None:
