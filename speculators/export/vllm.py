@@ -31,7 +31,7 @@ import torch
 
 from speculators.config import Recipe, to_dict
 from speculators.core.atomic import write_json_atomic, write_text_atomic
-from speculators.core.checkpoints import describe_incomplete, list_checkpoints, read_pointer
+from speculators.core.checkpoints import CHECKPOINT_FILES, describe_incomplete, list_checkpoints, read_pointer
 from speculators.core.pairing import draft_revision, pairing_record
 from speculators.errors import SpeculatorsError
 from speculators.evaluate.select import checkpoint_family
@@ -73,7 +73,7 @@ def resolve_checkpoint(recipe: Recipe) -> Path:
 
 def check_source(ckpt: Path, recipe: Recipe) -> str:
     """The checkpoint is complete and of the recipe's family; returns the family."""
-    for name in ("config.json", WEIGHTS_NAME, "pairing.json"):
+    for name in CHECKPOINT_FILES:
         if not (ckpt / name).is_file():
             raise SpeculatorsError(f"checkpoint {ckpt} is missing {name}; it is incomplete (re-run train, or pick "
                                    f"another with export.checkpoint=...)")

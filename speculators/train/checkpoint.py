@@ -62,10 +62,17 @@ def clean_partial(root: Path) -> None:
                 p.unlink(missing_ok=True)
 
 
+def _pointed(root: Path, name: str) -> Path | None:
+    """`read_pointer` for training's own bookkeeping: a broken pointer counts as none (training rewrites it)."""
+    with contextlib.suppress(SpeculatorsError):
+        return read_pointer(root, name)
+    return None
+
+
 def prune(root: Path, keep_last: int) -> list[Path]:
     """Keep the newest `keep_last` checkpoints plus whatever `latest` / `best` name; return the removed dirs."""
     ckpts = list_checkpoints(root)
-    protect = {(root / name).read_text().strip() for name in ("latest", "best") if (root / name).is_file()}
+    protect = {p.name for p in (_pointed(root, "latest"), _pointed(root, "best")) if p is not None}
     keep = {p.name for p in ckpts[-max(1, keep_last):]} | protect
     removed = []
     for p in ckpts:
@@ -94,10 +101,9 @@ def find_resume(resume: str, root: Path) -> Path | None:
     if resume == "never":
         return None
     if resume == "auto":
-        with contextlib.suppress(SpeculatorsError):  # a broken pointer: fall back to the newest complete step dir
-            latest = read_pointer(root, "latest")
-            if latest is not None and is_resumable(latest):
-                return latest
+        latest = _pointed(root, "latest")  # a broken pointer: fall back to the newest resumable step dir
+        if latest is not None and is_resumable(latest):
+            return latest
         resumable = [p for p in list_checkpoints(root) if is_resumable(p)]
         return resumable[-1] if resumable else None
     path = Path(resume)
