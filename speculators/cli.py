@@ -8,18 +8,26 @@ User errors (`SpeculatorsError`) print one line, `error: ...`, and exit with sta
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from speculators.config import DEFAULT_NGRAM_GRAFT as DEFAULT_GRAFT
+from speculators.config import ServeConfig, TreeConfig, setting_help
 from speculators.errors import SpeculatorsError
+from speculators.logs import configure
 from speculators.models import FAMILIES
+from speculators.pipeline import STAGES, run_pipeline, run_stage
+from speculators.recipes import dump_recipe, load_recipe
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train, evaluate, export and serve speculative-decoding speculators.")
@@ -30,10 +38,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 @app.callback()
 def _global_options(log_level: Annotated[str, typer.Option(
         "--log-level", help=f"how much the package logs on stderr: {', '.join(LOG_LEVELS)}")] = "info") -> None:
-    import logging
-
-    from speculators.logs import configure
-
     if log_level.lower() not in LOG_LEVELS:
         typer.echo(f"error: --log-level: unknown {log_level!r}; choose from {', '.join(LOG_LEVELS)}", err=True)
         raise typer.Exit(2)
@@ -62,15 +66,10 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _load(recipe: Path, overrides: list[str] | None):
-    from speculators.config import load_recipe
-
     return load_recipe(recipe, overrides or [])
 
 
 def _print_summary(title: str, summary: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=title, show_header=False, title_justify="left")
     for key, value in summary.items():
         table.add_row(str(key), value if isinstance(value, str) else json.dumps(value, default=str))
@@ -82,9 +81,6 @@ def _stage_command(name: str, help_text: str) -> None:
     @_user_errors
     def command(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = False,
                 dry_run: DryRunOpt = False) -> None:
-        from speculators.config import dump_recipe
-        from speculators.pipeline import run_stage
-
         r = _load(recipe, overrides)
         if dry_run:
             typer.echo(dump_recipe(r), nl=False)
@@ -108,9 +104,6 @@ for _name, _help in (
 @_user_errors
 def run(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
         only: Annotated[str | None, typer.Option(help="comma-separated stages to run")] = None) -> None:
-    from speculators.config import dump_recipe
-    from speculators.pipeline import STAGES, run_pipeline
-
     stages = _choices(only, "--only", [s.name for s in STAGES]) if only is not None else None
     r = _load(recipe, overrides)
     if dry_run:
@@ -194,8 +187,6 @@ def generate(
 
 def _serve_opt(name: str, flag: str | None = None) -> Any:
     """A `serve` flag whose help and default come from `config.ServeConfig` (the recipe's serve: section)."""
-    from speculators.config import ServeConfig, setting_help
-
     return typer.Option(*([flag] if flag else []), help=setting_help(ServeConfig, name))
 
 
@@ -226,9 +217,6 @@ def serve(
                                                    "target.dtype)")] = None,
     threads: ThreadsOpt = 0,
 ) -> None:
-    import dataclasses
-
-    from speculators.config import ServeConfig, load_recipe
     from speculators.serving.commands import serve_command
 
     _set_threads(threads)
@@ -318,7 +306,6 @@ def _tree_config(kind: str | None, depth: int | None, topk: int | None, budget: 
     """A TreeConfig from the tree options, or None when none is given (each drafter keeps its own)."""
     if all(v is None for v in (kind, depth, topk, budget, adaptive)):
         return None
-    from speculators.config import TreeConfig
 
     if kind is not None and kind not in ("dynamic", "static", "chain", "sampled"):
         raise SpeculatorsError(f"--tree must be dynamic, static, chain or sampled, got {kind!r}")
@@ -445,8 +432,6 @@ def worker_train_bench(recipe: RecipeArg, overrides: OverridesArg = None) -> Non
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
-    from speculators.logs import configure
-
     configure()
     try:
         app(args=argv, prog_name="speculators")

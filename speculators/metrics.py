@@ -25,10 +25,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 
 def tau(committed_tokens: int, target_calls: int) -> float:
@@ -65,8 +63,6 @@ def greedy_alpha(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> tor
 
 def sampled_alpha(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     """Teacher-forced sampling acceptance: sum_v min(p(v), q(v)) per row.  [..., V] x [..., V] -> [...]"""
-    import torch
-
     return torch.minimum(target_probs, draft_probs).sum(-1)
 
 
@@ -80,8 +76,6 @@ def chain_reach(alpha: torch.Tensor, valid: torch.Tensor | None = None) -> list[
     the plain mean of prod_{j<=k} alpha_{t,j}; with masks it never exceeds 1 (positions near a sequence's end, which
     have depth k-1 but not depth k, leave both sums).
     """
-    import torch
-
     a = alpha.double()
     if valid is None:
         valid = torch.ones_like(a, dtype=torch.bool)
@@ -109,8 +103,6 @@ def block_reach_bounds(target_probs: Sequence[torch.Tensor], draft_probs: Sequen
     convolution (FFT) of the carried law with the histogram of log-ratios under q, folded at 0 (w <= 1). Both bounds
     are exact expectations of a chain whose ratios are rounded monotonically, so they bracket the true value; their
     gap is at most about k h relative plus the floor. Returns (lower [N, K], upper [N, K]) float64."""
-    import torch
-
     n_rows = int(target_probs[0].shape[0]) if len(target_probs) else 0
     k_max = len(target_probs)
     h = -math.log(floor) / bins
@@ -158,8 +150,6 @@ def block_reach(target_probs: Sequence[torch.Tensor], draft_probs: Sequence[torc
 def block_alpha(target_probs: Sequence[torch.Tensor], draft_probs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-depth ratios reach_k / reach_{k-1} of `block_reach` (0 where nothing is left), so that `chain_reach` of
     them is the block reach, with the same validity masks as token-wise alpha.  -> [N, K] float64"""
-    import torch
-
     reach = block_reach(target_probs, draft_probs)  # [N, K]
     before = torch.cat([torch.ones_like(reach[:, :1]), reach[:, :-1]], dim=1)  # [N, K]
     return torch.where(before > 0, reach / before.clamp_min(1e-300), torch.zeros_like(reach)).clamp_(0.0, 1.0)

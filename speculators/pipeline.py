@@ -6,7 +6,7 @@ Each stage lives in its own module and exposes two functions:
     is_complete(recipe: Recipe) -> bool                   # outputs exist, are complete and valid
 
 `run_pipeline` runs every stage of a recipe in order and skips stages whose outputs are already complete. Stages
-are imported lazily so `import speculators` stays light. This module does not parse arguments.
+are imported when they run (importlib), so `speculators --help` and `import speculators.pipeline` load no torch. This module does not parse arguments.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from speculators.config import Recipe
 from speculators.errors import SpeculatorsError
@@ -27,23 +28,24 @@ class Stage:
     summary: str
 
     def load(self) -> tuple[Callable[..., dict], Callable[[Recipe], bool]]:
+        mod = self._module()
+        return mod.run, mod.is_complete
+
+    def _module(self) -> Any:
         try:
-            mod = importlib.import_module(self.module)
+            return importlib.import_module(self.module)
         except ModuleNotFoundError as exc:
             if exc.name and (exc.name == self.module or self.module.startswith(exc.name + ".")):
                 raise SpeculatorsError(f"stage '{self.name}' is not built yet ({self.module} is missing)") from None
             raise
-        return mod.run, mod.is_complete
 
     def enabled(self, recipe: Recipe) -> bool:
         if self.name == "regenerate":
             return recipe.data.regenerate.enabled
         if self.name == "capture":
             return recipe.capture.mode == "offline"
-        if self.name == "vllm-check":
-            from speculators.export.vllm_check import enabled
-
-            return enabled(recipe)
+        if self.name == "vllm-check":  # the stage decides (recipe `vllm.mode` and whether vLLM is installed)
+            return bool(self._module().enabled(recipe))
         return True
 
 

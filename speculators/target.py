@@ -13,6 +13,7 @@ This module does not write features or train anything.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -20,11 +21,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
 from speculators.errors import SpeculatorsError
 
 if TYPE_CHECKING:
-    import torch
-
     from speculators.config import TargetConfig
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -38,8 +40,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def resolve_device(device: str = "auto") -> str:
-    import torch
-
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -48,8 +48,6 @@ def resolve_device(device: str = "auto") -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    import torch
-
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -97,8 +95,6 @@ def _apply_chat_template_override(tokenizer: Any, chat_template: str | None) -> 
 
 
 def load_tokenizer(cfg: TargetConfig) -> Any:
-    from transformers import AutoTokenizer
-
     check_target_location(cfg.name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.revision,
@@ -141,10 +137,31 @@ def text_config(config: Any) -> Any:
     return get() if callable(get) else config
 
 
+def eos_token_ids(*sources: Any) -> list[int]:
+    """The EOS ids of a target: the union of `eos_token_id` over `sources` (generation config, model config,
+    tokenizer; each holds an int, a list or None; a None source is skipped), sorted. The one EOS lookup: the caller
+    names the sources it trusts (the runtime: generation config + tokenizer, as HF `generate` stops)."""
+    ids: set[int] = set()
+    for source in sources:
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return sorted(ids)
+
+
+def saved_eos_token_ids(cfg: TargetConfig) -> list[int]:
+    """`eos_token_ids` of a target on disk without loading its weights: its generation_config.json, else its
+    config.json; [] for a tokenizer-only dir (the house target before its weights land)."""
+    for load in (GenerationConfig.from_pretrained, AutoConfig.from_pretrained):
+        try:
+            return eos_token_ids(load(cfg.name_or_path, revision=cfg.revision))
+        except Exception:  # noqa: BLE001 - no such file here: try the next source
+            continue
+    return []
+
+
 def load_target(cfg: TargetConfig, device: str | None = None, dtype: str | None = None) -> LoadedTarget:
     """Load the target (+ PEFT adapter) for inference: eval mode, gradients off."""
-    from transformers import AutoModelForCausalLM
-
     dev = resolve_device(device or cfg.device)
     dt = resolve_dtype(dtype or cfg.dtype, dev)
     tokenizer = load_tokenizer(cfg)
@@ -248,8 +265,6 @@ class TapRecorder:
 
     def taps(self) -> torch.Tensor:
         """Concatenated taps in layer-id order: [B, T, n_taps * H]."""
-        import torch
-
         return torch.cat([self.captured[i] for i in self.layer_ids], dim=-1)
 
 
@@ -263,8 +278,6 @@ class TapOutput:
 def forward_with_taps(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                       layer_ids: list[int] | None) -> TapOutput:
     """One target forward returning taps, the post-norm last hidden state and the logits."""
-    import torch
-
     norm_out: dict[str, torch.Tensor] = {}
     handle = final_norm(model).register_forward_hook(lambda m, a, out: norm_out.__setitem__("h", out))
     try:
@@ -310,8 +323,6 @@ def _cache_file() -> Path:
 def cache_kwarg(model: Any) -> str:
     """Name of the KV-cache argument of `model.forward` (transformers >= 5.2x renamed `past_key_values` to
     `cache`)."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -412,8 +423,6 @@ def fingerprint_target(cfg: TargetConfig, tokenizer: Any | None = None, model_co
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg)
     if model_config is None:
-        from transformers import AutoConfig
-
         model_config = AutoConfig.from_pretrained(str(directory), trust_remote_code=cfg.trust_remote_code)
     tc = text_config(model_config)
     return TargetFingerprint(

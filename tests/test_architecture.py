@@ -6,12 +6,17 @@
 - No import circle between files (every import counts: top level, inside functions, under TYPE_CHECKING).
 - Every `speculators.*` import names a module that exists and, for `from X import name`, a name X defines.
 - Nothing outside cli.py parses arguments (argparse, typer, click, sys.argv).
-- `import speculators` does not import deepspeed, wandb, datasets or vllm.
+- Imports sit at the top of the file. Inside a function only the optional heavy extras (LAZY_EXTRAS: installed by an
+  extra, or needed by one rarely used path), and anything in cli.py, which loads a command's stage only when that
+  command runs (so `speculators --help` does not import torch).
+- `import speculators` (and the CLI's own module, so `speculators --help` is quick) does not import deepspeed, wandb,
+  datasets, vllm, torch or transformers.
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 from functools import cache
@@ -21,11 +26,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "speculators"
 
-SHARED = {"core", "config", "target", "metrics", "errors", "logs", ""}
+SHARED = {"core", "config", "recipes", "target", "metrics", "errors", "logs", ""}
 STAGES = {"data", "train", "evaluate", "export", "serving", "house"}
 RANK = {"cli": 4, "pipeline": 3, **{s: 2 for s in STAGES}, "models": 1, **{s: 0 for s in SHARED}}
 FORBIDDEN_STAGE_EDGES = {("serving", "train"), ("serving", "data")}
 ARGUMENT_PARSERS = ("argparse", "typer", "click", "optparse")
+LAZY_EXTRAS = {"deepspeed", "wandb", "torch.utils.tensorboard", "fastapi", "uvicorn", "starlette", "prometheus_client",
+               "openai", "vllm", "datasets", "matplotlib", "peft", "huggingface_hub", "pydoc_data"}
 
 
 def _module_name(path: Path) -> str:
@@ -205,7 +212,32 @@ def test_only_cli_parses_arguments() -> None:
     assert not offenders, "argument parsing outside cli.py:\n" + "\n".join(offenders)
 
 
-@pytest.mark.parametrize("heavy", ["deepspeed", "wandb", "datasets", "vllm"])
+def _imports_inside_functions(module: str) -> list[tuple[str, int]]:
+    """(imported module, line) of every import statement inside a function of `module`."""
+    out = []
+    for fn in ast.walk(_tree(module)):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    out += [(a.name, node.lineno) for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    out.append(("." * node.level + (node.module or ""), node.lineno))
+    return out
+
+
+def test_imports_sit_at_the_top() -> None:
+    late = []
+    for module, path in _modules().items():
+        if module == "speculators.cli":
+            continue
+        late += [f"{path.relative_to(PACKAGE.parent)}:{line} imports {name} inside a function"
+                 for name, line in _imports_inside_functions(module)
+                 if name not in LAZY_EXTRAS and name.split(".")[0] not in LAZY_EXTRAS]
+    assert not late, "move these to the top of the file (or add a real optional extra to LAZY_EXTRAS):\n" + \
+        "\n".join(late)
+
+
+@pytest.mark.parametrize("heavy", ["deepspeed", "wandb", "datasets", "vllm", "torch", "transformers"])
 def test_import_speculators_stays_light(heavy: str) -> None:
     code = f"import sys, speculators, speculators.cli, speculators.pipeline; print({heavy!r} in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -216,20 +248,19 @@ def test_import_speculators_stays_light(heavy: str) -> None:
 def test_the_rules_catch_a_broken_house(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks above are not vacuous: on a copy of the package with a model importing serving, a circle and an
     argparse import, each of them fails."""
-    import shutil
-
     copy = tmp_path / "speculators"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "models" / "upward.py").write_text("from speculators.serving.engine import Engine\n")
     (copy / "core" / "ring_a.py").write_text("from speculators.core import ring_b\n")
     (copy / "core" / "ring_b.py").write_text("from speculators.core import ring_a\nimport argparse\n")
     (copy / "core" / "stale.py").write_text("from speculators.core.atomic import no_such_writer\n")
+    (copy / "core" / "late.py").write_text("def f():\n    import json\n    return json\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy)
     for fn in (_modules, _tree):
         fn.cache_clear()
     try:
         for check in (test_imports_point_downward_only, test_no_import_circle_between_files,
-                      test_only_cli_parses_arguments, test_every_internal_import_resolves):
+                      test_only_cli_parses_arguments, test_every_internal_import_resolves, test_imports_sit_at_the_top):
             with pytest.raises(AssertionError):
                 check()
     finally:

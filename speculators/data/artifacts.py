@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from speculators.core.atomic import write_json_atomic
 from speculators.errors import SpeculatorsError
 
@@ -180,10 +184,6 @@ def intact(directory: Path, manifest: dict) -> bool:
 
 def check_token_values(ds: Any, directory: Path, what: str, stage: str, vocab_size: int | None = None) -> None:
     """loss_mask in {0, 1}, token ids in [0, vocab_size), as many mask values as ids in every row."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     ids_col = pa.chunked_array(ds.data.column("input_ids").chunks).combine_chunks()
     mask_col = pa.chunked_array(ds.data.column("loss_mask").chunks).combine_chunks()
 

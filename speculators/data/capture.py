@@ -1,6 +1,6 @@
 """`speculators capture`: run the target over the training data and store what the speculator family needs.
 
-- What is stored comes from the recipe (`feature_request`): EAGLE-3 -> taps = the residual stream ENTERING the
+- What is stored comes from the recipe (`features.feature_request`): EAGLE-3 -> taps = the residual stream ENTERING the
   decoder layers `capture.layer_ids` (default `[2, N//2, N-3]`, vLLM's semantics); Medusa / MTP -> the post-norm
   last hidden state. The teacher is either recomputed from a stored last hidden state (`capture.teacher: hidden`)
   or stored as the target's top-k next-token log-probs (`topk`). Storage: bf16, or int8 with one absmax scale
@@ -12,7 +12,8 @@
   `token_freq.safetensors`, `vocab-<Vd>.safetensors` (EAGLE-3 with a reduced vocab), `manifest.json` (last) and
   moves the dir to `features/`, so an earlier complete output stays intact until the new one is complete.
 - `capture.num_processes > 1` runs `accelerate launch` with `speculators worker-capture` (capture_worker.py).
-- `compute_features` is also what the training loop calls in online mode (`capture.mode: online`, no disk).
+- The target forward is `features.compute_features`, which the training loop also calls online (no disk); the
+  draft-vocabulary token counts written at the end come from token_counts.py.
 
 What to store comes from the family's class (`Speculator.capture_request`); this module never branches on the family
 name and trains nothing.
@@ -24,73 +25,34 @@ import json
 import math
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 import torch
+from tqdm import tqdm
+from transformers import AutoConfig
 
 from speculators.config import Recipe
 from speculators.core.atomic import write_json_atomic
+from speculators.core.workers import accelerate_command, run_workers
 from speculators.data import artifacts, shards, vocab
+from speculators.data.features import compute_features, feature_request, stored_features
+from speculators.data.token_counts import always_included_ids, split_counts, workload_counts
 from speculators.errors import SpeculatorsError
+from speculators.models import SPECULATORS
+from speculators.recipes import dump_recipe
+from speculators.target import (
+    check_target_location,
+    fingerprint_target,
+    load_target,
+    load_tokenizer,
+    text_config,
+)
 
-TOPK_CHUNK_ELEMENTS = 1 << 26  # logits converted to float32 at a time for the top-k teacher (256 MiB)
 TOPK_MASS_WARNING = 0.9  # the summary says so when the stored top-k holds less of the target's mass on average
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# what to capture
-
-
-def feature_request(recipe: Recipe, num_layers: int) -> Any:
-    """The FeatureRequest of the recipe's speculator family (its class says what it needs; unknown: one error)."""
-    from speculators.models import SPECULATORS
-
-    return SPECULATORS[recipe.speculator.family].capture_request(recipe.capture.layer_ids, num_layers)
-
-
-def stored_features(request: Any, teacher: str) -> list[str]:
-    out = []
-    if request.tap_layer_ids:
-        out.append("taps")
-    if request.last_hidden or teacher == "hidden":
-        out.append("last_hidden")
-    return out
-
-
-def compute_features(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, request: Any, *,
-                     teacher: str = "none", topk: int = 20, need_last_hidden: bool | None = None) -> dict:
-    """One target forward -> float32 features: "taps" [B, T, n*H], "last_hidden" [B, T, H]; teacher "topk" adds
-    "teacher_topk_ids" [B, T, k] long + "teacher_topk_logprobs" [B, T, k]; teacher "logits" adds "logits"
-    [B, T, V]. Used offline by capture and online by the training loop."""
-    from speculators.target import forward_with_taps
-
-    layer_ids = list(request.tap_layer_ids) if request.tap_layer_ids else None
-    out = forward_with_taps(model, input_ids, attention_mask, layer_ids)
-    res: dict[str, torch.Tensor] = {}
-    if out.taps is not None:
-        res["taps"] = out.taps.float()
-    if need_last_hidden if need_last_hidden is not None else request.last_hidden:
-        res["last_hidden"] = out.last_hidden.float()
-    if teacher == "topk":
-        logits = out.logits  # [B, T, V]
-        b, t, v = logits.shape
-        flat = logits.reshape(b * t, v)
-        values, ids = [], []
-        for chunk in flat.split(max(1, TOPK_CHUNK_ELEMENTS // v)):  # bounded float32 log-softmax
-            top = torch.log_softmax(chunk.float(), dim=-1).topk(topk, dim=-1)
-            values.append(top.values)
-            ids.append(top.indices)
-        res["teacher_topk_ids"] = torch.cat(ids).reshape(b, t, topk)  # [B, T, k]
-        res["teacher_topk_logprobs"] = torch.cat(values).reshape(b, t, topk).clamp_min(-1e4)  # [B, T, k]
-    elif teacher == "logits":
-        res["logits"] = out.logits.float()
-    return res
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -129,8 +91,6 @@ def shard_plan(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:
 
 def row_lengths(ds: Any) -> list[int]:
     """Token count of every row of a token dataset (Arrow metadata only, no Python lists of ids)."""
-    import pyarrow.compute as pc
-
     return [int(n) for n in pc.list_value_length(ds.data.column("input_ids")).to_pylist()]
 
 
@@ -152,10 +112,6 @@ def _data_identity(manifest: dict) -> str:
 
 def make_job(recipe: Recipe) -> Job:
     """Validate everything capture needs (before any output is touched) and compute the inputs hash + plan."""
-    from transformers import AutoConfig
-
-    from speculators.target import check_target_location, fingerprint_target, load_tokenizer, text_config
-
     data_dir = recipe.training_data_dir
     stage = "regenerate" if recipe.data.regenerate.enabled else "prepare"
     check_target_location(recipe.target.name_or_path)
@@ -325,10 +281,6 @@ def _dataset(job: Job) -> Any:
 
 def capture_rank(job: Job, rank: int, world: int, device: str | None = None) -> dict:
     """Write this rank's shards (skipping complete ones); returns counts for the summary."""
-    from tqdm import tqdm
-
-    from speculators.target import load_target
-
     mine = [i for i in range(len(job.plan)) if i % world == rank]
     todo = [i for i in mine if _valid_shard(job.partial, i, job) is None]
     stats = {"shards_written": 0, "shards_reused": len(mine) - len(todo), "tokens": 0, "forward_seconds": 0.0}
@@ -352,74 +304,6 @@ def capture_rank(job: Job, rank: int, world: int, device: str | None = None) -> 
 # finalisation (rank 0)
 
 
-def _always_include(job: Job) -> list[int]:
-    from speculators.target import load_tokenizer
-
-    tok = load_tokenizer(job.recipe.target)
-    ids = set(int(i) for i in tok.all_special_ids if i is not None)
-    ids.update(int(i) for i in job.data_manifest.get("tokenizer", {}).get("end_of_turn_ids", []))
-    if tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    return sorted(i for i in ids if 0 <= i < job.vocab_size)
-
-
-def _split_counts(job: Job) -> tuple[torch.Tensor, torch.Tensor]:
-    """Assistant-token counts [V] of the train split and of the held-out val split (vectorised over Arrow)."""
-    import numpy as np
-
-    ds = _dataset(job)
-    n = len(ds)
-    is_val = np.zeros(n, dtype=bool)
-    is_val[shards.split_indices(n, "val", job.recipe.data.val_fraction, job.recipe.seed)] = True
-    counts = {False: np.zeros(job.vocab_size, dtype=np.int64), True: np.zeros(job.vocab_size, dtype=np.int64)}
-    ids_col, mask_col = ds.data.column("input_ids"), ds.data.column("loss_mask")
-    base = 0
-    for ids_chunk, mask_chunk in zip(ids_col.chunks, _rechunk(mask_col, ids_col), strict=True):
-        lens = np.diff(ids_chunk.offsets.to_numpy())
-        start, stop = int(ids_chunk.offsets[0].as_py()), int(ids_chunk.offsets[-1].as_py())
-        ids = ids_chunk.values.to_numpy()[start:stop].astype(np.int64)
-        m0, m1 = int(mask_chunk.offsets[0].as_py()), int(mask_chunk.offsets[-1].as_py())
-        mask = mask_chunk.values.to_numpy()[m0:m1] > 0
-        row_val = np.repeat(is_val[base:base + len(lens)], lens)
-        if ids.size and (ids.max() >= job.vocab_size or ids.min() < 0):
-            raise SpeculatorsError(f"token id {int(ids.max())} is outside the target vocab ({job.vocab_size}); the "
-                                   "data was tokenized for another tokenizer — re-run prepare")
-        for flag in (False, True):
-            sel = mask & (row_val == flag)
-            counts[flag] += np.bincount(ids[sel], minlength=job.vocab_size)
-        base += len(lens)
-    return torch.from_numpy(counts[False]), torch.from_numpy(counts[True])
-
-
-def _rechunk(col: Any, like: Any) -> list[Any]:
-    """`col` cut into chunks with the same row counts as `like` (both are columns of one table)."""
-    import pyarrow as pa
-
-    out, at = [], 0
-    whole = pa.concat_arrays(col.chunks) if col.num_chunks != 1 else col.chunk(0)
-    for chunk in like.chunks:
-        out.append(whole.slice(at, len(chunk)))
-        at += len(chunk)
-    return out
-
-
-def _workload_counts(job: Job) -> dict[str, torch.Tensor]:
-    """Token counts [V] of the held-out workload prompts, per cohort (as the target would see them)."""
-    from speculators.core.workloads import load_workloads
-    from speculators.data.chat import ChatEncoder
-    from speculators.target import load_tokenizer
-
-    rows = load_workloads(job.recipe.evaluate.workloads, job.recipe.evaluate.max_rows_per_cohort)
-    tok = load_tokenizer(job.recipe.target)
-    enc = ChatEncoder(tok, job.recipe.data.chat_template_kwargs)
-    out: dict[str, torch.Tensor] = {}
-    for row in rows:
-        ids = enc.prompt_ids(row.messages, None) if row.messages else tok(row.prompt)["input_ids"]
-        c = torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=job.vocab_size)[: job.vocab_size]
-        out[row.cohort] = out.get(row.cohort, torch.zeros(job.vocab_size, dtype=torch.long)) + c
-    return out
-
-
 def finalize(job: Job, seconds: float, rank_stats: dict | None = None) -> dict:
     """Check every shard, write token_freq / vocab / manifest into the partial dir, move it into place."""
     recs = []
@@ -428,8 +312,8 @@ def finalize(job: Job, seconds: float, rank_stats: dict | None = None) -> dict:
         if rec is None:
             raise SpeculatorsError(f"capture did not complete shard {i} in {job.partial}; re-run capture to resume")
         recs.append(rec)
-    train_c, val_c = _split_counts(job)
-    forced = _always_include(job)
+    train_c, val_c = split_counts(_dataset(job), job.vocab_size, job.recipe.data.val_fraction, job.recipe.seed)
+    forced = always_included_ids(job.recipe, job.data_manifest, job.vocab_size)
     vocab.save_token_freq(job.partial, train_c, forced, {"split": "train", "val_fraction":
                                                          job.recipe.data.val_fraction, "seed": job.recipe.seed})
     coverage: dict[str, Any] = {}
@@ -442,7 +326,7 @@ def finalize(job: Job, seconds: float, rank_stats: dict | None = None) -> dict:
                         val_c.sum()) else None}
         try:
             coverage["workload_prompt_tokens"] = {k: round(vocab.coverage(t2d, c), 4)
-                                                  for k, c in sorted(_workload_counts(job).items())}
+                                                  for k, c in sorted(workload_counts(job.recipe, job.vocab_size).items())}
         except SpeculatorsError as exc:
             coverage["workload_prompt_tokens"] = f"unavailable: {exc}"
         vocab.save_vocab(job.partial, d2t, t2d, {"draft_vocab_size": vd, "coverage": coverage})
@@ -508,8 +392,6 @@ def summary_of(manifest: dict, status: str) -> dict:
 
 
 def _uses_draft_vocab(recipe: Recipe) -> bool:
-    from speculators.models import SPECULATORS
-
     return bool(SPECULATORS[recipe.speculator.family].USES_DRAFT_VOCAB)
 
 
@@ -535,29 +417,17 @@ def is_complete(recipe: Recipe) -> bool:
     return _vocab_ready(recipe, recipe.paths.features)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(recipe: Recipe, force: bool) -> None:
     """Run `capture.num_processes` workers through accelerate (CPU: gloo; GPUs: one per process)."""
-    from speculators.config import dump_recipe
-
     logs = recipe.paths.logs
     logs.mkdir(parents=True, exist_ok=True)
     recipe_file = logs / "capture-recipe.yaml"
     recipe_file.write_text(dump_recipe(recipe))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
-           "--num_processes", str(recipe.capture.num_processes), "--mixed_precision", "no", "--dynamo_backend",
-           "no", "--main_process_port", str(_free_port()), "-m", "speculators.cli", "worker-capture",
-           str(recipe_file)] + (["--force"] if force else [])
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // recipe.capture.num_processes)))
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        raise SpeculatorsError(f"capture workers failed (exit {proc.returncode}); see the messages above. Complete "
+    n = recipe.capture.num_processes
+    cmd = accelerate_command(["worker-capture", str(recipe_file)] + (["--force"] if force else []), n)
+    returncode = run_workers(cmd, n)
+    if returncode != 0:
+        raise SpeculatorsError(f"capture workers failed (exit {returncode}); see the messages above. Complete "
                                f"shards are kept in {recipe.paths.features}.partial: re-run to resume")
 
 

@@ -17,18 +17,18 @@ import logging
 import sys
 import time
 
-from speculators.config import load_recipe
+import torch
+from accelerate import Accelerator
+
 from speculators.data import capture
 from speculators.errors import SpeculatorsError
+from speculators.recipes import load_recipe
 
 log = logging.getLogger(__name__)
 
 
 def run_rank(recipe: str, overrides: list[str], force: bool) -> None:
     """This process's share of a launched capture (every rank calls it); exits 2 on a user error on any rank."""
-    import torch
-    from accelerate import Accelerator
-
     t0 = time.time()
     acc = Accelerator(cpu=not torch.cuda.is_available())
     rank, world = acc.process_index, acc.num_processes

@@ -32,6 +32,7 @@ from typing import Any
 
 from speculators.data.schemas import Conversation
 from speculators.errors import SpeculatorsError
+from speculators.target import eos_token_ids
 
 _SENTINEL = "\u2063SPECULATORSSENTINEL{}\u2063"
 _PROBE_USER = "Probe question."
@@ -53,16 +54,6 @@ def has_generation_markers(template: str | None) -> bool:
     return bool(template) and re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
 
 
-def eos_ids(tokenizer: Any, extra: list[int] | None = None) -> list[int]:
-    ids = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    for i in extra or []:
-        if i is not None and int(i) not in ids:
-            ids.append(int(i))
-    return ids
-
-
 class ChatEncoder:
     """Encodes conversations for one tokenizer + template (+ template kwargs such as `enable_thinking`)."""
 
@@ -72,7 +63,7 @@ class ChatEncoder:
         self.template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         self.markers = has_generation_markers(self.template)
         self.special_texts = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
-        self.terminators = set(eos_ids(tokenizer, extra_eos_ids))
+        self.terminators = set(eos_token_ids(tokenizer)) | {int(i) for i in extra_eos_ids or [] if i is not None}
         self._probed = False
 
     # ---- helpers -----------------------------------------------------------------------------------------------

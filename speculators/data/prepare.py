@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm import tqdm
+
 from speculators.config import DataConfig, Recipe
 from speculators.core.atomic import write_json_atomic
 from speculators.data import artifacts
@@ -34,6 +36,7 @@ from speculators.data.schemas import (
     source_kind,
 )
 from speculators.errors import SpeculatorsError
+from speculators.target import load_tokenizer, saved_eos_token_ids, tokenizer_hash
 
 MAX_LISTED_BAD_ROWS = 100
 
@@ -56,30 +59,11 @@ class EncodeTally:
                 "truncated": self.truncated, "dropped_no_answer_after_truncation": self.dropped_no_answer}
 
 
-def target_eos_ids(recipe: Recipe) -> list[int]:
-    """EOS ids the target stops on (generation_config, else config), for end-of-turn detection."""
-    from transformers import GenerationConfig
-
-    try:
-        gen = GenerationConfig.from_pretrained(recipe.target.name_or_path, revision=recipe.target.revision)
-        eos = gen.eos_token_id
-    except Exception:  # noqa: BLE001 - no generation_config.json: fall back to the model config
-        try:
-            from transformers import AutoConfig
-
-            eos = AutoConfig.from_pretrained(recipe.target.name_or_path, revision=recipe.target.revision).eos_token_id
-        except Exception:  # noqa: BLE001 - tokenizer-only dirs (house target before its weights land)
-            eos = None
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-
-
 def make_encoder(recipe: Recipe, tokenizer: Any) -> ChatEncoder:
     kwargs = recipe.data.chat_template_kwargs
     if not isinstance(kwargs, dict):
         raise SpeculatorsError(f"data.chat_template_kwargs must be a mapping, got {kwargs!r}")
-    return ChatEncoder(tokenizer, kwargs, target_eos_ids(recipe))
+    return ChatEncoder(tokenizer, kwargs, saved_eos_token_ids(recipe.target))
 
 
 class RowEncoder:
@@ -133,8 +117,6 @@ def _require_answer(recipe: Recipe) -> bool:
 
 
 def inputs_fingerprint(recipe: Recipe, tokenizer: Any) -> dict:
-    from speculators.target import tokenizer_hash
-
     if not recipe.data.sources:
         raise SpeculatorsError("the recipe has no data.sources; add e.g. data.sources: [{path: data.jsonl}]")
     sources = []
@@ -154,7 +136,6 @@ def is_complete(recipe: Recipe) -> bool:
     manifest = artifacts.try_manifest(recipe.paths.prepared, artifacts.PREPARED_FORMAT)
     if manifest is None:
         return False
-    from speculators.target import load_tokenizer
 
     try:
         tok = load_tokenizer(recipe.target)
@@ -173,10 +154,6 @@ def summary_of(manifest: dict, status: str) -> dict:
 
 
 def run(recipe: Recipe, *, force: bool = False) -> dict:
-    from tqdm import tqdm
-
-    from speculators.target import load_tokenizer
-
     out_dir = recipe.paths.prepared
     tokenizer = load_tokenizer(recipe.target)
     inputs = inputs_fingerprint(recipe, tokenizer)

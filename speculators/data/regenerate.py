@@ -35,13 +35,21 @@ import logging
 import time
 from typing import Any
 
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig
+
 from speculators.config import Recipe
 from speculators.core.atomic import write_json_atomic
+from speculators.core.sampling import SamplingParams
 from speculators.data import artifacts
 from speculators.data.prepare import RowEncoder, make_encoder
+from speculators.data.regen_openai import OpenAIBackend
 from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState, Turn
+from speculators.data.regenerate_engine import EngineGenerator, crosscheck
 from speculators.data.schemas import Conversation, RowError
 from speculators.errors import SpeculatorsError
+from speculators.target import fingerprint_target, load_target, load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +65,6 @@ class LocalBackend:
     bundled runtime (`regenerate_engine.EngineGenerator`) on the same loaded target."""
 
     def __init__(self, recipe: Recipe) -> None:
-        from speculators.target import load_target
-
         self.recipe = recipe
         self.target = load_target(recipe.target)
         self.tok = self.target.tokenizer
@@ -70,8 +76,6 @@ class LocalBackend:
         self.engine: Any = None
         self.crosscheck: dict | None = None
         if recipe.data.regenerate.backend == "engine":
-            from speculators.data.regenerate_engine import EngineGenerator
-
             rg = recipe.data.regenerate
             self.engine = EngineGenerator(self.target, rg.drafter, rg.concurrency)
 
@@ -85,8 +89,6 @@ class LocalBackend:
         if self.engine is None:
             gens = self.hf_ids(prompts, max_new, seed)
         else:
-            from speculators.data.regenerate_engine import crosscheck
-
             n = min(self.recipe.data.regenerate.crosscheck_rows, len(prompts)) if self.crosscheck is None else 0
             gens = []
             if n > 0:  # the first rows run through both backends, side by side; the engine's answers are kept
@@ -106,8 +108,6 @@ class LocalBackend:
 
     def engine_ids(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[list[int]]:
         """The runtime's answers (ids up to and including the first stop token); request j samples with seed+j."""
-        from speculators.core.sampling import SamplingParams
-
         rg = self.recipe.data.regenerate
         params = [SamplingParams(max_new_tokens=m, temperature=rg.temperature, top_p=rg.top_p,
                                  seed=(seed + j) % (2**63), stop_token_ids=self.stop_ids)
@@ -122,9 +122,6 @@ class LocalBackend:
 
     def hf_ids(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[list[int]]:
         """HF `generate`'s answers (ids up to and including the first stop token), one left-padded batch."""
-        import torch
-        from transformers import GenerationConfig
-
         rg = self.recipe.data.regenerate
         width = max(len(p) for p in prompts)
         inp = torch.full((len(prompts), width), self.pad, dtype=torch.long)
@@ -193,8 +190,6 @@ def _check_enabled(recipe: Recipe) -> None:
 
 
 def inputs_fingerprint(recipe: Recipe, prepared_manifest: dict, tokenizer: Any) -> dict:
-    from speculators.target import fingerprint_target, tokenizer_hash
-
     rg = recipe.data.regenerate
     generator = (f"{rg.endpoint}|{rg.model or recipe.target.name_or_path}" if rg.backend == "openai"
                  else fingerprint_target(recipe.target, tokenizer=tokenizer).content_hash)
@@ -217,7 +212,6 @@ def is_complete(recipe: Recipe) -> bool:
     m = artifacts.try_manifest(recipe.paths.regenerated, artifacts.PREPARED_FORMAT)
     if m is None or not recipe.data.regenerate.enabled:
         return False
-    from speculators.target import load_tokenizer
 
     try:
         prepared = artifacts.read_manifest(recipe.paths.prepared, artifacts.PREPARED_FORMAT, "prepared data")
@@ -248,8 +242,6 @@ def engine_report(backend: Any) -> dict:
 
 def _generate(recipe: Recipe, ds: Any, store: PartialStore, backend: Any) -> float:
     """Run the backend over every row still to try, chunk by chunk; returns the generation seconds."""
-    from tqdm import tqdm
-
     seconds = 0.0
     left = store.pending()
     with tqdm(total=len(ds), initial=len(ds) - left, desc="regenerate", unit=" rows", dynamic_ncols=True) as bar:
@@ -280,8 +272,6 @@ def _check_failures(recipe: Recipe, store: PartialStore, n: int) -> list[RowResu
 
 
 def run(recipe: Recipe, *, force: bool = False) -> dict:
-    from speculators.target import load_tokenizer
-
     _check_enabled(recipe)
     ds, prepared_manifest = artifacts.load_token_dataset(recipe.paths.prepared, "prepared data")
     if "conversation" not in ds.column_names:
@@ -298,8 +288,6 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     if rg.backend in ("local", "engine"):
         backend: Any = LocalBackend(recipe)
     else:
-        from speculators.data.regen_openai import OpenAIBackend
-
         backend = OpenAIBackend(recipe)
         backend.check()  # the endpoint and the model, before the first row
     chunk = rg.batch_size if rg.backend == "local" else max(rg.concurrency * 4, rg.batch_size)

@@ -27,6 +27,8 @@ from typing import Any
 from speculators.config import TreeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.errors import SpeculatorsError
+from speculators.serving.batching import BatchRunner
+from speculators.serving.engine import Engine
 
 GenerateFn = Callable[[list[list[int]], list[int], int], list[list[int]]]
 
@@ -41,8 +43,6 @@ class EngineGenerator:
     """The runtime (an `Engine` on the already loaded target) generating many prompts with continuous batching."""
 
     def __init__(self, target: Any, drafter: str | None, max_batch: int) -> None:
-        from speculators.serving.engine import Engine
-
         if max_batch < 1:
             raise SpeculatorsError(f"data.regenerate.concurrency must be >= 1, got {max_batch}")
         self.engine = Engine.from_pretrained(target=target, speculator=drafter or None, ngram_graft=0)
@@ -53,8 +53,6 @@ class EngineGenerator:
 
     def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[list[int]]:
         """Generated ids per prompt (the stop token included when one ended the output), in prompt order."""
-        from speculators.serving.batching import BatchRunner
-
         runner = BatchRunner(self.engine, self.max_batch)
         tickets = [runner.add(list(p), sp, text_deltas=False) for p, sp in zip(prompts, params, strict=True)]
         runner.run()

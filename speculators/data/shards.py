@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from speculators.data.artifacts import sha256_file
-from speculators.errors import SpeculatorsError
+from speculators.data.artifacts import read_manifest, sha256_file
+from speculators.errors import PairingError, SpeculatorsError
 
 FEATURES_FORMAT = "speculators.features/v1"
 SHARD_PATTERN = "shard-{:05d}.safetensors"
@@ -108,8 +110,6 @@ def check_finite(name: str, x: torch.Tensor, where: str) -> None:
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[str, int]:
     """Atomically write a shard (temp file, fsync, rename); returns (sha256, bytes)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
@@ -166,8 +166,6 @@ class FeatureStore:
     """
 
     def __init__(self, features_dir: str | Path, cache_shards: int = 16) -> None:
-        from speculators.data.artifacts import read_manifest
-
         self.dir = Path(features_dir)
         self.manifest: dict = read_manifest(self.dir, FEATURES_FORMAT, "features")
         shards = self.manifest.get("shards")
@@ -215,8 +213,6 @@ class FeatureStore:
 
     def check_target(self, fingerprint: dict) -> None:
         """Raise if these features were captured from another target (or tokenizer) than `fingerprint`."""
-        from speculators.errors import PairingError
-
         mine = self.manifest["target"]
         if fingerprint.get("tokenizer_hash") != mine.get("tokenizer_hash"):
             raise PairingError(f"features in {self.dir} were captured with another tokenizer "
@@ -267,8 +263,6 @@ class FeatureStore:
             self._shard(s)
 
     def _handle(self, s: int) -> Any:
-        from safetensors import safe_open
-
         path = self.shard_path(s)
         if not path.is_file():
             raise SpeculatorsError(f"feature shard {path} is missing; re-run capture (complete shards are kept)")

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from speculators.errors import SpeculatorsError
 
@@ -86,8 +87,6 @@ def coverage(t2d: torch.Tensor, counts: torch.Tensor) -> float:
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
-    from safetensors.torch import save_file
-
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata={"speculators": json.dumps(meta, sort_keys=True)})
     os.replace(tmp, path)
@@ -103,8 +102,6 @@ def save_token_freq(features_dir: str | Path, token_freq: torch.Tensor, always_i
 
 
 def load_token_freq(features_dir: str | Path) -> tuple[torch.Tensor, list[int]]:
-    from safetensors.torch import load_file
-
     path = Path(features_dir) / TOKEN_FREQ_FILE
     if not path.is_file():
         raise SpeculatorsError(f"{path} not found; run `speculators capture` (it writes the token frequencies)")
@@ -130,8 +127,6 @@ def _check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, vd: int, path: Path) -> N
 
 def load_vocab(features_dir: str | Path, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t [Vd] int64, t2d [V] bool) for this draft vocab size; built from token_freq and cached if missing."""
-    from safetensors.torch import load_file
-
     path = vocab_file(features_dir, draft_vocab_size)
     if path.is_file():
         try:

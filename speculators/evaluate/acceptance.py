@@ -34,15 +34,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-from speculators.config import Recipe, to_dict
+from speculators.config import Recipe
 from speculators.core.atomic import atomic_dir, write_json_atomic
 from speculators.core.checkpoints import describe_incomplete, list_checkpoints, read_pointer, step_number, write_pointer
 from speculators.core.pairing import check_pairing, draft_revision, read_pairing
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
+from speculators.evaluate.agreement import serving_agreement
 from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
+from speculators.evaluate.live import pick_rows
+from speculators.evaluate.report import write_checkpoint_report, write_overview
 from speculators.evaluate.select import (
     SELECTION_FORMAT,
     checkpoint_family,
@@ -52,6 +56,11 @@ from speculators.evaluate.select import (
 )
 from speculators.evaluate.tally import CeilingTally, SpeculatorTally
 from speculators.evaluate.teacher import EvalSequence, continuations, teacher_pass
+from speculators.models.io import load_speculator, target_weights
+from speculators.recipes import to_dict
+from speculators.serving.ngram import ngram_propose
+from speculators.target import fingerprint_target, load_target
+from speculators.train.tracking import log_evaluation, wandb_options
 
 EVAL_FORMAT = "speculators.eval/v1"
 
@@ -127,10 +136,6 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
     Returns (per-speculator {"<T>": summary}, per-speculator {"<T>": summary under block verification} for T > 0,
     n-gram {"<T>": summary}, per-speculator depth).
     """
-    from tqdm.auto import tqdm
-
-    from speculators.serving.ngram import ngram_propose
-
     requests = {name: spec.required_features() for name, spec in specs.items()}
     union = sorted({i for r in requests.values() for i in (r.tap_layer_ids or ())})
     depths = {name: min(depth, int(spec.num_steps)) for name, spec in specs.items()}
@@ -174,9 +179,6 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
 
 
 def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
-    from speculators.models.io import load_speculator, target_weights
-    from speculators.target import fingerprint_target, load_target
-
     _check_settings(recipe)
     ev = recipe.evaluate
     ckpts = _checkpoints(recipe)
@@ -232,8 +234,6 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
         todo_names = {c.name for c in todo}
     selection = _write_outputs(recipe, reports, best, todo_names)
     if "wandb" in recipe.train.trackers:  # the report joins the training run in W&B (when training had one)
-        from speculators.train.tracking import log_evaluation, wandb_options
-
         eval_dir = recipe.paths.eval
         log_evaluation(recipe.paths.logs, wandb_options(recipe.train), selection,
                        {"selection": eval_dir / "selection.png", "per_position": eval_dir / best / "per_position.png",
@@ -244,10 +244,6 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
 def _live(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], best: str, progress: bool) -> dict:
     """Predicted vs live acceptance of the best checkpoint on `evaluate.live_rows_per_cohort` rows per cohort
     (`agreement.serving_agreement`: the same chain / tree / n-gram chain on the same rows)."""
-    from speculators.evaluate.agreement import serving_agreement
-    from speculators.evaluate.live import pick_rows
-    from speculators.models.io import load_speculator, target_weights
-
     ev = recipe.evaluate
     chosen = pick_rows(rows, ev.live_rows_per_cohort)
     seqs = continuations(target.model, target.tokenizer, chosen, ev.temperatures, recipe.seed,
@@ -261,8 +257,6 @@ def _live(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], best: 
 
 
 def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed: set[str]) -> dict:
-    from speculators.evaluate.report import write_checkpoint_report, write_overview
-
     eval_dir = recipe.paths.eval
     eval_dir.mkdir(parents=True, exist_ok=True)
     for name in sorted(changed):
@@ -329,8 +323,6 @@ def is_complete(recipe: Recipe) -> bool:
     if recipe.evaluate.live and selection.get("live") is None:
         return False
     try:
-        from speculators.target import fingerprint_target
-
         rows = load_workloads(recipe.evaluate.workloads, recipe.evaluate.max_rows_per_cohort)
         fp = fingerprint_target(recipe.target).to_dict()
     except SpeculatorsError:

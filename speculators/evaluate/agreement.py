@@ -31,12 +31,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from speculators import metrics
+from speculators.config import TreeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.evaluate.live import LiveRun, load_engine, run_live
 from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain, replay_drafter, tau_interval, wilson
 from speculators.evaluate.teacher import EvalSequence, teacher_pass
+from speculators.serving.model_free import NgramDrafter
 
 TOLERANCE = 0.02  # T = 0: |predicted tau - live tau| <= 2% of live tau
 
@@ -73,8 +76,6 @@ def predict_chain(spec: Any, target_model: Any, sequences: Sequence[EvalSequence
     vLLM-style argmax drafts; both greedy at T = 0) PER ROW (row id -> counts; `by_cohort` merges them) on
     sequences produced by `teacher.continuations` (prompt + the target's continuation at the sequence's
     temperature). `spec` is a loaded speculator (float32, eval mode) and `target_model` the target."""
-    from tqdm.auto import tqdm
-
     depth = min(int(k), int(spec.num_steps))
     out: dict[str, CycleCounts] = {}
     for seq in tqdm(sequences, desc=f"predict chain k={depth}", unit="seq", disable=not progress):
@@ -91,9 +92,7 @@ def predict_drafter(drafter: Any, target_model: Any, sequences: Sequence[EvalSeq
                     progress: bool = False) -> dict[str, CycleCounts]:
     """Predicted acceptance of a deterministic drafter with `engine`'s fixed tree (`replay.replay_drafter`) PER
     ROW. The drafter gets the teacher pass's features; the tree settings per depth are the engine's own
-    (`Engine._tree_for`)."""
-    from tqdm.auto import tqdm
-
+    (`Engine.tree_for`)."""
     req = drafter.required_features()
     taps = list(req.tap_layer_ids or ())
     depth = int(engine.tree.depth)
@@ -104,7 +103,7 @@ def predict_drafter(drafter: Any, target_model: Any, sequences: Sequence[EvalSeq
         feats = {k: v[0] if param is None else v[0].to(device=param.device, dtype=param.dtype)
                  for k, v in tp.features(req.tap_layer_ids, req.last_hidden).items()}
         out[seq.row.id] = replay_drafter(drafter, feats, seq.token_ids, seq.prompt_len, seq.row.max_new_tokens,
-                                         engine._tree_for, SamplingParams(temperature=seq.temperature), depth)
+                                         engine.tree_for, SamplingParams(temperature=seq.temperature), depth)
     return out
 
 
@@ -206,9 +205,6 @@ def serving_agreement(target: Any, spec: Any, spec_dir: str, sequences: dict[flo
                       progress: bool = True) -> dict[str, dict]:
     """{str(T): {"chain", "tree", "ngram": comparison blocks, "speculator" / "ngram_live" / "chain_live": the
     live per-cohort stats}} on the rows of `sequences` (the evaluated continuations of the live rows)."""
-    from speculators.config import TreeConfig
-    from speculators.serving.model_free import NgramDrafter
-
     rows = [s.row for s in next(iter(sequences.values()))]
     k = min(int(chain_depth), int(spec.num_steps))
     chain_tree = TreeConfig(kind="chain", depth=k, topk=1, budget=k, adaptive=False)

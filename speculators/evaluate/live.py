@@ -10,22 +10,17 @@ This module does not compute acceptance itself (the runtime counts it) and does 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from speculators import metrics
+from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
-from speculators.errors import SpeculatorsError
-
-
-def _engine_class() -> Any:
-    try:
-        from speculators.serving import Engine
-    except ImportError as exc:
-        raise SpeculatorsError(f"live evaluation needs the bundled runtime (speculators.serving.Engine), which "
-                               f"cannot be imported ({exc}); set evaluate.live=false to skip it") from None
-    return Engine
+from speculators.serving import Engine
 
 
 def pick_rows(rows: Sequence[WorkloadRow], per_cohort: int) -> list[WorkloadRow]:
@@ -56,19 +51,13 @@ class LiveRun:
 def load_engine(target: Any, drafter: str, tree: Any | None, allow_revision_mismatch: bool = False) -> Any:
     """An engine on the loaded target with `drafter` (a speculator dir or "ngram"), alone (no n-gram graft), with
     `tree` (None = the drafter's default tree) and adaptive depth off."""
-    return _engine_class().from_pretrained(target=target, speculator=drafter, tree=tree, adaptive=False,
+    return Engine.from_pretrained(target=target, speculator=drafter, tree=tree, adaptive=False,
                                            allow_revision_mismatch=allow_revision_mismatch, ngram_graft=0)
 
 
 def run_live(engine: Any, rows: Sequence[WorkloadRow], temperature: float, seed: int, desc: str,
              progress: bool = True) -> LiveRun:
     """Generate every row with one engine (seeded: a sampled run is reproducible)."""
-    import dataclasses
-
-    from tqdm.auto import tqdm
-
-    from speculators.core.sampling import SamplingParams
-
     per_cohort: dict[str, metrics.AcceptanceStats] = {}
     overall = metrics.AcceptanceStats()
     outputs: dict[str, list[int]] = {}

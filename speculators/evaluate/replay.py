@@ -41,6 +41,8 @@ import torch
 
 from speculators import metrics
 from speculators.core.sampling import SamplingParams, logits_to_probs
+from speculators.evaluate.alpha import to_target_vocab
+from speculators.serving.drafters import prune_tree
 
 Z95 = 1.959963984540054
 
@@ -118,8 +120,6 @@ def chain_weights(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Ten
     prefix); teacher_logits [T, V]. draft "sampled": the chain is drawn from the draft law (the runtime's chain at
     T > 0); "argmax": the draft's argmax (vLLM's drafts; the runtime's chain at T = 0). Depths past the end of the
     sequence get 0."""
-    from speculators.evaluate.alpha import to_target_vocab
-
     total, vocab = teacher_logits.shape
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)  # [T]
     start = max(prompt_len - 2, 0)
@@ -195,9 +195,7 @@ def replay_drafter(drafter: Any, features: dict[str, torch.Tensor], token_ids: S
     """Counted cycles of a deterministic drafter (see the module docstring) over one sequence.
 
     features: the teacher pass's features at every position ({"taps": [T, n*H]} and/or {"last_hidden": [T, H]});
-    tree_at(d): the runtime's tree settings for a cycle that drafts depth d (`Engine._tree_for`)."""
-    from speculators.serving.drafters import prune_tree
-
+    tree_at(d): the runtime's tree settings for a cycle that drafts depth d (`Engine.tree_for`)."""
     ids = [int(t) for t in token_ids]
     total = len(ids)
     counts = CycleCounts(depth)

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
@@ -106,8 +108,6 @@ def continuations(model: Any, tokenizer: Any, rows: Sequence[WorkloadRow], tempe
                   seed: int, target_revision: str, cache_path: Path | None,
                   progress: bool = True) -> dict[float, list[EvalSequence]]:
     """prompt + target continuation of every row at every temperature (cached; see module docstring)."""
-    from tqdm.auto import tqdm
-
     key = _cache_key(target_revision, rows, seed)
     cache = _load_cache(cache_path, key) if cache_path is not None else {}
     gen_cfg = getattr(model, "generation_config", None)
@@ -143,8 +143,6 @@ def continuations(model: Any, tokenizer: Any, rows: Sequence[WorkloadRow], tempe
 def greedy_tokens(model: Any, prompt_ids: Sequence[int], n: int) -> list[int]:
     """The target's n greedy next tokens after the prompt, EOS included and NOT stopped at (an engine verifying k
     drafts judges them past the end of the output too). One token per forward with a KV cache, as `generate` runs."""
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, P]
     kv = {cache_kwarg(model): DynamicCache()}

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from speculators.metrics import per_position_from_reach
 from speculators.serving.adaptive import CostModel
@@ -48,7 +49,6 @@ def measure_verify_cost(model: Any, max_k: int, concurrencies: tuple[int, ...] |
     """cost[c][k] = time(target forward of c x (k+1) new tokens) / time(c x 1), on a context_len KV cache.
     Each time is the minimum over the timed runs (the least disturbed by other work on the machine)."""
     concurrencies = tuple(concurrencies or DEFAULT_CONCURRENCIES)
-    from transformers import DynamicCache
 
     param = next(model.parameters())
     device = param.device

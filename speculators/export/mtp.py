@@ -25,11 +25,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from speculators.config import Recipe, to_dict
+from speculators.config import Recipe
 from speculators.core.atomic import write_json_atomic, write_text_atomic
 from speculators.core.pairing import draft_revision, pairing_record
 from speculators.errors import SpeculatorsError
+from speculators.evaluate.report import render_markdown
+from speculators.export.validate import validate_vllm_export
+from speculators.export.vllm import (
+    _DTYPES,
+    evaluation_for,
+    evaluation_summary,
+    export_config,
+    export_tensors,
+    probe_features,
+    readme,
+    round_trip,
+    verifier_name,
+    write_weights,
+)
+from speculators.models.io import load_speculator, target_weights
+from speculators.recipes import to_dict
+from speculators.target import text_config
 
 DEEPSEEK_STYLE = ("deepseek_v3", "deepseek_v32", "glm4_moe")
 QWEN_NEXT_STYLE = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
@@ -42,8 +61,6 @@ def _text_config(config: dict) -> dict:
 
 
 def _target_tensor_shapes(target_dir: Path) -> dict[str, list[int]]:
-    from safetensors import safe_open
-
     shapes: dict[str, list[int]] = {}
     for f in sorted(target_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
@@ -97,8 +114,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def stitch(spec: Any, target_dir: Path, out_dir: Path, dtype: torch.dtype) -> dict:
     """Copy the target checkpoint into `out_dir` and add the trained module in its native MTP slot."""
-    from safetensors.torch import save_file
-
     config = json.loads((target_dir / "config.json").read_text())
     text = _text_config(config)
     model_type = text.get("model_type") or config.get("model_type")
@@ -141,8 +156,6 @@ def stitch(spec: Any, target_dir: Path, out_dir: Path, dtype: torch.dtype) -> di
 
 
 def _target_tensor_shapes_of(f: Path) -> list[str]:
-    from safetensors import safe_open
-
     with safe_open(str(f), framework="pt") as fh:
         return list(fh.keys())
 
@@ -154,22 +167,6 @@ NATIVE_NOTE = ("vLLM cannot serve this MTP module: vLLM loads MTP heads only fro
 
 def export_mtp(recipe: Recipe, ckpt: Path, family: str, target: Any, fingerprint: dict, out_dir: Path) -> dict:
     """Write the MTP export of `ckpt` into `out_dir` (stitched or native); returns the pairing record."""
-    from speculators.export.validate import validate_vllm_export
-    from speculators.export.vllm import (
-        _DTYPES,
-        evaluation_for,
-        evaluation_summary,
-        export_config,
-        export_tensors,
-        probe_features,
-        readme,
-        round_trip,
-        verifier_name,
-        write_weights,
-    )
-    from speculators.models.io import load_speculator, target_weights
-    from speculators.target import text_config
-
     weights = target_weights(target.model)
     spec = load_speculator(ckpt, weights).float().eval()
     dtype = _DTYPES[recipe.export.dtype]
@@ -220,7 +217,6 @@ def export_mtp(recipe: Recipe, ckpt: Path, family: str, target: Any, fingerprint
     write_text_atomic(out_dir / "README.md", readme(recipe, "mtp", ckpt, summary, section, extra))
     write_json_atomic(out_dir / "report.json", {"format": "speculators.export/v1", "source_checkpoint": str(ckpt),
                                                 "evaluation": report, "launch": {"k": k, "kind": kind}})
-    from speculators.evaluate.report import render_markdown
 
     write_text_atomic(out_dir / "report.md", (render_markdown(report) if report else
                                               "# Acceptance report\n\nThe exported checkpoint was not evaluated.")

@@ -21,6 +21,7 @@ from speculators.export.mtp import export_mtp
 from speculators.export.validate import validate_vllm_export
 from speculators.export.vllm import REQUIRED_FILES, check_source, export_vllm, resolve_checkpoint
 from speculators.models import SPECULATORS
+from speculators.target import fingerprint_target, load_target
 
 # Speculator.EXPORTER -> fn(recipe, ckpt, family, target, fingerprint, out_dir) -> pairing record
 EXPORTERS: dict[str, Callable[..., dict]] = {"vllm": export_vllm, "mtp": export_mtp}
@@ -28,8 +29,6 @@ EXPORTERS: dict[str, Callable[..., dict]] = {"vllm": export_vllm, "mtp": export_
 
 def run(recipe: Recipe, *, force: bool = False) -> dict:
     """Export the recipe's checkpoint (always rewrites; the pipeline skips a complete export) and summarize it."""
-    from speculators.target import fingerprint_target, load_target
-
     ckpt = resolve_checkpoint(recipe)
     family = check_source(ckpt, recipe)
     target = load_target(recipe.target)

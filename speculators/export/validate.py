@@ -27,6 +27,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
+
 EAGLE3_ARCHS = {"llama": "Eagle3LlamaForCausalLM", "qwen3": "Eagle3Qwen3ForCausalLM"}
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -42,8 +45,6 @@ class _Tensors:
     """Header view of every *.safetensors file in a directory: name -> (dtype, shape, file)."""
 
     def __init__(self, directory: Path, problems: list[str]) -> None:
-        from safetensors import safe_open
-
         self.info: dict[str, tuple[str, list[int], Path]] = {}
         self.files = sorted(directory.glob("*.safetensors"))
         for f in self.files:
@@ -58,8 +59,6 @@ class _Tensors:
                 problems.append(f"{f.name} is not a readable safetensors file ({str(exc).splitlines()[0]})")
 
     def load(self, name: str) -> Any:
-        from safetensors import safe_open
-
         with safe_open(str(self.info[name][2]), framework="pt") as fh:
             return fh.get_tensor(name)
 
@@ -107,8 +106,6 @@ def _check_floats(t: _Tensors, config: dict, problems: list[str], deep: bool) ->
         problems.append(f"config.json declares dtype {config.get('dtype') or config.get('torch_dtype')} but the "
                         f"float tensors are {kinds}")
     if deep:
-        import torch
-
         for k in floats:
             if not bool(torch.isfinite(t.load(k)).all()):
                 problems.append(f"tensor {k} contains NaN or Inf")
@@ -231,8 +228,6 @@ def _eagle3_vocab_map(t: _Tensors, vd: int, vocab: int, problems: list[str]) -> 
         if t.shape("d2t") != [vd]:
             problems.append(f"d2t has shape {t.shape('d2t')}, expected [{vd}] (draft_vocab_size)")
         else:
-            import torch
-
             ids = torch.arange(vd) + t.load("d2t").long()  # [Vd] target ids
             if bool((ids < 0).any() or (ids >= vocab).any()):
                 problems.append(f"d2t offsets map draft ids outside the target vocab [0, {vocab})")

@@ -28,14 +28,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
-from speculators.config import Recipe, to_dict
+from speculators.config import Recipe
 from speculators.core.atomic import write_json_atomic, write_text_atomic
 from speculators.core.checkpoints import CHECKPOINT_FILES, describe_incomplete, list_checkpoints, read_pointer
 from speculators.core.pairing import draft_revision, pairing_record
 from speculators.errors import SpeculatorsError
+from speculators.evaluate.report import render_markdown
 from speculators.evaluate.select import checkpoint_family
+from speculators.export import launch
 from speculators.export.validate import validate_vllm_export
+from speculators.models.io import digests_match, load_speculator, target_weights, tensor_digest
+from speculators.recipes import to_dict
+from speculators.target import forward_with_taps
 
 EXPORT_FORMAT = "speculators.export/v1"
 SPECULATORS_FORMAT_VERSION = "0.7.0"  # the vLLM speculators-format revision this exporter follows
@@ -99,8 +105,6 @@ def export_tensors(spec: Any, weights: Any, dtype: torch.dtype) -> tuple[dict[st
     """state_dict -> exported tensors: floats cast to `dtype`; frozen target copies (`TARGET_TENSORS`) dropped when
     they equal the target's unless the family's consumers need them (`EXPORT_TARGET_TENSORS`); buffers the config
     determines (`derived_tensors()`) left out. Returns (tensors, target_tensor records for speculators_native)."""
-    from speculators.models.io import digests_match, tensor_digest
-
     state = spec.state_dict()
     frozen: dict[str, str] = spec.TARGET_TENSORS
     derived = spec.derived_tensors()
@@ -147,8 +151,6 @@ def export_config(spec: Any, family: str, recipe: Recipe, fingerprint: dict, rec
 
 
 def write_weights(directory: Path, tensors: dict[str, torch.Tensor], family: str) -> None:
-    from safetensors.torch import save_file
-
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "family": family})
 
 
@@ -158,8 +160,6 @@ def write_weights(directory: Path, tensors: dict[str, torch.Tensor], family: str
 
 def probe_features(target_model: Any, spec: Any, length: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
     """A short random token sequence and the target features the speculator asks for (batch of 1)."""
-    from speculators.target import forward_with_taps
-
     device = next(target_model.parameters()).device
     vocab = int(target_model.get_input_embeddings().weight.shape[0])
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(device)  # [1, T]
@@ -186,8 +186,6 @@ def round_trip(export_dir: Path, spec: Any, exported: dict[str, torch.Tensor], w
     """Reload the export with `load_speculator`: every tensor equals the original speculator's rounded to the
     export dtype (frozen target copies included: they come back from the target in that dtype) and the greedy
     drafts are identical. Returns problems ([] = ok)."""
-    from speculators.models.io import load_speculator
-
     loaded = load_speculator(export_dir, weights).float().eval()
     dtype = next((t.dtype for t in exported.values() if t.is_floating_point()), torch.float32)
     rounded = copy.deepcopy(spec).to(dtype).float().eval()  # the whole module in the export dtype, as loaded
@@ -251,8 +249,6 @@ def evaluation_summary(report: dict | None, selection: dict | None, ckpt: Path) 
 
 def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: Any) -> dict:
     """k + schedule from measured tau(k) and measured verify cost (or the recipe's k when not evaluated)."""
-    from speculators.export import launch
-
     fixed = bool(spec.VLLM_FIXED_K)  # e.g. vLLM's Medusa proposer drafts exactly num_heads tokens
     if report is None:
         k = int(spec.num_steps) if fixed else int(recipe.export.speculative_tokens)
@@ -286,8 +282,6 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
 def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict) -> str:
     """Write launch.sh; return the README section that explains it. A speculators-format config (with
     `speculators_config`) is self-describing: `vllm serve <dir>` works and takes its k from the config."""
-    from speculators.export import launch
-
     method = plan["method"]
     target = verifier_name(recipe)
     self_describing = "speculators_config" in config
@@ -339,9 +333,6 @@ def readme(recipe: Recipe, family: str, ckpt: Path, summary: dict | None, launch
 
 def export_vllm(recipe: Recipe, ckpt: Path, family: str, target: Any, fingerprint: dict, out_dir: Path) -> dict:
     """Write the vLLM export of `ckpt` into the (empty) directory `out_dir`; returns the pairing record."""
-    from speculators.evaluate.report import render_markdown
-    from speculators.models.io import load_speculator, target_weights
-
     weights = target_weights(target.model)
     spec = load_speculator(ckpt, weights).float().eval()
     dtype = _DTYPES[recipe.export.dtype]

@@ -25,8 +25,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
 from speculators.house import corpus, tasks
-from speculators.house.tokenizer import END_OF_TEXT, render_chat
+from speculators.house.tokenizer import END_OF_TEXT, render_chat, train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +153,6 @@ def training_documents(data: dict, cfg: BuildConfig) -> list[str]:
 
 
 def pack(token_docs: list[list[int]], seq_len: int, eot: int):
-    import torch
-
     stream: list[int] = []
     for ids in token_docs:
         stream.extend(ids)
@@ -171,9 +172,6 @@ def lr_at(step: int, cfg: BuildConfig) -> float:
 
 
 def make_model(cfg: BuildConfig, tokenizer):
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|end|>", END_OF_TEXT)]
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -190,8 +188,6 @@ def make_model(cfg: BuildConfig, tokenizer):
 
 
 def train(model, inputs, labels, cfg: BuildConfig, log) -> list[dict]:
-    import torch
-
     decay, no_decay = [], []
     for _name, p in model.named_parameters():
         (decay if p.ndim >= 2 else no_decay).append(p)
@@ -246,8 +242,6 @@ def train(model, inputs, labels, cfg: BuildConfig, log) -> list[dict]:
 def heldout_report(model, tokenizer, data: dict, cfg: BuildConfig, max_rows: int = 60) -> dict:
     """Held-out loss per cohort (assistant tokens of held-out chat tasks; raw code for code-completion) and bits
     per byte on held-out module source."""
-    import torch
-
     report: dict = {"per_cohort_loss": {}, "per_cohort_tokens": {}}
     with torch.no_grad():
         for cohort, items in data["held_tasks"].items():
@@ -291,8 +285,6 @@ def heldout_report(model, tokenizer, data: dict, cfg: BuildConfig, max_rows: int
 
 
 def greedy_samples(model, tokenizer, data: dict, n: int = 3) -> list[dict]:
-    import torch
-
     samples = []
     for cohort in ("code-completion", "docstring-to-code", "json-tool-call"):
         for task in data["held_tasks"][cohort][:n]:
@@ -317,8 +309,6 @@ def build(out: Path, workloads: Path, datasets: Path, code_datasets: Path, steps
           data_only: bool = False) -> None:
     """Rebuild the house target into `out` (and the workloads / datasets it is held out from); `data_only` writes
     the data files only. `speculators build-house` calls this."""
-    import torch
-
     cfg = BuildConfig()
     if steps is not None:
         cfg.steps = steps
@@ -345,8 +335,6 @@ def build(out: Path, workloads: Path, datasets: Path, code_datasets: Path, steps
         f"code dataset rows {n_code}")
     if data_only:
         return
-
-    from speculators.house.tokenizer import train_tokenizer
 
     docs = training_documents(data, cfg)
     tokenizer = train_tokenizer(docs, cfg.vocab_size)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
 END_OF_TEXT = "<|endoftext|>"
 END_OF_TURN = "<|end|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
@@ -45,9 +48,6 @@ def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = Fa
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int):
     """Train a byte-level BPE and wrap it as a `PreTrainedTokenizerFast` with the chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

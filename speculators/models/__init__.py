@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from speculators.errors import SpeculatorsError
+
 _FAMILY_MODULES = {"eagle3": "speculators.models.eagle3", "medusa": "speculators.models.medusa",
                    "mtp": "speculators.models.mtp"}
 FAMILIES: tuple[str, ...] = tuple(_FAMILY_MODULES)  # the family names, without importing any family
@@ -15,8 +17,6 @@ FAMILIES: tuple[str, ...] = tuple(_FAMILY_MODULES)  # the family names, without 
 
 class _Registry(dict):
     def __missing__(self, family: str) -> Any:
-        from speculators.errors import SpeculatorsError
-
         if family not in _FAMILY_MODULES:
             raise SpeculatorsError(f"unknown speculator family {family!r}; known: {', '.join(_FAMILY_MODULES)}")
         module = importlib.import_module(_FAMILY_MODULES[family])

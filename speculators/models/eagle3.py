@@ -8,7 +8,7 @@ Architecture (reference eagle3-training.md §1, vllm-speculators.md §1.4):
 - final `norm`, `lm_head` [Vd, H] over the reduced draft vocab (initialised from the target lm_head rows of the
   draft vocab), `d2t` [Vd] int64 offsets (target id = draft id + d2t[draft id]), `t2d` [V] bool;
 - `embed_tokens` [V, H]: frozen copy of the target's (not saved in checkpoints when unchanged).
-Training-time test and drafting come from `layers.RecurrentSpeculator`: step 0 at position t reads
+Training-time test and drafting come from `recurrent.RecurrentSpeculator`: step 0 at position t reads
 (embed(x_{t+1}), fc(taps_t)); step k feeds back the pre-norm output of step k-1 with token x_{t+1+k} at position
 id t+k.
 
@@ -32,10 +32,10 @@ from torch import nn
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, TargetWeights
+from speculators.models.io import tensor_digest
 from speculators.models.layers import (
     DecoderLayer,
     DecoderSpec,
-    RecurrentSpeculator,
     RMSNorm,
     Rotary,
     dtype_name,
@@ -44,6 +44,7 @@ from speculators.models.layers import (
     target_dims,
     verifier_info,
 )
+from speculators.models.recurrent import RecurrentSpeculator
 from speculators.target import default_tap_layers, validate_layer_ids
 
 if TYPE_CHECKING:
@@ -100,8 +101,6 @@ class Eagle3Speculator(RecurrentSpeculator):
     @classmethod
     def from_target(cls, target_config: Any, spec: SpeculatorConfig, weights: TargetWeights,
                     layer_ids: list[int] | None = None, d2t: torch.Tensor | None = None) -> Eagle3Speculator:
-        from speculators.models.io import tensor_digest
-
         tc, vocab, _ = target_dims(target_config, weights)
         ids = list(cls.capture_request(layer_ids, int(tc.num_hidden_layers)).tap_layer_ids or ())
         d2t = _check_d2t(d2t, spec.draft_vocab_size, vocab)

@@ -28,9 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from speculators.errors import SpeculatorsError
+from speculators.models import SPECULATORS
 from speculators.models.base import Speculator, TargetWeights
+from speculators.target import final_norm, input_embeddings, output_head
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -71,8 +75,6 @@ def digests_match(a: dict, b: dict) -> bool:
 
 def target_weights(model: Any) -> TargetWeights:
     """The frozen tensors a speculator copies from its target (HF model or PeftModel), detached."""
-    from speculators.target import final_norm, input_embeddings, output_head
-
     emb, head, norm = input_embeddings(model), output_head(model), final_norm(model)
     if emb is None or head is None or getattr(norm, "weight", None) is None:
         raise SpeculatorsError(f"cannot find the embedding, lm_head and final norm of {type(model).__name__}")
@@ -99,8 +101,6 @@ def read_speculator_config(directory: str | os.PathLike) -> dict:
 
 def family_of(config: dict) -> str:
     """Family name of a speculator config (native block, else the vLLM layout's own markers)."""
-    from speculators.models import SPECULATORS
-
     native = config.get("speculators_native") or {}
     family = native.get("family")
     if family is None:
@@ -143,8 +143,6 @@ def _tensors_to_save(spec: Speculator) -> tuple[dict[str, torch.Tensor], dict[st
 def save_speculator(spec: Speculator, directory: str | os.PathLike, metadata: dict | None = None) -> None:
     """Write `spec` to `directory` (config.json + model.safetensors), atomically; `metadata` (recipe, versions,
     step, target fingerprint, ...) goes into `speculators_native` (the family's own keys win)."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     tensors, records = _tensors_to_save(spec)
     config = spec.config_dict()
@@ -196,11 +194,6 @@ def _json_default(obj: Any) -> Any:
 def load_speculator(directory: str | os.PathLike, target_weights: TargetWeights | None = None) -> Speculator:
     """Rebuild the speculator saved in `directory` (CPU, the saved float dtype); frozen target copies that were
     not saved come from `target_weights` and must match the recorded digest."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from speculators.models import SPECULATORS
-
     directory = Path(directory)
     if not directory.is_dir():
         raise SpeculatorsError(f"speculator checkpoint not found: {directory} is not a directory")

@@ -24,6 +24,7 @@ from torch import nn
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, Speculator, TargetWeights
+from speculators.models.drafting import medusa_choices_from_accuracy, propose_tree, root_only
 from speculators.models.layers import check_full_vocab, dtype_name, native_options, target_dims, verifier_info
 
 if TYPE_CHECKING:
@@ -170,8 +171,6 @@ class MedusaSpeculator(Speculator):
 
     def set_choices_from_accuracy(self, topk_accuracy: Sequence[Sequence[float]], budget: int) -> list[list[int]]:
         """Derive and store the static tree from measured per-head top-k accuracy (drafting.py)."""
-        from speculators.models.drafting import medusa_choices_from_accuracy
-
         self.set_choices(medusa_choices_from_accuracy(topk_accuracy, budget))
         return self.choices or []
 
@@ -206,8 +205,6 @@ class MedusaSpeculator(Speculator):
     @torch.no_grad()
     def propose(self, state: MedusaState, root_token: int, tree: TreeConfig, sampling: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree:
-        from speculators.models.drafting import propose_tree, root_only
-
         if state.last_hidden is None:
             return root_only(root_token, sampling, tree.kind)
         if state.last_token is not None and int(root_token) != state.last_token:

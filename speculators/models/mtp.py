@@ -9,7 +9,7 @@ Architecture (reference medusa-mtp-tree-verify.md §2, vllm-speculators.md §2.7
   target's lm_head, frozen); `embed_tokens` (the target's, frozen). Frozen copies are not saved when unchanged.
 - step 0 at position t: h = the target's post-norm last hidden at t; step k feeds back the module's own pre-norm
   output of step k-1 (recursive application of the one module), position id t+k, TTT attention
-  (`layers.RecurrentSpeculator`), so training sees exactly what chain/tree drafting sees.
+  (`recurrent.RecurrentSpeculator`), so training sees exactly what chain/tree drafting sees.
 
 Config: our own native layout (`mtp_layout: "deepseek"`, transformer_layer_config, verifier, speculators_native);
 export/mtp.py maps it into a target's MTP slot. Not here: loss, file I/O, tree policies.
@@ -24,10 +24,10 @@ from torch import nn
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, TargetWeights
+from speculators.models.io import tensor_digest
 from speculators.models.layers import (
     DecoderLayer,
     DecoderSpec,
-    RecurrentSpeculator,
     RMSNorm,
     Rotary,
     check_full_vocab,
@@ -37,6 +37,7 @@ from speculators.models.layers import (
     target_dims,
     verifier_info,
 )
+from speculators.models.recurrent import RecurrentSpeculator
 
 if TYPE_CHECKING:
     from speculators.config import SpeculatorConfig
@@ -83,7 +84,6 @@ class MTPSpeculator(RecurrentSpeculator):
     @classmethod
     def from_target(cls, target_config: Any, spec: SpeculatorConfig, weights: TargetWeights,
                     layer_ids: list[int] | None = None, d2t: torch.Tensor | None = None) -> MTPSpeculator:
-        from speculators.models.io import tensor_digest
         tc, vocab, hidden = target_dims(target_config, weights)
         check_full_vocab("mtp", spec.draft_vocab_size, d2t, vocab)
         if tuple(weights.final_norm.shape) != (hidden,):

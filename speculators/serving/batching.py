@@ -31,7 +31,8 @@ from typing import Any
 
 from speculators.core.sampling import SamplingParams
 from speculators.errors import SpeculatorsError
-from speculators.serving.engine import Engine, GenerateOutput, Slot, StreamChunk, VerifyForward
+from speculators.serving.engine import Engine
+from speculators.serving.requests import GenerateOutput, Slot, StreamChunk, VerifyForward
 from speculators.serving.target_runner import ForwardOutput
 
 Emit = Callable[[StreamChunk | BaseException | None], None]

@@ -44,10 +44,15 @@ from typing import Any
 
 import torch
 
-from speculators.config import TreeConfig
+from speculators.config import TargetConfig, TreeConfig
+from speculators.core.sampling import SamplingParams
+from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.batching import generate_batch
+from speculators.serving.engine import Engine
+from speculators.serving.verify_expect import expected_accepted
+from speculators.target import load_target
 
 HF_PROMPT_LOOKUP_TOKENS = 10
 
@@ -86,9 +91,6 @@ TOKEN_WISE = {"block": "iid", "traversal": "without_replacement"}
 
 
 def _paired_engine_class() -> type:
-    from speculators.serving.engine import Engine
-    from speculators.serving.verify_expect import expected_accepted
-
     class PairedEngine(Engine):
         """An engine that, before verifying each sampled draft by block / traversal, adds the exact expected accepted
         drafts of that draft under this mode and under the token-wise mode to `paired` (same tree, same rows)."""
@@ -113,8 +115,6 @@ def _paired_engine_class() -> type:
 def _verify_methods(loaded: Any, path: str, name: str, tree: TreeConfig | None) -> list[Method]:
     """The `compare_verify` rows of one speculator: fixed trees of the engine's default shape (or `tree`'s),
     adaptive off; the sequence-verified ones also measure the paired expectations."""
-    from speculators.serving.engine import Engine
-
     out = []
     for suffix, kind, verify in VERIFY_ROWS:
         cls = _paired_engine_class() if verify == "sequence" else Engine
@@ -149,8 +149,6 @@ def run_methods(methods: list[Method], rows: list[tuple[str, list[int], int]], t
                 model: Any) -> list[list[list[int]]]:
     """Every method on every row, row by row (each row runs all methods back to back, so a machine whose speed
     drifts during the run slows every method alike); fills `method.cells`; returns outputs[method][row]."""
-    from speculators.core.sampling import SamplingParams
-
     def one(method: Method, ids: list[int], max_new: int, row_seed: int) -> tuple[list[int], Any]:
         if method.kind == "runtime":
             # unseeded: a seeded sampled request drafts at a fixed depth (reproducibility), and the bench
@@ -193,8 +191,6 @@ def _run_batched(methods: list[Method], rows: list[tuple[str, list[int], int]], 
                  batch: int) -> list[tuple[Method, list[list[int]]]]:
     """Every runtime method on all rows at once, `batch` requests sharing each target forward; returns the new
     `<method>@batchB` methods (cell "all") with their outputs in row order."""
-    from speculators.core.sampling import SamplingParams
-
     params = [SamplingParams(max_new_tokens=max_new, temperature=temperature) for _, _, max_new in rows]
     done = []
     for method in [m for m in methods if m.kind == "runtime" and not m.sampled_only]:  # comparisons: batch 1 only
@@ -212,8 +208,6 @@ def _run_batched(methods: list[Method], rows: list[tuple[str, list[int], int]], 
 
 def bench_rows(engine: Any, workloads: str, rows_per_cohort: int) -> list[tuple[str, list[int], int]]:
     """(cohort, prompt token ids, max_new_tokens) of the first `rows_per_cohort` rows of every cohort."""
-    from speculators.core.workloads import load_workloads
-
     return [(r.cohort, engine.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
             for r in load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)]
 
@@ -226,10 +220,6 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
     `tree` replaces each speculator's default drafting settings (e.g. a fixed-depth chain with adaptive off, as
     `speculators profile` predicts); `include_hf=False` leaves out the Hugging Face rows; `compare_verify` adds the
     verifier comparisons at T > 0."""
-    from speculators.config import TargetConfig
-    from speculators.serving.engine import Engine
-    from speculators.target import load_target
-
     if rows_per_cohort < 1:
         raise SpeculatorsError(f"--rows-per-cohort must be >= 1, got {rows_per_cohort}")
     if batch < 0:

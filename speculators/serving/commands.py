@@ -18,13 +18,18 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from speculators.config import DEFAULT_NGRAM_GRAFT, ServeConfig
+from speculators.core.sampling import SamplingParams
+from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.batching import generate_batch
+from speculators.serving.engine import Engine
+from speculators.serving.server import create_app, run_server
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +37,6 @@ log = logging.getLogger(__name__)
 def _engine(target: str | None, speculator: str | None, device: str, dtype: str, allow_revision_mismatch: bool,
             tree: str | None = None, depth: int | None = None, topk: int | None = None,
             budget: int | None = None, draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> Any:
-    from speculators.serving.engine import Engine
-
     engine = Engine.from_pretrained(target, None if speculator in (None, "", "none") else speculator, device=device,
                                     dtype=dtype, allow_revision_mismatch=allow_revision_mismatch,
                                     draft_dtype=draft_dtype, ngram_graft=ngram_graft)
@@ -62,10 +65,6 @@ def generate_command(*, target: str | None, speculator: str | None, prompt: str 
                      seed: int | None, device: str, dtype: str, tree: str | None, depth: int | None,
                      topk: int | None, budget: int | None, allow_revision_mismatch: bool, as_json: bool,
                      draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT, batch: int = 1) -> None:
-    import time
-
-    from speculators.core.sampling import SamplingParams
-
     given = [name for name, v in (("--prompt", prompt), ("--chat", chat), ("--workload", workload)) if v is not None]
     if len(given) != 1:
         raise SpeculatorsError("give exactly one of --prompt TEXT, --chat MESSAGE or --workload FILE.jsonl"
@@ -80,8 +79,6 @@ def generate_command(*, target: str | None, speculator: str | None, prompt: str 
         raise SpeculatorsError(f"--batch must be >= 1, got {batch}")
     rows: list[tuple[str, str, Any, int]] = []  # (id, cohort, prompt, max_new_tokens)
     if workload is not None:
-        from speculators.core.workloads import load_workloads
-
         for row in load_workloads([str(workload)]):
             rows.append((row.id, row.cohort, row.prompt if row.prompt is not None else row.messages,
                          row.max_new_tokens))
@@ -141,7 +138,6 @@ def serve_command(*, target: str | None, speculator: str | None, device: str, dt
     except ImportError:
         raise SpeculatorsError("speculators serve needs the serve extra: pip install 'speculators[serve]' "
                                "(fastapi, uvicorn, prometheus-client)") from None
-    from speculators.serving.server import create_app, run_server
 
     config.validate()
     api_key = None

@@ -30,6 +30,7 @@ import torch
 
 from speculators.config import TreeConfig
 from speculators.core.sampling import SamplingParams
+from speculators.serving.batching import BatchRunner
 from speculators.serving.drafters import depth_tree
 from speculators.serving.target_runner import Segment, TargetRunner
 
@@ -221,8 +222,6 @@ def measure_steps(engine: Any, batch: int, depth: int, context_len: int, budget:
                   ) -> float | None:
     """Mean seconds of one runtime step (see the module docstring) with `batch` requests of random
     `context_len`-token prompts drafting to `depth` (the engine's tree, adaptive off); None if it does not fit."""
-    from speculators.serving.batching import BatchRunner
-
     gen = torch.Generator().manual_seed(3)
     runner = BatchRunner(engine, max_batch=batch)
     params = SamplingParams(max_new_tokens=(steps + 4) * (depth + 1) + 2, temperature=0.0)

@@ -25,14 +25,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from speculators.config import TargetConfig
+from speculators.config import TargetConfig, TreeConfig
+from speculators.core.pairing import check_pairing, read_pairing
 from speculators.core.trees import DraftTree, depths_of
 from speculators.errors import SpeculatorsError
+from speculators.models.io import load_speculator, target_weights
+from speculators.models.packed import pack_linears, packed_float16_available
 from speculators.serving.graft import NgramGraft
 from speculators.serving.model_free import NgramDrafter, NoDrafter
+from speculators.target import base_model, file_stat_key, fingerprint_target
 
 if TYPE_CHECKING:
-    from speculators.config import TreeConfig
     from speculators.target import LoadedTarget
 
 REQUIRED_SPECULATOR_FILES = ("config.json", "model.safetensors", "pairing.json")
@@ -46,8 +49,6 @@ CPU_TREE = {"kind": "dynamic", "depth": 5, "topk": 2, "budget": 10}
 
 def default_tree(drafter: Any, device: torch.device | str = "cpu") -> TreeConfig:
     """The drafter's own tree settings (`default_tree()` when it has one), else the defaults for `device`."""
-    from speculators.config import TreeConfig
-
     own = getattr(drafter, "default_tree", None)
     tree = own() if callable(own) else None
     if tree is not None:
@@ -121,8 +122,6 @@ def resolve_speculator_dir(path: str | Path) -> Path:
 def _stat_key(path: str) -> tuple:
     """What changes whenever a file of the directory changes: size, mtime, and ctime + inode (which no user tool
     can set back: restoring the old mtime after a same-size edit still moves the ctime)."""
-    from speculators.target import file_stat_key
-
     p = Path(path)
     if not p.is_dir():
         return (path,)
@@ -135,8 +134,6 @@ _FINGERPRINTS: dict[tuple, dict] = {}
 def target_fingerprint(target: LoadedTarget) -> dict:
     """`fingerprint_target(...).to_dict()` of a loaded target, cached in-process by the files' size, mtime, ctime
     and inode (file hashes are cached on disk by `speculators.target` under the same key)."""
-    from speculators.target import base_model, fingerprint_target
-
     cfg = target.cfg
     key = (cfg.name_or_path, cfg.revision, cfg.adapter, cfg.adapter_revision, _stat_key(cfg.name_or_path),
            _stat_key(cfg.adapter) if cfg.adapter else ())
@@ -168,8 +165,6 @@ def draft_dtype_for(target: LoadedTarget, draft_dtype: str | torch.dtype | None 
 def prepare_for_drafting(spec: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> str:
     """Move a loaded speculator to `device` for drafting with `dtype` weights; returns how it computes ("float16
     weights, float32 activations" on a CPU with the packed kernel, else the dtype's name). Inference only."""
-    from speculators.models.packed import pack_linears, packed_float16_available
-
     packed = dtype == torch.float16 and torch.device(device).type == "cpu" and packed_float16_available()
     spec.to(device=device, dtype=torch.float32 if packed else dtype)
     if packed:
@@ -181,8 +176,6 @@ def prepare_for_drafting(spec: torch.nn.Module, device: torch.device | str, dtyp
 def paired_target(speculator: str | os.PathLike | None) -> TargetConfig:
     """The target a speculator directory's pairing.json names (its hub commit for hub targets, its adapter), or
     the house target when there is no such directory (plain decoding, n-gram)."""
-    from speculators.core.pairing import read_pairing
-
     if speculator is None or str(speculator) in ("", "none", "ngram"):
         return TargetConfig()
     want = read_pairing(resolve_speculator_dir(speculator))["target"]
@@ -205,8 +198,6 @@ def load_drafter(speculator: str | os.PathLike | None, target: LoadedTarget, *,
         return NoDrafter(), DrafterInfo("none", "none")
     if str(speculator) == "ngram":
         return NgramDrafter(), DrafterInfo("ngram", "ngram")
-    from speculators.core.pairing import check_pairing, read_pairing
-    from speculators.models.io import load_speculator, target_weights
 
     directory = resolve_speculator_dir(speculator)
     record = read_pairing(directory)

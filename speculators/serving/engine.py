@@ -46,7 +46,7 @@ import dataclasses
 import random
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ from speculators.core.trees import DraftTree, ancestor_mask
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.adaptive import AdaptiveDepth, CostModel
+from speculators.serving.calibration import SAMPLED_KINDS, calibrate_drafting, calibrate_verification
 from speculators.serving.drafters import (
     DrafterInfo,
     NoDrafter,
@@ -67,126 +68,52 @@ from speculators.serving.drafters import (
     prune_tree,
 )
 from speculators.serving.kv_cache import StaticKVCache
+from speculators.serving.requests import (
+    GenerateOutput,
+    GenerationStats,
+    Slot,
+    StreamChunk,
+    VerifyForward,
+    check_prompt,
+    encode_prompt,
+    final_text,
+    take_committed,
+)
 from speculators.serving.target_rows import TargetRows, TokenLogprob, first_child_chain
 from speculators.serving.target_runner import ForwardOutput, Segment, TargetRunner
 from speculators.serving.verify import verify_tree_lazy
+from speculators.target import eos_token_ids, load_target
 
 DEFAULT_MAX_LEN = 8192
-# tree kinds the controller may choose at T > 0 besides the configured one, for drafters that sample their own law:
-# sampled chains (block verification) and sampled trees (traversal verification)
-SAMPLED_KINDS = ("chain", "sampled")
-_NO_ROWS = torch.empty(0, dtype=torch.long)  # forward without the output head (TargetRows makes the rows needed)
-
-
-@dataclass
-class GenerationStats:
-    """Per-request numbers. Acceptance counters come from `metrics.AcceptanceStats` (one target call = one
-    verification forward; the prefill is not a target call)."""
-
-    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
-    drafter: str = "none"
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    reused_prefix_tokens: int = 0
-    prefill_seconds: float = 0.0
-    first_token_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    total_seconds: float = 0.0
-    finish_reason: str = ""
-    adaptive: dict = field(default_factory=dict)
-
-    @property
-    def tau(self) -> float:
-        return self.acceptance.tau
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        return self.acceptance.per_position_acceptance
-
-    @property
-    def target_calls(self) -> int:
-        return self.acceptance.target_calls
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
-
-    @property
-    def ms_per_token(self) -> float:
-        return 1000 * self.decode_seconds / self.generated_tokens if self.generated_tokens else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "drafter": self.drafter, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
-            "reused_prefix_tokens": self.reused_prefix_tokens, "finish_reason": self.finish_reason,
-            "prefill_seconds": round(self.prefill_seconds, 4), "first_token_seconds": round(self.first_token_seconds, 4),
-            "decode_seconds": round(self.decode_seconds, 4), "total_seconds": round(self.total_seconds, 4),
-            "tokens_per_second": round(self.tokens_per_second, 2), "ms_per_token": round(self.ms_per_token, 3),
-            **self.acceptance.to_dict(), "adaptive": self.adaptive,
-        }
-
-
-@dataclass
-class GenerateOutput:
-    token_ids: list[int]  # generated ids only (EOS included when it ended the output)
-    text: str  # decoded without special tokens, cut before a matched stop string
-    stats: GenerationStats
-    prompt_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None  # per generated token, when SamplingParams.logprobs asked for them
-
-    @property
-    def finish_reason(self) -> str:
-        return self.stats.finish_reason
-
-
-@dataclass
-class StreamChunk:
-    text: str  # new text since the previous chunk (held back while it could still become a stop string)
-    token_ids: list[int]  # new committed token ids since the previous chunk
-    output: GenerateOutput | None = None  # set on the last chunk only
-    logprobs: list[TokenLogprob] | None = None  # of `token_ids`, when the request asked for them
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    gen_cfg = getattr(model, "generation_config", None)
-    for source in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(x) for x in source)
-    return ids
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _is_chain(parents: torch.Tensor) -> bool:
     return parents.tolist() == list(range(-1, parents.shape[0] - 1))
 
 
+def _absorb_pending(drafter: Any, state: Any, pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
+    """Hand the drafter every pending committed position at once (consecutive positions concatenate)."""
+    if len(pending) == 1:
+        features, next_tokens = pending[0]
+    else:
+        keys = pending[0][0].keys()
+        features = {k: torch.cat([f[k] for f, _ in pending]) for k in keys}
+        next_tokens = torch.cat([n for _, n in pending])
+    drafter.absorb(state, features, next_tokens)
+    pending.clear()
+
+
 @dataclass
-class Slot:
-    """One sequence's KV cache and what its committed prefix holds (reused by the next request it serves)."""
+class _RequestState:
+    """What one request's cycle loop carries from one cycle to the next."""
 
-    cache: StaticKVCache
-    prefix_ids: list[int] = field(default_factory=list)
-    prefix_features: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class VerifyForward:
-    """A request's verification forward, yielded by its cycle loop to whoever runs the target: the engine alone
-    (`Engine.stream`) or `batching.BatchRunner` together with other requests' forwards. `shared` tells the loop
-    whether the forward's time was shared (then it does not feed the cost model)."""
-
-    segment: Segment
-    shared: bool = False
+    generator: torch.Generator  # the request's random stream (drafting and verification)
+    draft_state: Any  # the drafter's per-request state (its KV cache)
+    pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]  # committed positions the drafter has not absorbed
+    ctrl: AdaptiveDepth
+    root: int  # the last committed token (not yet in the target's cache)
+    wants_ids: bool  # the drafter absorbs token ids with the features
+    enders: set[int]  # EOS ids + the request's stop_token_ids
 
 
 class Engine:
@@ -206,7 +133,7 @@ class Engine:
         limit = int(getattr(self.target.config, "max_position_embeddings", 0) or DEFAULT_MAX_LEN)
         self.max_len = int(max_len or min(limit, DEFAULT_MAX_LEN))
         self.slot = Slot(self.runner.new_cache(self.max_len))  # batch-1 requests run here
-        self.eos_ids = _eos_ids(target.model, self.tokenizer)
+        self.eos_ids = set(eos_token_ids(getattr(target.model, "generation_config", None), self.tokenizer))
         self.prefix_caching = prefix_caching
         self.cost = CostModel()
         self._acceptance_prior: dict[str, list[float]] = {}  # per tree kind, from the previous adaptive request
@@ -226,8 +153,6 @@ class Engine:
         drafting in `draft_dtype` (see `drafters.draft_dtype_for`; the target's dtype is never changed).
         A speculator's trees also carry up to `ngram_graft` prompt-lookup nodes (`graft.NgramGraft`; 0 = the
         speculator alone)."""
-        from speculators.target import load_target
-
         if hasattr(target, "model") and hasattr(target, "tokenizer"):
             loaded = target
         else:
@@ -274,41 +199,11 @@ class Engine:
     # ---- input ----------------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[dict] | list[int] | torch.Tensor) -> list[int]:
         """Token ids of a raw prompt, a chat (`messages`, through the chat template) or ids as given."""
-        if isinstance(prompt, torch.Tensor):
-            return [int(t) for t in prompt.reshape(-1).tolist()]
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise SpeculatorsError("the target's tokenizer has no chat template; send a raw prompt instead")
-            try:
-                enc = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            except Exception as exc:  # noqa: BLE001 - template errors come as many types; report one line
-                raise SpeculatorsError(f"cannot apply the chat template: {str(exc).splitlines()[0]}") from None
-            ids = enc["input_ids"] if hasattr(enc, "keys") else enc
-            return [int(t) for t in ids]
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        raise SpeculatorsError("prompt must be a string, a list of chat messages, or a list of token ids")
+        return encode_prompt(self.tokenizer, prompt)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise SpeculatorsError (one line) for a request this engine cannot serve."""
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise SpeculatorsError(str(exc)) from None
-        if not prompt_ids:
-            raise SpeculatorsError("the prompt is empty; give at least one token")
-        vocab = self.runner.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise SpeculatorsError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) > self.max_len:
-            raise SpeculatorsError(f"the prompt has {len(prompt_ids)} tokens but the KV cache holds {self.max_len}; "
-                                   f"shorten the prompt")
-        if len(prompt_ids) + params.max_new_tokens - 1 > self.max_len:
-            raise SpeculatorsError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                                   f"exceed the KV cache ({self.max_len} tokens); lower max_new_tokens to at most "
-                                   f"{self.max_len - len(prompt_ids) + 1}")
+        check_prompt(prompt_ids, params, self.runner.vocab_size, self.max_len)
 
     # ---- generation ---------------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[dict] | list[int] | torch.Tensor, params: SamplingParams | None = None,
@@ -377,7 +272,7 @@ class Engine:
                 emitted_text += len(delta)
                 yield StreamChunk(text=delta, token_ids=new_tokens, logprobs=new_logprobs)
                 continue
-            text = self._final_text(out, stops)
+            text = final_text(self._decode(out), stops)
             stats.generated_tokens = len(out)
             stats.finish_reason = finish
             stats.total_seconds = time.perf_counter() - t_start
@@ -391,47 +286,85 @@ class Engine:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _final_text(self, out: list[int], stops: list[str]) -> str:
-        text = self._decode(out)
-        cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-        return text[: min(cuts)] if cuts else text
-
-    def _hit_stop(self, out: list[int], stops: list[str]) -> bool:
-        """Whether the last token completed a stop string (only the tail of the output is decoded)."""
-        tail = self._decode(out[-(4 * max(len(s) for s in stops) + 8):])
-        return any(s in tail for s in stops)
-
     def _cycles(self, prompt_ids: list[int], params: SamplingParams, out: list[int], stats: GenerationStats,
                 stops: list[str], slot: Slot, logprobs: list[TokenLogprob] | None = None
                 ) -> Generator[VerifyForward | tuple[list[int], str | None], ForwardOutput | None, None]:
         """The generation loop; appends to `out` (and each token's log-probabilities to `logprobs`, when given) and
         yields (new tokens, finish reason or None) per cycle, and a `VerifyForward` before that (answered with its
-        output)."""
+        output). One cycle: draft a tree from the root (the last committed token), verify it with one target
+        forward, commit the accepted path + the next token, hand those positions to the drafter."""
+        t0 = time.perf_counter()
+        req = self._open_request(prompt_ids, params, stats, slot)
+        while True:
+            remaining = params.max_new_tokens - len(out)
+            t_draft = time.perf_counter()
+            kind, depth = req.ctrl.choose_plan(remaining)
+            tree, t_propose = self._draft(req, kind, depth, remaining, params, slot.cache)
+            t_verify = time.perf_counter()
+            # the forward also runs the output head for the root's first-child chain, the rows verification reads
+            # first (shared with the other requests of a batched forward: one product for all of them)
+            chain_rows = first_child_chain(tree.parents)
+            head_rows = torch.tensor(chain_rows, dtype=torch.long)
+            if tree.size == 1 or _is_chain(tree.parents):
+                call = VerifyForward(Segment(slot.cache, tree.tokens, logit_rows=head_rows))
+            else:
+                call = VerifyForward(Segment(slot.cache, tree.tokens, tree.depths, ancestor_mask(tree.parents),
+                                             logit_rows=head_rows))
+            fwd = yield call
+            t_accept = time.perf_counter()
+            accepted, next_token, rows = self.accept(tree, fwd, params, req.generator, chain_rows)
+            path = [0, *accepted]
+            slot.cache.commit(path)
+            t_done = time.perf_counter()
+            self._observe(req, stats.acceptance, tree, (kind, depth), len(accepted), call.shared,
+                          (t_draft, t_propose, t_verify, t_accept, t_done))
+            if not out:
+                stats.first_token_seconds = t_done - t0
+            committed = [int(t) for t in tree.tokens[accepted].tolist()] + [int(next_token)]
+            new, finish = take_committed(committed, out, req.enders, stops, params.max_new_tokens, self._decode)
+            # acceptance counts what reached the output: drafts accepted past an EOS / stop are not committed
+            stats.acceptance.record(min(len(accepted), len(new)), drafted_depth=min(tree.max_depth, len(new))
+                                    if finish else tree.max_depth, verified_nodes=tree.size - 1, committed=len(new))
+            if logprobs is not None:  # committed token j was drawn from the target's law at node path[j]
+                logprobs.extend(rows.token_logprobs(path[:len(new)], new, int(params.logprobs or 0)))
+            if finish:
+                self._close_request(req, stats)
+                yield new, finish
+                return
+            if self.speculative:
+                idx = torch.tensor(path, device=self.device)
+                feats = {k: v[idx] for k, v in fwd.features.items()}
+                if req.wants_ids:
+                    feats["input_ids"] = tree.tokens[path]
+                req.pending.append((feats, torch.tensor(committed, dtype=torch.long, device=self.device)))
+            yield new, None
+            req.root = int(next_token)
+
+    def _open_request(self, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats, slot: Slot
+                      ) -> _RequestState:
+        """Prefill the slot, hand the prompt's positions to the drafter, calibrate costs on the first request, and
+        set up the depth controller (a seeded sampled request gets fixed depths: reproducible)."""
         t0 = time.perf_counter()
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
-        drafter, acc = self.drafter, stats.acceptance
+        drafter, t = self.drafter, self.tree
         # the drafter's own cache also holds its speculative nodes past the committed positions
-        t = self.tree
         state = drafter.new_state(self.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8, self.device)
         wants_ids = getattr(drafter, "needs_token_ids", False)
-        cache = slot.cache
-        features, stats.reused_prefix_tokens = self._prefill(prompt_ids, slot)
+        features, stats.reused_prefix_tokens = slot.prefill(self.runner, prompt_ids, reuse_prefix=self.prefix_caching,
+                                                            capture=self.speculative)
         # committed positions the drafter has not absorbed yet: absorbed in one batch right before the next
         # proposal, so plain cycles (speculation off) cost what plain decoding costs
         pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
         if len(prompt_ids) > 1 and self.speculative:
             ids = torch.tensor(prompt_ids, dtype=torch.long)
-            if wants_ids:
-                features = {**features, "input_ids": ids[:-1]}
-            pending.append((features, ids[1:].to(self.device)))
+            pending.append(({**features, "input_ids": ids[:-1]} if wants_ids else features, ids[1:].to(self.device)))
         if self.speculative and self.adaptive and not self.cost.calibrated:
-            self._calibrate(prompt_ids[-1], cache)
+            calibrate_verification(self, prompt_ids[-1], slot.cache)
             if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)
-                self._absorb(drafter, state, pending)
-            self._calibrate_drafting(drafter, state, prompt_ids[-1])
+                _absorb_pending(drafter, state, pending)
+            calibrate_drafting(self, drafter, state, prompt_ids[-1])
         stats.prefill_seconds = time.perf_counter() - t0
-        # a seeded sampled request must be reproducible: its depths may not depend on measured timings
         seeded = params.seed is not None and not params.greedy
         adaptive = self.adaptive and not seeded
         ctrl = AdaptiveDepth(cost=self.cost, max_depth=self.tree.depth if self.speculative else 0,
@@ -439,102 +372,49 @@ class Engine:
                              kinds=self.kinds_for(params, adaptive))
         if seeded and self.adaptive and ctrl.mode.startswith("fixed"):
             ctrl.mode += " (seeded sampled request: reproducible)"
-        root = prompt_ids[-1]
-        root_mode = "greedy" if params.greedy else "deterministic"
-        enders = self.eos_ids | set(params.stop_token_ids or ())
-        while True:
-            remaining = params.max_new_tokens - len(out)
-            t_draft = time.perf_counter()
-            kind, depth = ctrl.choose_plan(remaining)
-            if depth > 0:
-                if pending:
-                    one_cycle = len(pending) == 1  # the last cycle's tokens only (not a plain streak's backlog)
-                    self._absorb(drafter, state, pending)
-                    if one_cycle:
-                        self.cost.observe_absorb(time.perf_counter() - t_draft)
-                t_propose = time.perf_counter()
-                tree = drafter.propose(state, root, self._tree_for(depth, kind), params, generator)
-                # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
-                tree = prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free)
-            else:
-                tree = DraftTree.root_only(root, root_mode)
-            t_verify = time.perf_counter()
-            # the forward also runs the output head for the root's first-child chain, the rows verification reads
-            # first (shared with the other requests of a batched forward: one product for all of them)
-            chain_rows = first_child_chain(tree.parents)
-            head_rows = torch.tensor(chain_rows, dtype=torch.long)
-            if tree.size == 1 or _is_chain(tree.parents):
-                call = VerifyForward(Segment(cache, tree.tokens, logit_rows=head_rows))
-            else:
-                call = VerifyForward(Segment(cache, tree.tokens, tree.depths, ancestor_mask(tree.parents),
-                                             logit_rows=head_rows))
-            fwd = yield call
-            t_accept = time.perf_counter()
-            accepted, next_token, rows = self._accept(tree, fwd, params, generator, chain_rows)
-            path = [0, *accepted]
-            cache.commit(path)
-            t_done = time.perf_counter()
-            drafted_depth = tree.max_depth
-            acc.draft_seconds += t_verify - t_draft
-            acc.verify_seconds += t_accept - t_verify
-            acc.accept_seconds += t_done - t_accept
-            if drafted_depth > 0:  # the controller models the drafter's own depths (not a graft beyond them)
-                ctrl.observe(min(drafted_depth, depth), min(len(accepted), depth), kind)
-                self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose, kind)
-            if not call.shared:  # a forward shared with other requests says little about this tree's cost
-                self.cost.observe_cycle(tree.size, t_done - t_verify)
-            if not out:
-                stats.first_token_seconds = t_done - t0
-            committed = [int(t) for t in tree.tokens[accepted].tolist()] + [int(next_token)]
-            new: list[int] = []
-            finish = None
-            for tok in committed:
-                out.append(tok)
-                new.append(tok)
-                if tok in enders or (stops and self._hit_stop(out, stops)):
-                    finish = "stop"
-                elif len(out) >= params.max_new_tokens:
-                    finish = "length"
-                if finish:
-                    break
-            # acceptance counts what reached the output: drafts accepted past an EOS / stop are not committed
-            acc.record(min(len(accepted), len(new)), drafted_depth=min(drafted_depth, len(new)) if finish
-                       else drafted_depth, verified_nodes=tree.size - 1, committed=len(new))
-            if logprobs is not None:  # committed token j was drawn from the target's law at node path[j]
-                logprobs.extend(rows.token_logprobs(path[:len(new)], new, int(params.logprobs or 0)))
-            if finish:
-                stats.adaptive = ctrl.report()
-                if ctrl.mode == "adaptive":
-                    self._acceptance_prior = {k: list(v) for k, v in ctrl.estimates.items()}
-                yield new, finish
-                return
-            if self.speculative:
-                idx = torch.tensor(path, device=self.device)
-                feats = {k: v[idx] for k, v in fwd.features.items()}
-                if wants_ids:
-                    feats["input_ids"] = tree.tokens[path]
-                pending.append((feats, torch.tensor(committed, dtype=torch.long, device=self.device)))
-            yield new, None
-            root = int(next_token)
+        return _RequestState(generator, state, pending, ctrl, prompt_ids[-1], wants_ids,
+                             self.eos_ids | set(params.stop_token_ids or ()))
 
-    def _tree_for(self, depth: int, kind: str | None = None) -> TreeConfig:
+    def _draft(self, req: _RequestState, kind: str, depth: int, remaining: int, params: SamplingParams,
+               cache: StaticKVCache) -> tuple[DraftTree, float]:
+        """This cycle's tree (the root alone at depth 0: plain decoding) and when its proposal started."""
+        if depth == 0:
+            return DraftTree.root_only(req.root, "greedy" if params.greedy else "deterministic"), time.perf_counter()
+        if req.pending:
+            t = time.perf_counter()
+            one_cycle = len(req.pending) == 1  # the last cycle's tokens only (not a plain streak's backlog)
+            _absorb_pending(self.drafter, req.draft_state, req.pending)
+            if one_cycle:
+                self.cost.observe_absorb(time.perf_counter() - t)
+        t_propose = time.perf_counter()
+        tree = self.drafter.propose(req.draft_state, req.root, self.tree_for(depth, kind), params, req.generator)
+        # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
+        return prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free), t_propose
+
+    def _observe(self, req: _RequestState, acc: AcceptanceStats, tree: DraftTree, plan: tuple[str, int],
+                 accepted: int, shared: bool, times: tuple[float, float, float, float, float]) -> None:
+        """Feed one cycle's timings to the request's stats, its depth controller and the engine's cost model."""
+        (kind, depth), (t_draft, t_propose, t_verify, t_accept, t_done) = plan, times
+        acc.draft_seconds += t_verify - t_draft
+        acc.verify_seconds += t_accept - t_verify
+        acc.accept_seconds += t_done - t_accept
+        if tree.max_depth > 0:  # the controller models the drafter's own depths (not a graft beyond them)
+            req.ctrl.observe(min(tree.max_depth, depth), min(accepted, depth), kind)
+            self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose, kind)
+        if not shared:  # a forward shared with other requests says little about this tree's cost
+            self.cost.observe_cycle(tree.size, t_done - t_verify)
+
+    def _close_request(self, req: _RequestState, stats: GenerationStats) -> None:
+        stats.adaptive = req.ctrl.report()
+        if req.ctrl.mode == "adaptive":  # the next request starts from this one's acceptance estimates
+            self._acceptance_prior = {k: list(v) for k, v in req.ctrl.estimates.items()}
+
+    def tree_for(self, depth: int, kind: str | None = None) -> TreeConfig:
         """The tree settings of one cycle: the chosen kind (default: the configured one) at the chosen depth
         (`drafters.depth_tree`)."""
         return depth_tree(dataclasses.replace(self.tree, kind=kind) if kind else self.tree, depth)
 
-    @staticmethod
-    def _absorb(drafter: Any, state: Any, pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
-        """Hand the drafter every pending committed position at once (consecutive positions concatenate)."""
-        if len(pending) == 1:
-            features, next_tokens = pending[0]
-        else:
-            keys = pending[0][0].keys()
-            features = {k: torch.cat([f[k] for f, _ in pending]) for k in keys}
-            next_tokens = torch.cat([n for _, n in pending])
-        drafter.absorb(state, features, next_tokens)
-        pending.clear()
-
-    def _accept(self, tree: DraftTree, fwd: ForwardOutput, params: SamplingParams,
+    def accept(self, tree: DraftTree, fwd: ForwardOutput, params: SamplingParams,
                 generator: torch.Generator | None, premade: list[int] | None = None
                 ) -> tuple[list[int], int, TargetRows]:
         """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits (`premade`:
@@ -560,58 +440,3 @@ class Engine:
                                 vocab_size=self.runner.vocab_size, mode="greedy" if params.greedy else tree.mode,
                                 generator=generator)
 
-    def _prefill(self, prompt_ids: list[int], slot: Slot) -> tuple[dict[str, torch.Tensor], int]:
-        """Put the prompt minus its last token into the slot's cache; return its features and the reused length."""
-        body = prompt_ids[:-1]
-        reuse = _common_prefix(slot.prefix_ids, body) if self.prefix_caching else 0
-        slot.cache.reset(reuse)
-        new = body[reuse:]
-        features = {k: v[:reuse] for k, v in slot.prefix_features.items()} if reuse else {}
-        if new:
-            fwd = self.runner.forward(slot.cache, torch.tensor(new, dtype=torch.long), logit_rows=_NO_ROWS,
-                                      capture=self.speculative)
-            slot.cache.commit(list(range(len(new))))
-            features = {k: torch.cat([features[k], v]) if k in features else v for k, v in fwd.features.items()}
-        slot.prefix_ids, slot.prefix_features = list(body), features
-        return features, reuse
-
-    def _calibrate(self, token: int, cache: StaticKVCache) -> None:
-        """Measure cycles of 1, 2, 4, 8, ... and budget + 1 nodes (best of 3 after a warm-up) in the scratch slots
-        past the committed ones, so the first request's depth choices already rest on this machine's costs. Each is
-        timed through the cycle's own forward and verification (`_accept`) on a greedy chain."""
-        top = min(self.tree.budget + 1, cache.free)
-        sizes = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s < top} | {top})
-        if top < 2:
-            return
-        params = SamplingParams(max_new_tokens=1)
-        best: dict[int, float] = {}
-        for rep in range(4):
-            for size in sizes:
-                chain = DraftTree.chain(int(token), [int(token)] * (size - 1), mode="greedy")
-                t = time.perf_counter()
-                fwd = self.runner.forward(cache, chain.tokens, logit_rows=_NO_ROWS, capture=self.speculative)
-                self._accept(chain, fwd, params, None)
-                if rep > 0:  # rep 0 warms up
-                    best[size] = min(best.get(size, float("inf")), time.perf_counter() - t)
-        for size, seconds in best.items():
-            self.cost.set_cycle(size, seconds)
-
-    def _calibrate_drafting(self, drafter: Any, state: Any, root: int) -> None:
-        """Time proposals of every kind a request may draft (`kinds_for` at T = 1) at every depth (best of 3 after a
-        warm-up) on the request's real drafter state: proposing writes only scratch slots, so the state is left as
-        it was; sampled kinds draw from a generator of their own (the request's random stream is untouched)."""
-        if getattr(state, "last_token", root) != root:
-            return
-        greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
-        warm = SamplingParams(max_new_tokens=1, temperature=1.0)
-        for kind in self.kinds_for(warm, adaptive=True):
-            params = warm if kind in SAMPLED_KINDS else greedy
-            generator = torch.Generator(device=self.device).manual_seed(0) if kind in SAMPLED_KINDS else None
-            for depth in range(1, self.tree.depth + 1):
-                times, nodes = [], 0
-                for _ in range(4):
-                    t = time.perf_counter()
-                    nodes = drafter.propose(state, root, self._tree_for(depth, kind), params, generator).size - 1
-                    times.append(time.perf_counter() - t)
-                if nodes > 0:
-                    self.cost.set_draft(depth, nodes, min(times[1:]), kind)

@@ -10,22 +10,20 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from speculators.config import TreeConfig
 from speculators.core.trees import DraftTree
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest
 from speculators.serving.ngram import ngram_continuations
 
 if TYPE_CHECKING:
-    from speculators.config import TreeConfig
     from speculators.core.sampling import SamplingParams
 
 
 @runtime_checkable
 class Drafter(Protocol):
     def required_features(self) -> FeatureRequest: ...
-
     def new_state(self, max_len: int, device: torch.device | str) -> Any: ...
-
     def absorb(self, state: Any, features: dict[str, torch.Tensor], next_tokens: torch.Tensor) -> None: ...
 
     def propose(self, state: Any, root_token: int, tree: TreeConfig, sampling: SamplingParams,
@@ -80,8 +78,6 @@ class NgramDrafter:
         return FeatureRequest(tap_layer_ids=None, last_hidden=False)
 
     def default_tree(self) -> TreeConfig:
-        from speculators.config import TreeConfig
-
         return TreeConfig(kind="chain", depth=6, topk=1, budget=6)
 
     def new_state(self, max_len: int, device: torch.device | str) -> NgramState:

@@ -27,14 +27,20 @@ from typing import Any
 
 import torch
 
-from speculators.config import TreeConfig
+from speculators.config import TargetConfig, TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.models import FAMILIES
 from speculators.serving import costs as measure
 from speculators.serving.adaptive import CostModel
-from speculators.serving.drafters import default_tree
+from speculators.serving.drafters import default_tree, load_drafter
+from speculators.serving.engine import Engine
 from speculators.serving.model_free import NoDrafter
 from speculators.serving.oracle import Acceptance, Costs, load_acceptance, predict, schedule
+from speculators.serving.profile_check import check_against_bench
+from speculators.serving.profile_report import build_report, write_report
+from speculators.serving.shapes import random_drafter, random_target
+from speculators.serving.target_runner import TargetRunner
+from speculators.target import load_target, resolve_device, resolve_dtype
 
 PROFILE_FORMAT = "speculators.profile/v1"
 GRIDS = {  # (batch sizes, verified tokens per sequence) by device type
@@ -82,12 +88,7 @@ def _check_args(target: str | None, shape: str | None, batch_sizes: list[int], n
 
 
 def _load_target(target: str | None, shape: str | None, device: str, dtype: str) -> Any:
-    from speculators.serving.shapes import random_target
-    from speculators.target import load_target, resolve_device, resolve_dtype
-
     if target is not None:
-        from speculators.config import TargetConfig
-
         return load_target(TargetConfig(name_or_path=target, device=device, dtype=dtype))
     dev = resolve_device(device)
     return random_target(str(shape), dev, resolve_dtype(dtype, dev))
@@ -97,11 +98,8 @@ def _drafters(loaded: Any, speculator: str | None, families: list[str], max_dept
               ) -> dict[str, tuple[Any, str]]:
     """family -> (drafter, how it computes): the given speculator, else a random head of each family."""
     if speculator is not None:
-        from speculators.serving.drafters import load_drafter
-
         drafter, info = load_drafter(speculator, loaded, draft_dtype=draft_dtype)
         return {info.family: (drafter, info.precision)}
-    from speculators.serving.shapes import random_drafter
 
     unknown = [f for f in families if f not in FAMILIES]
     if unknown or not families:
@@ -133,8 +131,6 @@ def _phase(start: float, budget_s: float, name: str, skipped: list[str]) -> meas
 def _steps(loaded: Any, drafter: Any, family_costs: measure.DrafterCosts, kinds: dict[str, TreeConfig],
            forward: dict[int, dict[int, float]], context_len: int, budget: measure.Budget, costs: Costs) -> None:
     """Whole runtime steps (plain, and each kind at depth 1 and at its deepest) -> the per-step overhead."""
-    from speculators.serving.engine import Engine
-
     deepest = max(t.depth for t in kinds.values())
     max_len = context_len + (STEP_COUNT + 4) * (deepest + 1) + 8
     configs: list[tuple[str, int]] = [("plain", 0)] + [(k, d) for k, t in kinds.items() for d in sorted({1, t.depth})]
@@ -164,8 +160,6 @@ def _steps(loaded: Any, drafter: Any, family_costs: measure.DrafterCosts, kinds:
 def measure_costs(loaded: Any, drafters: dict[str, tuple[Any, str]], primary: str, batch_sizes: list[int],
                   nodes: list[int], context_len: int, budget_s: float, max_depth: int) -> tuple[Costs, dict]:
     """Every measurement of the profile inside the time budget; (costs, extras: prefill, trees, skipped)."""
-    from speculators.serving.target_runner import TargetRunner
-
     start, skipped = time.perf_counter(), []
     runner = TargetRunner(loaded.model)
     forward = measure.measure_forward(runner, sorted(set(batch_sizes)), sorted(set(nodes)), context_len,
@@ -195,8 +189,6 @@ def profile_command(*, target: str | None, shape: str | None, speculator: str | 
                     check_rows: int, check_depths: list[int], workloads: str, out: Path | None,
                     draft_dtype: str = "auto") -> tuple[dict, str]:
     """Run the profile (see the module docstring); (its report, the Markdown)."""
-    from speculators.serving.profile_report import build_report, write_report
-
     dev_type = "cuda" if (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())) else "cpu"
     grid_b, grid_n = GRIDS[dev_type]
     batch_sizes, nodes = batch_sizes or grid_b, nodes or grid_n
@@ -215,8 +207,6 @@ def profile_command(*, target: str | None, shape: str | None, speculator: str | 
         predictions = {f: predict(costs, acc, f) for f in fams}
     check = None
     if check_rows:
-        from speculators.serving.profile_check import check_against_bench
-
         check = check_against_bench(loaded, str(speculator), acc, costs, primary, extras["prefill"],
                                     check_depths, check_rows, workloads)
     report = build_report(

@@ -24,7 +24,9 @@ from typing import Any
 from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.serving.adaptive import CostModel
+from speculators.serving.bench import Method, bench_rows, run_methods
 from speculators.serving.costs import clock_name
+from speculators.serving.engine import Engine
 from speculators.serving.oracle import Acceptance, Costs, cost_model, expected_seconds
 
 
@@ -74,9 +76,6 @@ def check_against_bench(loaded: Any, speculator: str, acceptance: Acceptance, co
                         prefill: dict, depths: list[int], rows_per_cohort: int, workloads: str, seed: int = 0
                         ) -> dict:
     """Predicted vs measured speedup per cohort and chain depth (see the module docstring)."""
-    from speculators.serving.bench import Method, bench_rows, run_methods
-    from speculators.serving.engine import Engine
-
     if not depths or any(d < 1 for d in depths):
         raise SpeculatorsError(f"--check-depths must be positive chain depths, got {depths}")
     plain = Method("plain", "runtime", Engine.from_pretrained(loaded, None))

@@ -38,9 +38,10 @@ from speculators.core.sampling import SamplingParams
 from speculators.errors import SpeculatorsError
 from speculators.serving import openai_api as api
 from speculators.serving.batching import BatchWorker
-from speculators.serving.engine import Engine, GenerateOutput, StreamChunk
+from speculators.serving.engine import Engine
 from speculators.serving.http_guard import RequestGuard
 from speculators.serving.openai_api import APIError
+from speculators.serving.requests import GenerateOutput, StreamChunk
 from speculators.serving.server_metrics import CLIENT_GONE, Admission, ServerMetrics
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})

@@ -21,8 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from speculators.config import SpeculatorConfig, TargetConfig
 from speculators.errors import SpeculatorsError
+from speculators.models import SPECULATORS
+from speculators.models.io import target_weights
+from speculators.serving.drafters import draft_dtype_for, prepare_for_drafting
+from speculators.target import LoadedTarget
 
 SHAPES_DIR = Path(__file__).resolve().parents[2] / "data" / "shapes"
 DEFAULT_DRAFT_VOCAB = 32000
@@ -54,11 +63,6 @@ def shape_config(name_or_file: str) -> tuple[str, dict]:
 
 def _word_tokenizer(vocab_size: int) -> Any:
     """A real fast tokenizer whose token i is the word "t{i}" (decoding works; the text means nothing)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok)
@@ -66,11 +70,6 @@ def _word_tokenizer(vocab_size: int) -> Any:
 
 def random_target(name_or_file: str, device: str, dtype: torch.dtype, seed: int = 0) -> Any:
     """A `speculators.target.LoadedTarget` of the shape with random weights (see the module docstring)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from speculators.config import TargetConfig
-    from speculators.target import LoadedTarget
-
     name, fields = shape_config(name_or_file)
     fields = dict(fields)
     model_type = fields.pop("model_type")
@@ -99,11 +98,6 @@ def random_target(name_or_file: str, device: str, dtype: torch.dtype, seed: int 
 def random_drafter(target: Any, family: str, num_steps: int, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB,
                    draft_dtype: str = "auto", seed: int = 0) -> tuple[Any, str]:
     """(a family's head with random weights for `target`, prepared for drafting; how it computes)."""
-    from speculators.config import SpeculatorConfig
-    from speculators.models import SPECULATORS
-    from speculators.models.io import target_weights
-    from speculators.serving.drafters import draft_dtype_for, prepare_for_drafting
-
     vocab = int(target.vocab_size)
     dvocab = min(int(draft_vocab_size), vocab) if family == "eagle3" else None
     cfg = SpeculatorConfig(family=family, num_steps=num_steps, draft_vocab_size=dvocab)

@@ -7,10 +7,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import resource
 import sys
 from typing import Any
 
+import accelerate
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+from torch import nn
+from transformers.integrations import unset_hf_deepspeed_config
+
+import speculators
 from speculators.config import Recipe
 from speculators.errors import SpeculatorsError
 
@@ -19,14 +30,6 @@ from speculators.errors import SpeculatorsError
 
 
 def package_versions() -> dict:
-    import platform
-
-    import accelerate
-    import torch
-    import transformers
-
-    import speculators
-
     out = {"speculators": getattr(speculators, "__version__", "0"), "torch": torch.__version__,
            "transformers": transformers.__version__, "accelerate": accelerate.__version__,
            "python": platform.python_version()}
@@ -37,8 +40,6 @@ def package_versions() -> dict:
 
 def peak_memory_mb(device: Any) -> float:
     """Peak memory of this process: CUDA max allocated on GPU, max RSS on CPU (MiB)."""
-    import torch
-
     if getattr(device, "type", str(device)) == "cuda":
         return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
@@ -48,17 +49,12 @@ def _reset_accelerate_state() -> None:
     """A fresh accelerate state for in-process runs (tests, train-bench); launched workers start fresh anyway."""
     if os.environ.get("LOCAL_RANK") is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return
-    from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 
 
 def make_accelerator(recipe: Recipe) -> Any:
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
-
     _reset_accelerate_state()
     cuda = torch.cuda.is_available() and not recipe.target.device.startswith("cpu")
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not cuda:
@@ -104,7 +100,6 @@ def plain_init(acc: Any) -> Any:
     if plugin is None:
         yield
         return
-    from transformers.integrations import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
     try:
@@ -114,8 +109,6 @@ def plain_init(acc: Any) -> Any:
 
 
 def train_module_class() -> type:
-    from torch import nn
-
     class _TrainModule(nn.Module):
         """Routes `forward` to the speculator's `forward_train`, so DDP / DeepSpeed / FSDP wrappers see a forward."""
 

@@ -24,8 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import pyarrow.compute as pc
 import torch
 
+from speculators.data.artifacts import load_token_dataset
+from speculators.data.features import compute_features
+from speculators.data.shards import split_indices as split
 from speculators.errors import SpeculatorsError
 from speculators.train.loss import Teacher, TeacherShape, VocabMap, dense_teacher, hidden_teacher, sparse_teacher
 
@@ -34,9 +38,7 @@ FLOAT_KEYS = ("taps", "last_hidden", "teacher_topk_logprobs")
 
 class SequenceSource(Protocol):
     def __len__(self) -> int: ...
-
     def lengths(self) -> list[int]: ...
-
     def sequence(self, i: int) -> dict[str, torch.Tensor]: ...
 
 
@@ -48,8 +50,6 @@ class PreparedSource:
     """Token rows of a prepared (or regenerated) Arrow dir: input_ids + loss_mask."""
 
     def __init__(self, directory: Path, max_length: int | None = None) -> None:
-        from speculators.data.artifacts import load_token_dataset
-
         self.directory = Path(directory)
         self.dataset, self.manifest = load_token_dataset(self.directory)
         self.max_length = max_length
@@ -60,8 +60,6 @@ class PreparedSource:
 
     def lengths(self) -> list[int]:
         if self._lengths is None:
-            import pyarrow.compute as pc
-
             col = self.dataset.data.column("input_ids")
             lens = pc.list_value_length(col).to_pylist()
             self._lengths = [min(int(n), self.max_length) if self.max_length else int(n) for n in lens]
@@ -101,8 +99,6 @@ class FeatureSource:
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(train, val) indices of n sequences: the same deterministic split capture uses for the features."""
-    from speculators.data.shards import split_indices as split
-
     return split(n, "train", val_fraction, seed), split(n, "val", val_fraction, seed)
 
 
@@ -234,7 +230,7 @@ def micro_batch_loader(source: SequenceSource, plan: BatchPlan, start: int, coun
 
 
 class OnlineFeatures:
-    """Online mode: one target forward per batch (no grad, `speculators.data.capture.compute_features`, the same
+    """Online mode: one target forward per batch (no grad, `speculators.data.features.compute_features`, the same
     code offline capture runs) gives taps, last hidden and the dense teacher."""
 
     def __init__(self, target_model: Any, request: Any, vocab: VocabMap, shape: TeacherShape = TeacherShape()) -> None:
@@ -245,8 +241,6 @@ class OnlineFeatures:
 
     def __call__(self, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[dict[str, torch.Tensor],
                                                                                       Teacher]:
-        from speculators.data.capture import compute_features
-
         ids = batch["input_ids"].to(device)  # [B, T]
         am = batch["attention_mask"].to(device)  # [B, T]
         with torch.no_grad():

@@ -23,9 +23,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from speculators.config import dump_recipe, load_recipe
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from speculators.data import capture, prepare
 from speculators.errors import SpeculatorsError
 from speculators.models import FAMILIES
+from speculators.recipes import dump_recipe, load_recipe
+from speculators.target import check_target_location
+from speculators.train.loop import train
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +69,6 @@ def bench_command(*, target: str = "data/targets/stdlib-lm", families: list[str]
                   data: str = "data/datasets/stdlib-chat/train.jsonl", rows: int | None = None,
                   recipes_dir: str = "recipes", out: Path | None = None, threads: int | None = None) -> list[dict]:
     """Run the benchmark and print the table; returns one result dict per family."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from speculators.target import check_target_location
-
     fams = list(families or FAMILIES)
     unknown = [f for f in fams if f not in FAMILIES]
     if unknown:
@@ -116,15 +118,10 @@ def bench_command(*, target: str = "data/targets/stdlib-lm", families: list[str]
 
 def child_main(recipe_file: str, overrides: list[str]) -> int:
     """One family: capture (offline mode) + train, then print the result line."""
-    from speculators.data import prepare
-    from speculators.train.loop import train
-
     recipe = load_recipe(recipe_file, overrides)
     prepare.run(recipe)
     capture_s = 0.0
     if recipe.capture.mode == "offline":
-        from speculators.data import capture
-
         t0 = time.perf_counter()
         capture.run(recipe)
         capture_s = time.perf_counter() - t0
@@ -140,6 +137,4 @@ def child_main(recipe_file: str, overrides: list[str]) -> int:
 
 
 def _threads() -> int:
-    import torch
-
     return int(torch.get_num_threads())

@@ -25,6 +25,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from accelerate.utils import DistributedType
+from safetensors import safe_open
+
 from speculators.core.atomic import write_text_atomic
 from speculators.core.checkpoints import (
     STATE_DIR,
@@ -36,7 +39,9 @@ from speculators.core.checkpoints import (
     step_name,
     write_pointer,
 )
+from speculators.core.pairing import pairing_record, read_pairing, write_pairing
 from speculators.errors import SpeculatorsError
+from speculators.models.io import family_of, read_speculator_config, save_speculator
 
 POINTER_TMP_RE = re.compile(r"^\..+\.tmp\d+$")  # `write_text_atomic`'s temp of a file such as `best`
 SUMMARY_FILE = "train-summary.json"
@@ -122,11 +127,6 @@ def find_resume(resume: str, root: Path) -> Path | None:
 
 def check_resume(ckpt: Path, family: str, target_fp: dict, trainable_shapes: dict[str, tuple[int, ...]]) -> dict:
     """Refuse a checkpoint of another family, another target or another architecture. Returns trainer state."""
-    from safetensors import safe_open
-
-    from speculators.core.pairing import read_pairing
-    from speculators.models.io import family_of, read_speculator_config
-
     theirs = family_of(read_speculator_config(ckpt))
     if theirs != family:
         raise SpeculatorsError(f"cannot resume from {ckpt}: it is a {theirs} checkpoint but the recipe trains "
@@ -160,8 +160,6 @@ class CheckpointWriter:
         self._frozen_hook = None
 
     def _state_kwargs(self) -> dict:
-        from accelerate.utils import DistributedType
-
         if self.acc.distributed_type == DistributedType.DEEPSPEED:
             return {"exclude_frozen_parameters": True}
         return {}
@@ -178,8 +176,6 @@ class CheckpointWriter:
         self._frozen_hook = self.acc.register_save_state_pre_hook(drop_frozen)
 
     def load_state(self, ckpt: Path) -> None:
-        from accelerate.utils import DistributedType
-
         kwargs = {"load_module_strict": False} if self.acc.distributed_type == DistributedType.DEEPSPEED else \
             {"strict": False}
         self.acc.load_state(str(Path(ckpt) / STATE_DIR), **kwargs)
@@ -187,9 +183,6 @@ class CheckpointWriter:
     def save(self, step: int, spec_for_save: Any, *, metadata: dict, target_fp: dict, layer_ids: list[int] | None,
              recipe: dict, trainer_state: dict, evaluation: dict | None, is_best: bool) -> Path:
         """Write step-XXXXXXX atomically, move `latest` (and `best` when `is_best`), prune old ones."""
-        from speculators.core.pairing import pairing_record, write_pairing
-        from speculators.models.io import save_speculator
-
         acc = self.acc
         name = step_name(step)
         tmp = self.root / f".tmp-{name}"

@@ -26,14 +26,16 @@ import json
 import logging
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from speculators.config import Recipe, dump_recipe, load_recipe
+import torch
+import yaml
+
+from speculators.config import Recipe
+from speculators.core.workers import accelerate_command, run_workers
 from speculators.errors import SpeculatorsError
+from speculators.recipes import dump_recipe, load_recipe
 from speculators.train.loop import train
 from speculators.train.setup import SHARDS_VERIFIED_ENV, preflight
 
@@ -68,8 +70,6 @@ def _resolve_near(path: str, config_file: Path) -> Path | None:
 
 def check_accelerate_config(path: str) -> dict:
     """Parse and validate an accelerate config file; returns it with `deepspeed_config_file` made absolute."""
-    import yaml
-
     cfg_path = Path(path)
     if not cfg_path.is_file():
         raise SpeculatorsError(f"accelerate config not found: {path} (train.accelerate_config; see "
@@ -98,44 +98,24 @@ def check_accelerate_config(path: str) -> dict:
                 raise SpeculatorsError(f"DeepSpeed config {found} is not valid JSON ({exc})") from None
             cfg["deepspeed_config"]["deepspeed_config_file"] = str(found)
     if kind == "FSDP":
-        import torch
-
         if not torch.cuda.is_available():
             raise SpeculatorsError(f"{path} is an FSDP config, which needs CUDA GPUs; on CPU use "
                                    "recipes/accelerate/cpu-ddp-2.yaml or deepspeed-zero2.yaml")
     return cfg
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch_command(recipe: Recipe, recipe_file: Path) -> list[str]:
     t = recipe.train
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     cfg = check_accelerate_config(t.accelerate_config) if t.accelerate_config else None
-    if cfg is not None:
-        cmd += ["--config_file", str(t.accelerate_config)]
-        ds = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file")
-        if ds:
-            cmd += ["--deepspeed_config_file", ds]
-    if t.num_processes > 1:
-        cmd += ["--num_processes", str(t.num_processes)]
-        if cfg is None:
-            cmd += ["--multi_gpu"]
-    if cfg is None:
-        cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    if cfg is None or int(cfg.get("num_machines", 1) or 1) == 1:
-        cmd += ["--main_process_port", str(_free_port())]
-    cmd += ["-m", "speculators.cli", "worker-train", str(recipe_file)]
-    return cmd
+    deepspeed = (cfg.get("deepspeed_config") or {}).get("deepspeed_config_file") if cfg else None
+    return accelerate_command(["worker-train", str(recipe_file)], t.num_processes,
+                              config_file=str(t.accelerate_config) if cfg is not None else None,
+                              deepspeed_config_file=deepspeed,
+                              num_machines=int(cfg.get("num_machines", 1) or 1) if cfg is not None else 1)
 
 
 def launch(recipe: Recipe, *, force: bool = False) -> dict:
     """Run training under `accelerate launch` and return rank 0's summary."""
-
     if recipe.train.accelerate_config:
         check_accelerate_config(recipe.train.accelerate_config)
     preflight(recipe, force=force)
@@ -144,16 +124,14 @@ def launch(recipe: Recipe, *, force: bool = False) -> dict:
         recipe_file = tmp / "recipe.yaml"
         recipe_file.write_text(dump_recipe(recipe))
         cmd = launch_command(recipe, recipe_file)
-        env = dict(os.environ)
-        env.update({WORKER_ENV: "1", RESULT_ENV: str(tmp / "result.json"), ERROR_ENV: str(tmp / "error"),
-                    FORCE_ENV: "1" if force else "0", SHARDS_VERIFIED_ENV: "1", "PYTHONUNBUFFERED": "1"})
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, recipe.train.num_processes))))
-        proc = subprocess.run(cmd, env=env, check=False)
+        returncode = run_workers(cmd, recipe.train.num_processes, {
+            WORKER_ENV: "1", RESULT_ENV: str(tmp / "result.json"), ERROR_ENV: str(tmp / "error"),
+            FORCE_ENV: "1" if force else "0", SHARDS_VERIFIED_ENV: "1"})
         errors = sorted(tmp.glob("error.*"))
         if errors:
             raise SpeculatorsError(errors[0].read_text().strip())
-        if proc.returncode != 0:
-            raise SpeculatorsError(f"distributed training failed (exit status {proc.returncode}); see the worker "
+        if returncode != 0:
+            raise SpeculatorsError(f"distributed training failed (exit status {returncode}); see the worker "
                                    f"output above (command: {' '.join(cmd[2:])})")
         result = tmp / "result.json"
         if not result.is_file():

@@ -7,7 +7,7 @@ What it does:
   every shard's sha256 is verified before step 1)
   or online capture (`capture.mode: online`: the target runs inside the step on the prepared/regenerated rows).
 - The speculator comes from `SPECULATORS[family].from_target(...)`; the trainer never branches on the family.
-- Optimisation: AdamW, warmup + cosine/linear/constant schedule (a pure function of the optimizer step),
+- Optimisation: AdamW, warmup + cosine/linear/constant schedule (transformers' `get_scheduler`, fast-forwarded on resume),
   gradient accumulation, clipping, bf16 mixed precision on CUDA (fp32 on CPU); loss = `loss.speculator_loss`.
 - Every `eval_every` / `save_every` steps and at the end: held-out teacher-forced per-step accuracy, chain reach,
   per-position acceptance and simulated tau (`speculators.metrics`), logged with a table + plot; checkpoints
@@ -31,13 +31,24 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculators.config import Recipe, to_dict
+import torch
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from speculators.config import Recipe, TrainConfig
 from speculators.core.atomic import write_text_atomic
+from speculators.core.checkpoints import step_name
 from speculators.errors import SpeculatorsError
+from speculators.models import SPECULATORS
+from speculators.recipes import to_dict
+from speculators.train import checkpoint as ck
 from speculators.train.accelerator import (
     configure_deepspeed,
     make_accelerator,
@@ -46,26 +57,35 @@ from speculators.train.accelerator import (
     plain_init,
     train_module_class,
 )
+from speculators.train.batches import BatchPlan, OfflineFeatures, OnlineFeatures, micro_batch_loader
+from speculators.train.checkpoint import SUMMARY_FILE
+from speculators.train.loss import TeacherShape, VocabMap, speculator_loss
 from speculators.train.setup import Setup, check_signature, load_setup, train_signature
+from speculators.train.tracking import Tracker, wandb_options
 from speculators.train.validation import acceptance_rows, evaluate_heldout
 
 # ----------------------------------------------------------------------------------------------------------------
 # schedule
 
 
-def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
-    """LR multiplier for optimizer step `step` (0-based): linear warmup to 1, then cosine/linear decay to
-    `min_ratio` at `total`, or constant."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
-    if schedule == "cosine":
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "linear":
-        return 1.0 - (1.0 - min_ratio) * progress
-    raise SpeculatorsError(f"train.schedule: unknown schedule {schedule!r}; use cosine, linear or constant")
+def lr_schedule(optimizer: Any, t: TrainConfig, total: int, warmup: int, start_step: int = 0) -> LambdaLR:
+    """The learning-rate schedule, from transformers (`get_scheduler`): linear warmup over `warmup` optimizer steps,
+    then cosine / linear decay to `t.min_lr_ratio` x `t.lr` at `total` (warmup-stable-decay with no stable phase),
+    or constant. Positioned at `start_step` (a resumed run continues where it stopped); step it after every
+    optimizer step."""
+    if t.schedule == "constant":
+        name, options = "constant_with_warmup", {}
+    else:
+        name, options = "warmup_stable_decay", {"num_stable_steps": 0, "num_decay_steps": max(1, total - warmup),
+                                                "decay_type": t.schedule, "min_lr_ratio": t.min_lr_ratio}
+    for group in optimizer.param_groups:  # a resumed optimizer state holds its last step's lr: start from the recipe's
+        group["lr"] = group["initial_lr"] = t.lr
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, scheduler_specific_kwargs=options)
+    with warnings.catch_warnings():  # fast-forwarding without optimizer steps is what resuming means
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(start_step):
+            scheduler.step()
+    return scheduler
 
 
 def warmup_steps(total: int, ratio: float) -> int:
@@ -100,6 +120,7 @@ class _Session:
     acc: Any  # accelerate.Accelerator
     model: Any  # the (DDP / DeepSpeed / FSDP-wrapped) train module
     optimizer: Any
+    scheduler: LambdaLR  # `lr_schedule`
     params: list  # trainable parameters (clipping)
     setup: Setup
     spec_cls: type
@@ -119,6 +140,7 @@ class _Session:
     tokens: int = 0
     best: dict = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
+    lr: float = 0.0  # of the last optimizer step
     pad_id: int = 0
     versions: dict = field(default_factory=dict)
 
@@ -140,8 +162,6 @@ class _Session:
 
     def evaluate_and_log(self, step: int) -> dict:
         """Held-out teacher-forced evaluation at `step`, logged with its table and plot ({} without held-out rows)."""
-        from speculators.core.checkpoints import step_name
-
         ev = evaluate_heldout(self.acc, self.model, self.setup, self.features, self.weights, self.vocab,
                        self.recipe.train.batch_size, self.pad_id)
         if not ev:
@@ -157,8 +177,6 @@ class _Session:
 
     def save(self, step: int, ev: dict) -> Path:
         """Write the checkpoint of `step` (best when its held-out simulated tau is the highest so far)."""
-        from speculators.core.checkpoints import step_name
-
         recipe, fp = self.recipe, self.setup.fingerprint
         tau = ev.get("simulated_tau") if ev else None
         is_best = tau is not None and (not self.best or tau > float(self.best.get("simulated_tau", -1.0)))
@@ -191,8 +209,6 @@ class _Window:
     counted: Any = None  # [K] long: scored positions per step
 
     def __post_init__(self) -> None:
-        import torch
-
         self.correct = torch.zeros(self.num_steps, dtype=torch.long)
         self.counted = torch.zeros(self.num_steps, dtype=torch.long)
 
@@ -205,8 +221,6 @@ class _Window:
 
     def close(self, acc: Any) -> tuple[float, list[float], float]:
         """(mean loss, top-1 accuracy per step, tokens/s of this rank) over every rank; starts a new window."""
-        import torch
-
         stats = acc.reduce(torch.cat([torch.tensor([self.loss, float(self.batches)], dtype=torch.float64),
                                       self.correct.double(), self.counted.double()]).to(acc.device),
                            reduction="sum").cpu()
@@ -241,11 +255,6 @@ def train(recipe: Recipe, *, force: bool = False) -> dict:
 
 def _validated(recipe: Recipe, acc: Any, force: bool) -> tuple[Setup, Any, Path | None, dict]:
     """Everything checked before anything is written: (setup, fresh speculator, resume dir, resumed state)."""
-    from accelerate.utils import DistributedType, set_seed
-
-    from speculators.models import SPECULATORS
-    from speculators.train import checkpoint as ck
-
     t, family = recipe.train, recipe.speculator.family
     resume_dir = None if force else ck.find_resume(t.resume, recipe.paths.checkpoints)
     with plain_init(acc):
@@ -269,15 +278,6 @@ def _validated(recipe: Recipe, acc: Any, force: bool) -> tuple[Setup, Any, Path 
 
 def _open(recipe: Recipe, force: bool) -> _Session:
     """Validate, then prepare the run: clean the checkpoint dir, wrap model and optimizer, restore a resume."""
-    import torch
-    from accelerate.utils import DistributedType
-
-    from speculators.models import SPECULATORS
-    from speculators.train import checkpoint as ck
-    from speculators.train.batches import BatchPlan, OfflineFeatures, OnlineFeatures
-    from speculators.train.loss import TeacherShape, VocabMap
-    from speculators.train.tracking import Tracker, wandb_options
-
     t, root = recipe.train, recipe.paths.checkpoints
     acc = make_accelerator(recipe)
     setup, spec, resume_dir, state = _validated(recipe, acc, force)
@@ -309,12 +309,13 @@ def _open(recipe: Recipe, force: bool) -> _Session:
         lm_head = setup.weights.lm_head.to(acc.device) if setup.store.teacher == "hidden" else None
         features = OfflineFeatures(lm_head, bool(req.tap_layer_ids), req.last_hidden, vocab_dev, shape)
     start = int(state.get("step", 0))
+    scheduler = lr_schedule(optimizer, t, plan.total_steps, plan.warmup, start)
     tracker = Tracker(recipe.paths.logs, t.trackers, run_name=recipe.name, enabled=acc.is_main_process,
                       resume_step=start if resume_dir is not None else None, wandb=wandb_options(t),
                       config={**to_dict(recipe), "world_size": acc.num_processes, "mode": setup.mode})
     sharded = (acc.distributed_type == DistributedType.DEEPSPEED and
                int(acc.state.deepspeed_plugin.zero_stage) == 3) or acc.distributed_type == DistributedType.FSDP
-    return _Session(recipe=recipe, acc=acc, model=model, optimizer=optimizer, params=params, setup=setup,
+    return _Session(recipe=recipe, acc=acc, model=model, optimizer=optimizer, scheduler=scheduler, params=params, setup=setup,
                     spec_cls=SPECULATORS[recipe.speculator.family], spec=acc.unwrap_model(model).spec,
                     features=features, weights=spec.step_weights(recipe.speculator.step_loss_decay), vocab=vocab_dev,
                     tracker=tracker, writer=writer, plan=plan, batch_plan=batch_plan, sharded=sharded,
@@ -326,18 +327,12 @@ def _open(recipe: Recipe, force: bool) -> _Session:
 def _micro_step(s: _Session, batch: dict) -> tuple[Any, bool, float | None]:
     """Forward + backward of one micro-batch (an optimizer step when accumulation syncs):
     (loss output, synced, grad norm or None)."""
-    from accelerate.utils import DistributedType
-
-    from speculators.train.loss import speculator_loss
-
     t, device, grad_norm = s.recipe.train, s.acc.device, None
     inputs, teacher = s.features(batch, device)
     with s.acc.accumulate(s.model):
         sync = s.acc.sync_gradients
         if sync:
-            lr = t.lr * lr_factor(s.step, s.plan.total_steps, s.plan.warmup, t.schedule, t.min_lr_ratio)
-            for group in s.optimizer.param_groups:
-                group["lr"] = lr
+            s.lr = float(s.optimizer.param_groups[0]["lr"])  # this step's, from `lr_schedule`
         out = speculator_loss(s.model(inputs), teacher, batch["loss_mask"].to(device),
                               batch["attention_mask"].to(device), s.weights, s.vocab, kind=t.loss)
         s.acc.backward(out.loss)
@@ -349,6 +344,8 @@ def _micro_step(s: _Session, batch: dict) -> tuple[Any, bool, float | None]:
                 grad_norm = float(s.acc.clip_grad_norm_(s.params, t.grad_clip))
         s.optimizer.step()
         s.optimizer.zero_grad(set_to_none=True)
+        if sync:
+            s.scheduler.step()
     return out, sync, grad_norm
 
 
@@ -356,7 +353,7 @@ def _log_window(s: _Session, window: _Window, grad_norm: float | None, bar: Any)
     """Log the window's loss / accuracy / lr / throughput; a non-finite loss stops training. Returns the loss."""
     loss, accs, rate = window.close(s.acc)
     metrics = {"loss": loss, "top1_accuracy": [round(a, 5) for a in accs],
-               "lr": s.optimizer.param_groups[0]["lr"], "tokens_per_s": round(rate, 1),
+               "lr": s.lr, "tokens_per_s": round(rate, 1),
                "epoch": round(s.micro / s.plan.batches_per_epoch, 4)}
     if grad_norm is not None and math.isfinite(grad_norm):
         metrics["grad_norm"] = grad_norm
@@ -370,10 +367,6 @@ def _log_window(s: _Session, window: _Window, grad_norm: float | None, bar: Any)
 
 def _run_steps(s: _Session) -> _Totals:
     """The optimizer steps from the resumed step to the plan's total, with logging, evaluation and checkpoints."""
-    from tqdm.auto import tqdm
-
-    from speculators.train.batches import micro_batch_loader
-
     t, totals, total = s.recipe.train, _Totals(), s.plan.total_steps
     totals.last_eval = s.history[-1] if s.history else {}
     bar = tqdm(total=total, initial=s.step, disable=not s.main, desc=f"train {s.recipe.speculator.family}",
@@ -418,11 +411,6 @@ def _run_steps(s: _Session) -> _Totals:
 
 def _finish(s: _Session, totals: _Totals) -> dict:
     """The run's summary (written to checkpoints/train-summary.json by rank 0, returned by every rank)."""
-    import torch
-
-    from speculators.core.checkpoints import step_name
-    from speculators.train.checkpoint import SUMMARY_FILE
-
     acc, root, t, ev = s.acc, s.recipe.paths.checkpoints, s.recipe.train, totals.last_eval
     summary = {
         "status": "done", "family": s.recipe.speculator.family, "mode": s.setup.mode, "steps": s.step,
@@ -454,8 +442,6 @@ def _finish(s: _Session, totals: _Totals) -> dict:
     if s.main:
         write_text_atomic(root / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     if acc.num_processes > 1:  # every rank returns rank 0's summary (each node's launcher reports it)
-        from accelerate.utils import broadcast_object_list
-
         summary = broadcast_object_list([summary if s.main else None], from_process=0)[0]
     acc.wait_for_everyone()
     return summary

@@ -18,8 +18,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speculators.config import Recipe, to_dict
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from speculators.config import Recipe
+from speculators.core.pairing import read_pairing
+from speculators.data import vocab as vocab_mod
+from speculators.data.artifacts import read_manifest
+from speculators.data.shards import FeatureStore
+from speculators.data.vocab import load_vocab
 from speculators.errors import SpeculatorsError
+from speculators.models import SPECULATORS
+from speculators.models.base import TargetWeights
+from speculators.models.io import family_of, read_speculator_config, target_weights
+from speculators.recipes import to_dict
+from speculators.target import (
+    eos_token_ids,
+    final_norm,
+    fingerprint_target,
+    input_embeddings,
+    is_local,
+    load_target,
+    load_tokenizer,
+    output_head,
+    text_config,
+)
+from speculators.train import checkpoint as ck
+from speculators.train.batches import FeatureSource, PreparedSource, split_indices
 
 _NOT_IN_SIGNATURE = {"resume", "trackers", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "log_every",
                      "num_workers", "eval_every", "keep_last", "accelerate_config", "num_processes", "save_every"}
@@ -70,20 +96,7 @@ class Setup:
     store: Any | None = None
 
 
-def target_eos_ids(model_config: Any, tokenizer: Any, generation_config: Any = None) -> list[int]:
-    ids: set[int] = set()
-    for src in (generation_config, model_config):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if eos is not None:
-            ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return sorted(ids)
-
-
 def check_eos_covered(d2t: Any, eos_ids: list[int], where: str) -> None:
-    import torch
-
     covered = set((torch.arange(d2t.shape[0]) + d2t.cpu()).tolist())
     missing = [e for e in eos_ids if e not in covered]
     if missing:
@@ -96,14 +109,11 @@ def _online_d2t(recipe: Recipe, source: Any, train_idx: list[int], vocab_size: i
                 eos_ids: list[int]) -> Any:
     """The draft vocab in online mode: the features dir's vocab file if capture wrote one, else built from the
     assistant tokens of the training split."""
-    from speculators.data import vocab as vocab_mod
-
     vd = recipe.speculator.draft_vocab_size
     features = recipe.paths.features
     if vocab_mod.vocab_file(features, vd).is_file() or (features / vocab_mod.TOKEN_FREQ_FILE).is_file():
         d2t, _ = vocab_mod.load_vocab(features, vd)
         return d2t
-    import torch
 
     freq = torch.zeros(vocab_size, dtype=torch.long)
     for i in train_idx:
@@ -128,12 +138,6 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
     """The cheap checks of `train` without loading any weights (the launcher runs them before starting workers,
     so bad input fails with one line): family, training data, features from this target, draft vocab covers
     EOS, resume checkpoint of this family and target."""
-    from transformers import AutoConfig
-
-    from speculators.models import SPECULATORS
-    from speculators.target import fingerprint_target, load_tokenizer, text_config
-    from speculators.train import checkpoint as ck
-
     family = recipe.speculator.family
     SPECULATORS[family]  # noqa: B018 - unknown family -> SpeculatorsError
     _check_teacher_shape(recipe)
@@ -146,32 +150,22 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
     features = recipe.paths.features
     vocab_dir = None
     if recipe.capture.mode == "offline":
-        from speculators.data.shards import FeatureStore
-
         store = FeatureStore(features)
         store.check_target(fp)
         store.verify_checksums()  # every shard, before any worker starts (one line naming a damaged shard)
         vocab_dir = features
     else:
-        from speculators.data.artifacts import read_manifest
-
         read_manifest(recipe.training_data_dir, "speculators.prepared/v1", "prepared data")
-        from speculators.data import vocab as vocab_mod
 
         if vd is not None and (vocab_mod.vocab_file(features, vd).is_file() or
                                (features / vocab_mod.TOKEN_FREQ_FILE).is_file()):
             vocab_dir = features
     if vd is not None and vd != vocab_size and vocab_dir is not None:
-        from speculators.data.vocab import load_vocab
-
         d2t, _ = load_vocab(vocab_dir, vd)
-        check_eos_covered(d2t, target_eos_ids(config, tokenizer), f"{vocab_dir}, {vd} tokens")
+        check_eos_covered(d2t, eos_token_ids(config, tokenizer), f"{vocab_dir}, {vd} tokens")
     if not force:
         ckpt = ck.find_resume(recipe.train.resume, recipe.paths.checkpoints)
         if ckpt is not None:
-            from speculators.core.pairing import read_pairing
-            from speculators.models.io import family_of, read_speculator_config
-
             theirs = family_of(read_speculator_config(ckpt))
             if theirs != family:
                 raise SpeculatorsError(f"cannot resume from {ckpt}: it is a {theirs} checkpoint but the recipe trains "
@@ -203,13 +197,6 @@ def frozen_target_weights(cfg: Any) -> tuple[Any, Any] | None:
     without loading the whole target (offline training of a 30B MoE needs 3 tensors, not 60 GB per rank).
     None when that is not possible (PEFT adapter, hub id not cached, no safetensors, unexpected names): the caller
     then loads the model."""
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from speculators.models.base import TargetWeights
-    from speculators.target import final_norm, input_embeddings, is_local, output_head
-
     if cfg.adapter or not is_local(cfg.name_or_path):
         return None
     directory = Path(cfg.name_or_path)
@@ -244,16 +231,9 @@ def frozen_target_weights(cfg: Any) -> tuple[Any, Any] | None:
 
 def load_setup(recipe: Recipe, device: Any) -> Setup:
     """Target (weights, fingerprint), data source and split, draft vocab — validated, nothing written."""
-    from speculators.models import SPECULATORS
-    from speculators.models.io import target_weights
-    from speculators.target import fingerprint_target, load_target, load_tokenizer, text_config
-    from speculators.train.batches import FeatureSource, PreparedSource, split_indices
-
     mode = recipe.capture.mode
     store = None
     if mode == "offline":
-        from speculators.data.shards import FeatureStore
-
         store = FeatureStore(recipe.paths.features)
         if os.environ.get(SHARDS_VERIFIED_ENV) != "1":  # the launcher's preflight already checked them
             store.verify_checksums()  # before step 1: a damaged shard fails now, not when an epoch reaches it
@@ -274,7 +254,7 @@ def load_setup(recipe: Recipe, device: Any) -> Setup:
     fp = fingerprint_target(recipe.target, tokenizer, model_config).to_dict()
     n_layers = int(text_config(model_config).num_hidden_layers)
     vocab_size = int(text_config(model_config).vocab_size)
-    eos = target_eos_ids(model_config, tokenizer, generation_config)
+    eos = eos_token_ids(generation_config, model_config, tokenizer)
     if store is not None:
         store.check_target(fp)
         source = FeatureSource(store)
@@ -290,8 +270,6 @@ def load_setup(recipe: Recipe, device: Any) -> Setup:
     vd = recipe.speculator.draft_vocab_size
     if vd is not None and vd != vocab_size:
         if store is not None:
-            from speculators.data.vocab import load_vocab
-
             d2t, _ = load_vocab(recipe.paths.features, vd)
         else:
             d2t = _online_d2t(recipe, source, train_idx, vocab_size, tokenizer, eos)

@@ -5,6 +5,8 @@ What it does:
 - `Tracker.log_acceptance(step, rows, png)`: the per-position acceptance table and its plot at each evaluation.
 - JSONL (`logs/metrics.jsonl`, one object per line with "step" and "kind"): always on; on resume, records past the
   resumed step are dropped (atomic rewrite) so the file reads as one uninterrupted run.
+- The backends are accelerate trackers (`accelerate.tracking`): JSONL is one of our own (`JsonlTracker`), TensorBoard
+  and W&B are accelerate's.
 - TensorBoard (`logs/tensorboard/`), W&B (`logs/wandb/`): W&B runs online when the user has W&B credentials —
   WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, or `wandb login`'s netrc entry for the W&B host — and offline otherwise
   (WANDB_MODE, when set, decides; `wandb_mode`). Entity, project, tags and group come from the recipe
@@ -33,6 +35,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from accelerate import PartialState
+from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker
+
+from speculators.core.atomic import write_text_atomic
+from speculators.errors import SpeculatorsError
 
 JSONL_NAME = "metrics.jsonl"
 RUN_ID_FILE = "wandb-run-id"
@@ -98,9 +106,7 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
             continue  # a line cut by a crash
         if int(rec.get("step", 0)) <= after_step:
             kept.append(line)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -135,83 +141,77 @@ def acceptance_figure(rows: list[dict], title: str) -> Any:
     return fig
 
 
+class JsonlTracker(GeneralTracker):
+    """accelerate tracker of the always-on record: `logs/metrics.jsonl`, one object per line with "step", "kind"
+    and "time". A resumed run drops the records past its step (atomic rewrite); a fresh run starts an empty file."""
+
+    name = "jsonl"
+    requires_logging_directory = True
+    main_process_only = False  # `Tracker` only ever runs on the main process
+
+    def __init__(self, logs_dir: Path, resume_step: int | None) -> None:
+        super().__init__()
+        self.path = Path(logs_dir) / JSONL_NAME
+        if resume_step is not None:
+            truncate_jsonl(self.path, resume_step)
+        else:
+            self.path.unlink(missing_ok=True)
+
+    @property
+    def tracker(self) -> Path:
+        return self.path
+
+    def log(self, values: dict, step: int | None = None, kind: str = "train", **kwargs: Any) -> None:
+        rec = {"step": int(step or 0), "kind": kind, "time": round(time.time(), 3)}
+        rec.update({k: _clean(v) for k, v in values.items()})
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+
 class Tracker:
-    """Fan-out of metrics to JSONL / TensorBoard / W&B (see the module docstring)."""
+    """Fan-out of metrics over accelerate trackers: `JsonlTracker` always, accelerate's `TensorBoardTracker` and
+    `WandBTracker` when asked for and installed (see the module docstring)."""
 
     def __init__(self, logs_dir: Path, trackers: list[str], *, run_name: str, config: dict, enabled: bool = True,
                  resume_step: int | None = None, wandb: dict | None = None) -> None:
         self.enabled = enabled
         self.logs_dir = Path(logs_dir)
-        self.jsonl: Path | None = None
-        self.tb: Any = None
-        self.wandb_run: Any = None
-        self.wandb_dir: Path | None = None
+        self.jsonl: JsonlTracker | None = None
+        self.tensorboard: TensorBoardTracker | None = None
+        self.wandb: WandBTracker | None = None
         if not enabled:
             return
         unknown = sorted(set(trackers) - {"jsonl", "tensorboard", "wandb"})
         if unknown:
-            from speculators.errors import SpeculatorsError
-
             raise SpeculatorsError(f"train.trackers: unknown tracker(s) {unknown}; use jsonl, tensorboard, wandb")
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = self.logs_dir / JSONL_NAME
-        if resume_step is not None:
-            truncate_jsonl(self.jsonl, resume_step)
-        else:  # a fresh run: no records or event files of an earlier one
-            self.jsonl.unlink(missing_ok=True)
+        self.jsonl = JsonlTracker(self.logs_dir, resume_step)
+        if resume_step is None:  # a fresh run: no event files of an earlier one
             shutil.rmtree(self.logs_dir / "tensorboard", ignore_errors=True)
         if "tensorboard" in trackers:
-            self._open_tensorboard()
+            self.tensorboard = _open_tensorboard(self.logs_dir)
         if "wandb" in trackers:
-            self._open_wandb(run_name, config, wandb or {"project": "speculators"}, resume_step is not None)
+            self.wandb = _open_wandb(self.logs_dir, run_name, config, wandb or {"project": "speculators"},
+                                     resume_step is not None)
 
-    # ---- backends ---------------------------------------------------------------------------------------------
-    def _open_tensorboard(self) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            _warn("tensorboard is not installed; skipping TensorBoard logging (pip install tensorboard)")
-            return
-        self.tb = SummaryWriter(log_dir=str(self.logs_dir / "tensorboard"))
+    @property
+    def backends(self) -> list[GeneralTracker]:
+        return [b for b in (self.jsonl, self.tensorboard, self.wandb) if b is not None]
 
-    def _open_wandb(self, run_name: str, config: dict, options: dict, resuming: bool) -> None:
-        try:
-            import wandb  # noqa: F401 - is it installed?
-        except ImportError:
-            _warn("wandb is not installed; skipping Weights & Biases logging (pip install wandb)")
-            return
-        mode, why = wandb_mode()
-        if mode == "disabled":
-            return
-        id_file = self.logs_dir / RUN_ID_FILE
-        run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
-        if run_id is None:
-            run_id = uuid.uuid4().hex[:12]
-            id_file.write_text(run_id + "\n")
-        self.wandb_dir = self.logs_dir
-        self.wandb_run = open_wandb_run(self.logs_dir, run_id, mode, options, name=run_name, config=config)
-        if self.wandb_run is not None:
-            log.info("%s (mode %s: %s)", _where(self.wandb_run, mode), mode, why)
-
-    # ---- logging ----------------------------------------------------------------------------------------------
     def log(self, metrics: dict[str, Any], step: int, kind: str = "train") -> None:
+        """Every metric to JSONL as given; the numbers (list items as `key/i`) to the others as `kind/key`."""
         if not self.enabled:
             return
-        rec = {"step": int(step), "kind": kind, "time": round(time.time(), 3)}
-        rec.update({k: _clean(v) for k, v in metrics.items()})
-        with self.jsonl.open("a") as fh:
-            fh.write(json.dumps(rec) + "\n")
+        self.jsonl.log(metrics, step, kind=kind)
         flat = {}
         for key, value in metrics.items():
             if isinstance(value, (list, tuple)):
-                flat.update({f"{key}/{i}": v for i, v in enumerate(value) if isinstance(v, (int, float))})
+                flat.update({f"{kind}/{key}/{i}": v for i, v in enumerate(value) if isinstance(v, (int, float))})
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                flat[key] = value
-        if self.tb is not None:
-            for key, value in flat.items():
-                self.tb.add_scalar(f"{kind}/{key}", value, step)
-        if self.wandb_run is not None:
-            self.wandb_run.log({f"{kind}/{k}": v for k, v in flat.items()}, step=int(step))
+                flat[f"{kind}/{key}"] = value
+        for backend in (self.tensorboard, self.wandb):
+            if backend is not None:
+                backend.log(flat, step=int(step))
 
     def log_acceptance(self, step: int, rows: list[dict], summary: dict, png: Path | None) -> None:
         """The per-position acceptance table (+ its plot) of one evaluation."""
@@ -223,49 +223,87 @@ class Tracker:
             fig = acceptance_figure(rows, f"step {step}: simulated tau {summary.get('simulated_tau', 0):.3f}")
             png.parent.mkdir(parents=True, exist_ok=True)
             fig.savefig(png)
-        if self.tb is not None:
+        if self.tensorboard is not None:
+            writer = self.tensorboard.tracker
             header = "| k | a_k | E_k | top-1 |\n|---|---|---|---|\n"
             body = "".join(f"| {r['k']} | {r['acceptance']:.4f} | {r['chain_reach']:.4f} | {r['top1_accuracy']:.4f} |\n"
                            for r in rows)
-            self.tb.add_text("eval/acceptance_table", header + body, step)
+            writer.add_text("eval/acceptance_table", header + body, step)
             if fig is not None:
-                self.tb.add_figure("eval/acceptance_plot", fig, step, close=False)
-        if self.wandb_run is not None:
-            import wandb
-
+                writer.add_figure("eval/acceptance_plot", fig, step, close=False)
+        if self.wandb is not None:
             cols = ["k", "acceptance", "chain_reach", "top1_accuracy"]
-            payload: dict[str, Any] = {"eval/acceptance_table": wandb.Table(columns=cols,
-                                                                            data=[[r[c] for c in cols] for r in rows])}
-            if png is not None:
-                payload["eval/acceptance_plot"] = wandb.Image(str(png))
-            self.wandb_run.log(payload, step=int(step))
+            _log_tables_and_images(self.wandb, {"eval/acceptance_table": (cols, [[r[c] for c in cols] for r in rows])},
+                                   {"eval/acceptance_plot": png} if png is not None else {}, int(step))
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.flush()
-            self.tb.close()
-            self.tb = None
-        if self.wandb_run is not None:
-            try:
-                self.wandb_run.finish(quiet=True)
-            except TypeError:
-                self.wandb_run.finish()
-            self.wandb_run = None
+        for backend in (self.tensorboard, self.wandb):
+            if backend is not None:
+                backend.finish()
+        self.tensorboard = self.wandb = None
 
 
-def open_wandb_run(logs_dir: Path, run_id: str, mode: str, options: dict, **init: Any) -> Any:
-    """`wandb.init` of run `run_id` under `logs_dir` (resumed when it exists), or None with one warning."""
+def _open_tensorboard(logs_dir: Path) -> TensorBoardTracker | None:
+    """accelerate's TensorBoard tracker writing `logs_dir/tensorboard/`, or None with one warning line."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401 - is tensorboard installed?
+    except ImportError:
+        _warn("tensorboard is not installed; skipping TensorBoard logging (pip install tensorboard)")
+        return None
+    backend = TensorBoardTracker("tensorboard", logs_dir)
+    PartialState()
+    backend.start()
+    return backend
+
+
+def _open_wandb(logs_dir: Path, run_name: str, config: dict, options: dict, resuming: bool) -> WandBTracker | None:
+    """The W&B run of this training (its id kept in `logs_dir/wandb-run-id`, so a resume continues it)."""
+    try:
+        import wandb  # noqa: F401 - is it installed?
+    except ImportError:
+        _warn("wandb is not installed; skipping Weights & Biases logging (pip install wandb)")
+        return None
+    mode, why = wandb_mode()
+    if mode == "disabled":
+        return None
+    id_file = logs_dir / RUN_ID_FILE
+    run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
+    if run_id is None:
+        run_id = uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+    backend = open_wandb_run(logs_dir, run_id, mode, options, name=run_name, config=config)
+    if backend is not None:
+        log.info("%s (mode %s: %s)", _where(backend.tracker, mode), mode, why)
+    return backend
+
+
+def _log_tables_and_images(backend: WandBTracker, tables: dict[str, tuple[list[str], list[list[Any]]]],
+                           images: dict[str, Path], step: int | None = None) -> None:
+    """Tables (columns, rows) and PNG files in one W&B history row."""
     import wandb
 
+    payload: dict[str, Any] = {key: wandb.Table(columns=cols, data=data) for key, (cols, data) in tables.items()}
+    payload.update({key: wandb.Image(str(png)) for key, png in images.items() if Path(png).is_file()})
+    backend.log(payload, step=step)
+
+
+def open_wandb_run(logs_dir: Path, run_id: str, mode: str, options: dict, **init: Any) -> WandBTracker | None:
+    """accelerate's W&B tracker on run `run_id` under `logs_dir` (resumed when it exists), or None with one
+    warning (tracking never stops a stage)."""
+    import wandb
+
+    backend = WandBTracker(options.get("project") or "speculators", id=run_id, resume="allow", mode=mode,
+                           dir=str(logs_dir), entity=options.get("entity"), group=options.get("group"),
+                           tags=options.get("tags") or None, settings=wandb.Settings(console="off", silent=True),
+                           **init)
     try:
-        return wandb.init(id=run_id, resume="allow", mode=mode, dir=str(logs_dir),
-                          project=options.get("project") or "speculators", entity=options.get("entity"),
-                          group=options.get("group"), tags=options.get("tags") or None,
-                          settings=wandb.Settings(console="off", silent=True), **init)
+        PartialState()  # accelerate's trackers log through its state (a no-op where training made it already)
+        backend.start()
     except Exception as exc:  # noqa: BLE001 - never let tracking stop a stage
         _warn(f"wandb could not start ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
               "continuing without it")
         return None
+    return backend
 
 
 def log_evaluation(logs_dir: Path, options: dict, selection: dict, images: dict[str, Path]) -> bool:
@@ -277,27 +315,26 @@ def log_evaluation(logs_dir: Path, options: dict, selection: dict, images: dict[
     if not id_file.is_file() or mode == "disabled":
         return False
     try:
-        import wandb
+        import wandb  # noqa: F401 - is it installed?
     except ImportError:
         return False
-    run = open_wandb_run(Path(logs_dir), id_file.read_text().strip(), mode, options)
-    if run is None:
+    backend = open_wandb_run(Path(logs_dir), id_file.read_text().strip(), mode, options)
+    if backend is None:
         return False
     rows = []
     for t, entry in selection.get("summary", {}).items():
         live = ((selection.get("live") or {}).get(t) or {}).get("speculator", {}).get("cohorts", {})
         for cohort, tau in entry["tau"].items():
             rows.append([float(t), cohort, tau, entry["ngram_tau"].get(cohort), (live.get(cohort) or {}).get("tau")])
-    payload: dict[str, Any] = {"eval/cohort_tau": wandb.Table(
-        columns=["temperature", "cohort", "simulated_tau", "ngram_simulated_tau", "live_tau"], data=rows)}
-    payload.update({f"eval/{name}": wandb.Image(str(path)) for name, path in images.items() if Path(path).is_file()})
-    run.log(payload)
+    columns = ["temperature", "cohort", "simulated_tau", "ngram_simulated_tau", "live_tau"]
+    _log_tables_and_images(backend, {"eval/cohort_tau": (columns, rows)},
+                           {f"eval/{name}": Path(path) for name, path in images.items()})
     summary: dict[str, Any] = {"eval/best_checkpoint": selection.get("best"), "eval/best_step": selection.get("best_step"),
                                "eval/metric": selection.get("metric")}
     for t, entry in selection.get("summary", {}).items():
         summary[f"eval/mean_tau@T={t}"] = entry["mean_tau"]
         summary[f"eval/ngram_mean_tau@T={t}"] = entry["ngram_mean_tau"]
-    run.summary.update(summary)
-    log.info("evaluation logged to %s", _where(run, mode))
-    run.finish()
+    backend.tracker.summary.update(summary)
+    log.info("evaluation logged to %s", _where(backend.tracker, mode))
+    backend.finish()
     return True

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from speculators.metrics import chain_reach, per_position_from_reach, simulated_tau
+from speculators.train.batches import load_batch
+from speculators.train.loss import TOPK, speculator_loss
 from speculators.train.setup import Setup
 
 
@@ -14,12 +19,6 @@ def evaluate_heldout(acc: Any, model: Any, setup: Setup, features: Any, weights:
                      batch_size: int, pad_id: int) -> dict:
     """Held-out teacher-forced metrics: per-step top-1 / top-k accuracy, chain reach, per-position acceptance,
     simulated tau, KL. Every rank runs the same number of forwards (ZeRO-3 gathers parameters in forward)."""
-    import torch
-
-    from speculators.metrics import chain_reach, per_position_from_reach, simulated_tau
-    from speculators.train.batches import load_batch
-    from speculators.train.loss import TOPK, speculator_loss
-
     val = setup.val_idx
     if not val:
         return {}

@@ -5,13 +5,13 @@ rank 0's summary — node 1 included, which never sees rank 0's result file (the
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from speculators.core.workers import free_port
 from tests.unit.train.train_helpers import (
     REPO,
     SPECULATORS_BIN,
@@ -25,15 +25,9 @@ from tests.unit.train.train_helpers import (
 pytestmark = pytest.mark.distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_every_node_reports_rank_zeros_summary(tmp_path: Path, tiny_llama: Path) -> None:
     rows = write_rows(tmp_path / "rows.jsonl", 24)
-    port = _free_port()
+    port = free_port()
     procs = []
     for node in (0, 1):
         config = tmp_path / f"node{node}.yaml"

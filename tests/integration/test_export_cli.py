@@ -20,8 +20,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "evaluate"))
 from evalexport_helpers import build_speculator, save_checkpoint, small_workloads  # noqa: E402
 
-from speculators.config import load_recipe  # noqa: E402
 from speculators.export.validate import validate_vllm_export  # noqa: E402
+from speculators.recipes import load_recipe  # noqa: E402
 from speculators.target import fingerprint_target, load_target  # noqa: E402
 
 pytestmark = pytest.mark.integration

@@ -23,7 +23,7 @@ from speculators.serving import Engine, SamplingParams
 from speculators.serving.adaptive import CostModel
 from speculators.serving.batching import BatchRunner, generate_batch
 from speculators.serving.drafters import DrafterInfo
-from speculators.serving.engine import StreamChunk
+from speculators.serving.requests import StreamChunk
 from tests.unit.serving.oracle_drafter import CycleLog, OracleDrafter, chi_square_p, exact_prefix_law
 from tests.unit.serving.runtime_helpers import hf_greedy, hf_model, loaded_target, single_thread, top2_margin  # noqa: F401
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from speculators.config import load_recipe
 from speculators.core.workloads import load_workloads
 from speculators.evaluate.teacher import encode_row
 from speculators.export import launch
 from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, spec_counters
+from speculators.recipes import load_recipe
 from tests.conftest import HOUSE_TARGET
 from tests.vllm.fixtures import cli
 

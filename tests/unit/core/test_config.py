@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from speculators.config import Recipe, dump_recipe, load_recipe, recipe_from_dict, to_dict
+from speculators.config import Recipe
 from speculators.errors import SpeculatorsError
+from speculators.recipes import dump_recipe, load_recipe, recipe_from_dict, to_dict
 
 REPO = Path(__file__).resolve().parents[3]
 

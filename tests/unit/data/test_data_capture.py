@@ -10,7 +10,7 @@ import pytest
 import torch
 from data_helpers import recipe, write_rows
 
-from speculators.data import capture, prepare
+from speculators.data import capture, features, prepare
 from speculators.data.shards import FeatureStore
 from speculators.errors import SpeculatorsError
 from speculators.target import load_target
@@ -43,15 +43,15 @@ def _hook_inputs(model, layers, ids: torch.Tensor) -> dict[int, torch.Tensor]:
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_compute_features_taps_are_inputs_of_named_layers(family, request, monkeypatch):
-    monkeypatch.setattr(capture, "TOPK_CHUNK_ELEMENTS", 3 * 8192)  # top-k over chunks of 3 positions
+    monkeypatch.setattr(features, "TOPK_CHUNK_ELEMENTS", 3 * 8192)  # top-k over chunks of 3 positions
     path = request.getfixturevalue({"llama": "tiny_llama", "qwen3": "tiny_qwen3", "qwen3_moe": "tiny_moe"}[family])
     r = recipe(path.parent / "unused", path, path / "none.jsonl")
     target = load_target(r.target, device="cpu", dtype="float32")
-    req = capture.feature_request(r, target.num_layers)
+    req = features.feature_request(r, target.num_layers)
     assert req.tap_layer_ids == (2, 4, 5)  # [2, N//2, N-3] for N = 8
     ids = torch.randint(0, target.vocab_size, (13,))
-    feats = capture.compute_features(target.model, ids[None], torch.ones(1, 13, dtype=torch.long), req,
-                                     teacher="topk", topk=5, need_last_hidden=True)
+    feats = features.compute_features(target.model, ids[None], torch.ones(1, 13, dtype=torch.long), req,
+                                      teacher="topk", topk=5, need_last_hidden=True)
     hs, logits = _hf_hidden(target.model, ids)
     hooks = _hook_inputs(target.model, req.tap_layer_ids, ids)
     h = target.hidden_size

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from speculators.config import Recipe, load_recipe, to_dict
+from speculators.config import Recipe
 from speculators.core.pairing import pairing_record, write_pairing
 from speculators.models import SPECULATORS
 from speculators.models.io import save_speculator, target_weights
+from speculators.recipes import load_recipe, to_dict
 from speculators.target import fingerprint_target, load_target
 
 REPO = Path(__file__).resolve().parents[3]

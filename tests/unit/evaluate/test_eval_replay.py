@@ -83,7 +83,7 @@ def _engine_vs_replay(tiny_llama, prompt: list[int], tree: TreeConfig, params: S
         assert prompt + live.token_ids == known  # lossless: the drafter never changes a greedy output
     # the replay walks the live output (a sample of the target at T > 0) with the same drafter
     counts = replay_drafter(OracleDrafter(known, every), {}, prompt + live.token_ids, len(prompt),
-                            params.max_new_tokens, engine._tree_for, params, tree.depth)
+                            params.max_new_tokens, engine.tree_for, params, tree.depth)
     return live.stats.acceptance, counts, live.token_ids
 
 

@@ -10,7 +10,7 @@ from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.serving import Engine, SamplingParams
 from speculators.serving.batching import generate_batch
-from speculators.serving.engine import GenerateOutput
+from speculators.serving.requests import GenerateOutput
 from tests.unit.serving.runtime_helpers import loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]

@@ -92,12 +92,10 @@ def test_crash_mid_write_leaves_last_good_checkpoint(tmp_path: Path, rig, monkey
     _save(writer, spec, fp, 1, best=True)
     before = (tmp_path / "step-0000001" / "model.safetensors").read_bytes()
 
-    import speculators.models.io as io
-
     def crash(*a, **k):
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(io, "save_speculator", crash)
+    monkeypatch.setattr(ck, "save_speculator", crash)
     with pytest.raises(OSError):
         _save(writer, spec, fp, 2, best=True)
     assert [step_number(p) for p in ck.list_checkpoints(tmp_path)] == [1]  # the half-written step 2 is not a checkpoint

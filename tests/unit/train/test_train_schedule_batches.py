@@ -7,29 +7,55 @@ import math
 import pytest
 import torch
 
+from speculators.config import TrainConfig
 from speculators.errors import SpeculatorsError
 from speculators.train.batches import BatchPlan, collate
-from speculators.train.loop import lr_factor, warmup_steps
+from speculators.train.loop import lr_schedule, warmup_steps
+
+
+def _lrs(schedule: str, total: int, warmup: int, min_ratio: float, start: int = 0, lr: float = 1.0) -> list[float]:
+    """The lr of every optimizer step from `start` to `total` (inclusive), as training applies them."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([param], lr=lr)
+    sched = lr_schedule(opt, TrainConfig(lr=lr, schedule=schedule, min_lr_ratio=min_ratio), total, warmup, start)
+    out = []
+    for _ in range(start, total + 1):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
 
 
 def test_warmup_then_cosine_to_min_ratio() -> None:
     total, warm = 100, warmup_steps(100, 0.1)
     assert warm == 10
-    f = [lr_factor(s, total, warm, "cosine", 0.1) for s in range(total)]
-    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
-    assert all(a < b for a, b in zip(f[:10], f[1:10], strict=False))  # rising during warmup
+    f = _lrs("cosine", total, warm, 0.1)
+    assert f[0] == pytest.approx(0.1) and f[10] == pytest.approx(1.0)
+    assert all(a < b for a, b in zip(f[:10], f[1:11], strict=True))  # rising during warmup
     assert all(a >= b for a, b in zip(f[10:], f[11:], strict=False))  # non-increasing afterwards
     assert f[10 + 45] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rel=1e-6)
-    assert lr_factor(total, total, warm, "cosine", 0.1) == pytest.approx(0.1)
+    assert f[total] == pytest.approx(0.1)
 
 
 def test_linear_and_constant_schedules() -> None:
-    assert lr_factor(0, 10, 0, "linear", 0.0) == pytest.approx(1.0)
-    assert lr_factor(5, 10, 0, "linear", 0.0) == pytest.approx(0.5)
-    assert lr_factor(10, 10, 0, "linear", 0.2) == pytest.approx(0.2)
-    assert {lr_factor(s, 10, 2, "constant", 0.1) for s in range(2, 10)} == {1.0}
-    with pytest.raises(SpeculatorsError):
-        lr_factor(3, 10, 0, "exponential", 0.1)
+    f = _lrs("linear", 10, 0, 0.2, lr=2.0)
+    assert f[0] == pytest.approx(2.0) and f[5] == pytest.approx(2.0 * (1 - 0.8 * 0.5)) and f[10] == pytest.approx(0.4)
+    assert set(_lrs("constant", 10, 2, 0.1)[2:]) == {1.0}
+
+
+def test_resumed_schedule_continues_where_it_stopped() -> None:
+    """A run resumed at step 37 (its optimizer state carrying step 36's lr) applies what an uninterrupted run does."""
+    whole = _lrs("cosine", 60, 6, 0.1, lr=3e-4)
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([param], lr=3e-4)
+    opt.param_groups[0]["lr"] = whole[36]  # what a checkpoint's optimizer state restores
+    sched = lr_schedule(opt, TrainConfig(lr=3e-4, schedule="cosine", min_lr_ratio=0.1), 60, 6, 37)
+    resumed = []
+    for _ in range(37, 61):
+        resumed.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert resumed == pytest.approx(whole[37:], rel=1e-12)
 
 
 def _plan(rank: int, world: int, n: int = 50, bs: int = 4) -> BatchPlan:

@@ -100,7 +100,7 @@ def test_eos_coverage_check() -> None:
 
 
 def test_train_signature_ignores_launch_and_logging_settings() -> None:
-    from speculators.config import load_recipe
+    from speculators.recipes import load_recipe
     from speculators.train.setup import train_signature
 
     base = load_recipe(None, [])
@@ -129,7 +129,7 @@ def test_wandb_run_from_the_recipe_with_the_evaluation(tmp_path: Path, caplog) -
     line saying how to upload it, then the evaluation report logged to the same run."""
     import logging
 
-    from speculators.config import load_recipe
+    from speculators.recipes import load_recipe
     from speculators.train.tracking import RUN_ID_FILE, log_evaluation, wandb_options
     from tests.unit.train.wandb_records import offline_run
 

@@ -1,0 +1,63 @@
+"""What capture stores per token for a speculator family, and the one target forward that computes it.
+
+- `feature_request`: the family's `FeatureRequest` (its class says which taps / hidden states it needs).
+- `stored_features`: the feature names a capture with that request and teacher writes ("taps", "last_hidden").
+- `compute_features`: one target forward -> float32 features (+ the top-k or full-logits teacher). Capture calls
+  it offline (capture.py); the training loop calls it online (`capture.mode: online`, train/batches.py).
+
+Nothing here writes files or knows shard formats (shards.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from speculators.config import Recipe
+from speculators.models import SPECULATORS
+from speculators.target import forward_with_taps
+
+TOPK_CHUNK_ELEMENTS = 1 << 26  # logits converted to float32 at a time for the top-k teacher (256 MiB)
+
+
+def feature_request(recipe: Recipe, num_layers: int) -> Any:
+    """The FeatureRequest of the recipe's speculator family (its class says what it needs; unknown: one error)."""
+    return SPECULATORS[recipe.speculator.family].capture_request(recipe.capture.layer_ids, num_layers)
+
+
+def stored_features(request: Any, teacher: str) -> list[str]:
+    out = []
+    if request.tap_layer_ids:
+        out.append("taps")
+    if request.last_hidden or teacher == "hidden":
+        out.append("last_hidden")
+    return out
+
+
+def compute_features(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, request: Any, *,
+                     teacher: str = "none", topk: int = 20, need_last_hidden: bool | None = None) -> dict:
+    """One target forward -> float32 features: "taps" [B, T, n*H], "last_hidden" [B, T, H]; teacher "topk" adds
+    "teacher_topk_ids" [B, T, k] long + "teacher_topk_logprobs" [B, T, k]; teacher "logits" adds "logits"
+    [B, T, V]. Used offline by capture and online by the training loop."""
+    layer_ids = list(request.tap_layer_ids) if request.tap_layer_ids else None
+    out = forward_with_taps(model, input_ids, attention_mask, layer_ids)
+    res: dict[str, torch.Tensor] = {}
+    if out.taps is not None:
+        res["taps"] = out.taps.float()
+    if need_last_hidden if need_last_hidden is not None else request.last_hidden:
+        res["last_hidden"] = out.last_hidden.float()
+    if teacher == "topk":
+        logits = out.logits  # [B, T, V]
+        b, t, v = logits.shape
+        flat = logits.reshape(b * t, v)
+        values, ids = [], []
+        for chunk in flat.split(max(1, TOPK_CHUNK_ELEMENTS // v)):  # bounded float32 log-softmax
+            top = torch.log_softmax(chunk.float(), dim=-1).topk(topk, dim=-1)
+            values.append(top.values)
+            ids.append(top.indices)
+        res["teacher_topk_ids"] = torch.cat(ids).reshape(b, t, topk)  # [B, T, k]
+        res["teacher_topk_logprobs"] = torch.cat(values).reshape(b, t, topk).clamp_min(-1e4)  # [B, T, k]
+    elif teacher == "logits":
+        res["logits"] = out.logits.float()
+    return res
