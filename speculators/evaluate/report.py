@@ -91,7 +91,7 @@ def render_markdown(report: dict) -> str:
             lines += [f"Sampling diagnostics: chain tau of a draft equal to what it is taught — {ceil} (a top-k "
                       f"teacher's optimum is the renormalised top-k; no draft over the reduced vocabulary exceeds "
                       f"the target's mass on it); at cycle starts with argmax drafts instead of sampled ones: "
-                      f"{_fmt(argmax)}.", ""]
+                      f"{_fmt(argmax)}." + _calibration(spec), ""]
         lines += _agreement_lines(lv, t)
     lines += ["`tau` averages the chain over every position; `tau at cycle starts` walks the cycles a server runs "
               "(`evaluate/replay.py`): the number serving measures.", ""]
@@ -102,6 +102,19 @@ def render_markdown(report: dict) -> str:
     if report.get("loss") is not None:
         lines += [f"Recorded training loss (for reference, not used for selection): {_fmt(report['loss'], 4)}", ""]
     return "\n".join(lines)
+
+
+def _calibration(spec: dict) -> str:
+    """The draft-calibration sentence: every-position tau with the draft's logits divided by s (s = 1: as trained)."""
+    scaled = spec.get("draft_scales")
+    if not scaled:
+        return ""
+    taus = {**{float(s): v for s, v in scaled.items()}, 1.0: spec["mean_tau"]}
+    best = max(taus, key=lambda s: taus[s])
+    cells = ", ".join(f"s={s:g} {_fmt(taus[s])}" for s in sorted(taus))
+    verdict = ("the draft is calibrated (s = 1 is best)" if best == 1.0 else
+               f"s={best:g} would gain {100 * (taus[best] / taus[1.0] - 1):+.1f}%")
+    return f" Draft calibration (sampling from softmax(logits / s), lossless for any s): {cells}; {verdict}."
 
 
 def _gap(v: dict) -> str:

@@ -2,7 +2,10 @@
 accumulated per temperature and cohort in the forms the report shows.
 
 - `SpeculatorTally.add(seq, step_logits, teacher_logits, t)`: every position (`alpha.speculator_alpha`), the
-  server's cycle starts (`replay.chain_weights` + `replay.replay_chain`; at T > 0 also with argmax drafts);
+  server's cycle starts (`replay.chain_weights` + `replay.replay_chain`; at T > 0 also with argmax drafts) and, at
+  T > 0, the draft's calibration: every-position tau when the draft samples from softmax(z / s) for the scales of
+  `DRAFT_SCALES` (verification is lossless for any draft law, so a scale != 1 that wins says the trained draft is
+  too sharp or too flat: a cause of low T > 0 acceptance that the report names);
 - `CeilingTally.add(...)`: at T > 0, the ceilings a top-k teacher and the draft vocabulary put on a sampled draft
   (`alpha.teacher_ceilings`);
 - `summary(t)`: the report entry of one temperature.
@@ -20,6 +23,8 @@ from speculators.core.sampling import SamplingParams
 from speculators.evaluate.alpha import AlphaAccumulator, speculator_alpha, teacher_ceilings, truncate
 from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain
 from speculators.evaluate.teacher import EvalSequence
+
+DRAFT_SCALES: tuple[float, ...] = (0.8, 0.9, 1.1, 1.25)  # draft logits / s; 1 (as trained) is the main entry
 
 
 def _tkey(t: float) -> str:
@@ -46,6 +51,7 @@ class SpeculatorTally:
         self.alpha = {_tkey(t): AlphaAccumulator(depth) for t in temperatures}
         self.cycles: dict[str, dict[str, CycleCounts]] = {_tkey(t): {} for t in temperatures}
         self.argmax_cycles: dict[str, dict[str, CycleCounts]] = {_tkey(t): {} for t in temperatures if t > 0}
+        self.scaled = {_tkey(t): {s: AlphaAccumulator(depth) for s in DRAFT_SCALES} for t in temperatures if t > 0}
 
     def add(self, seq: EvalSequence, step_logits: list[torch.Tensor], teacher_logits: torch.Tensor,
             t: float) -> None:
@@ -58,11 +64,17 @@ class SpeculatorTally:
                               self.depth, draft=draft)
             counts = replay_chain(w, seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, self.depth)
             store.setdefault(seq.row.cohort, CycleCounts(self.depth)).merge(counts)
+        for scale, acc in self.scaled.get(_tkey(t), {}).items():
+            scaled = [z / scale for z in step_logits]  # K x [T, Vd]
+            acc.add(seq.row.cohort, *speculator_alpha(scaled, teacher_logits, self.d2t, seq.prompt_len, params,
+                                                      self.depth))
 
     def summary(self, t: str, ceilings: CeilingTally | None = None) -> dict:
         entry = {**self.alpha[t].summary(), "cycle_starts": cycle_summary(self.cycles[t])}
         if t in self.argmax_cycles:
             entry["cycle_starts_argmax_drafts"] = cycle_summary(self.argmax_cycles[t])
+        if t in self.scaled:
+            entry["draft_scales"] = {str(s): acc.summary()["mean_tau"] for s, acc in self.scaled[t].items()}
         if ceilings is not None and t in ceilings.tallies:
             entry["ceilings"] = ceilings.summary(t, self.depth)
         return entry
