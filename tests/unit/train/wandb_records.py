@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32768
@@ -22,6 +23,8 @@ def _chunks(data: bytes):
         if length == 0 and kind == 0:
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written
+            return
         part, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind == FULL:
             yield part
@@ -43,11 +46,7 @@ def offline_run(logs_dir: Path, run_id: str) -> dict:
     files = sorted(Path(logs_dir).glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb"))
     assert files, f"no offline W&B run {run_id} under {logs_dir}"
     for path in files:
-        data = path.read_bytes()
-        assert data[:4] == b":W&B", path
-        for raw in _chunks(data):
-            rec = pb.Record()
-            rec.ParseFromString(raw)
+        for rec in _records_once_exited(path, pb):
             kind = rec.WhichOneof("record_type")
             if kind == "run":
                 out["run"].append((rec.run.project, rec.run.entity, rec.run.run_group, list(rec.run.tags)))
@@ -58,3 +57,20 @@ def offline_run(logs_dir: Path, run_id: str) -> dict:
                 out["summary"].update({i.key or "/".join(i.nested_key): json.loads(i.value_json)
                                        for i in rec.summary.update})
     return out
+
+
+def _records_once_exited(path: Path, pb, timeout_s: float = 60.0) -> list:
+    """The records of one run file once it holds the run's exit record: W&B's service process writes the file and
+    can still be flushing it when `finish()` returns (about one read in eight saw a run without its last history)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        data = path.read_bytes()
+        assert data[:4] == b":W&B", path
+        records = []
+        for raw in _chunks(data):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            records.append(rec)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
