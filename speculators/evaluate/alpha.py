@@ -81,6 +81,24 @@ def speculator_alpha(step_logits: Sequence[torch.Tensor], teacher_logits: torch.
     return alpha * valid, valid
 
 
+def speculator_alpha_scaled(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Tensor,
+                            draft_to_target: torch.Tensor, prompt_len: int, params: SamplingParams, depth: int,
+                            scales: Sequence[float]) -> dict[float, tuple[torch.Tensor, torch.Tensor]]:
+    """`speculator_alpha` at T > 0 with the draft sampling softmax(z / s) for each scale s (the draft-calibration
+    scan); the teacher's law is computed once for every scale. Returns {s: (alpha [N, D] float64, valid [N, D])}."""
+    if params.greedy:
+        raise ValueError("the draft-calibration scan needs sampling (temperature > 0)")
+    pos, valid, laws = _speculator_laws(step_logits, teacher_logits, draft_to_target, prompt_len, depth)
+    teacher = [logits_to_probs(t, params) for t, _ in laws]  # D x [N, V]
+    out = {}
+    for s in scales:
+        alpha = torch.zeros(pos.shape[0], depth, dtype=torch.float64)  # [N, D]
+        for k, (p, (_, draft)) in enumerate(zip(teacher, laws, strict=True)):
+            alpha[:, k] = metrics.sampled_alpha(p, logits_to_probs(draft / s, params)).double()
+        out[s] = (alpha * valid, valid)
+    return out
+
+
 def speculator_block_alpha(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Tensor,
                            draft_to_target: torch.Tensor, prompt_len: int, params: SamplingParams,
                            depth: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,13 @@ from collections.abc import Sequence
 import torch
 
 from speculators.core.sampling import SamplingParams
-from speculators.evaluate.alpha import AlphaAccumulator, speculator_alpha, teacher_ceilings, truncate
+from speculators.evaluate.alpha import (
+    AlphaAccumulator,
+    speculator_alpha,
+    speculator_alpha_scaled,
+    teacher_ceilings,
+    truncate,
+)
 from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain
 from speculators.evaluate.teacher import EvalSequence
 
@@ -64,10 +70,12 @@ class SpeculatorTally:
                               self.depth, draft=draft)
             counts = replay_chain(w, seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, self.depth)
             store.setdefault(seq.row.cohort, CycleCounts(self.depth)).merge(counts)
-        for scale, acc in self.scaled.get(_tkey(t), {}).items():
-            scaled = [z / scale for z in step_logits]  # K x [T, Vd]
-            acc.add(seq.row.cohort, *speculator_alpha(scaled, teacher_logits, self.d2t, seq.prompt_len, params,
-                                                      self.depth))
+        scan = self.scaled.get(_tkey(t), {})
+        if scan:
+            by_scale = speculator_alpha_scaled(step_logits, teacher_logits, self.d2t, seq.prompt_len, params,
+                                               self.depth, list(scan))
+            for scale, acc in scan.items():
+                acc.add(seq.row.cohort, *by_scale[scale])
 
     def summary(self, t: str, ceilings: CeilingTally | None = None) -> dict:
         entry = {**self.alpha[t].summary(), "cycle_starts": cycle_summary(self.cycles[t])}

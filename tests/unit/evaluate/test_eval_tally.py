@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
+from speculators.evaluate.alpha import speculator_alpha, speculator_alpha_scaled
 from speculators.evaluate.report import _calibration
 from speculators.evaluate.tally import DRAFT_SCALES, SpeculatorTally
 from speculators.evaluate.teacher import EvalSequence
@@ -57,3 +59,13 @@ def test_a_too_flat_draft_is_named_too() -> None:
     t1 = _summary(0.5)["1.0"]
     assert t1["draft_scales"]["0.8"] > t1["mean_tau"]
     assert "s=0.8 would gain +" in _calibration(t1)
+
+
+def test_the_scan_equals_scoring_each_rescaled_draft_on_its_own() -> None:
+    """One teacher law for every scale gives what scoring the draft's logits / s separately gives."""
+    seq, steps, teacher = _case(1.7, seed=4)
+    params = SamplingParams(temperature=1.0)
+    scan = speculator_alpha_scaled(steps, teacher, torch.arange(V), P, params, D, DRAFT_SCALES)
+    for s in DRAFT_SCALES:
+        alone, valid = speculator_alpha([z / s for z in steps], teacher, torch.arange(V), P, params, D)
+        assert torch.allclose(scan[s][0], alone) and torch.equal(scan[s][1], valid)
