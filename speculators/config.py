@@ -57,7 +57,10 @@ class RegenerateConfig:
     endpoint: str | None = None  # e.g. http://127.0.0.1:8000/v1 (vLLM / SGLang server)
     model: str | None = None  # model name to send to the endpoint (default: target name)
     api_key_env: str = "OPENAI_API_KEY"
-    temperature: float = 0.0
+    # one temperature, or several: each row is then regenerated once per temperature and kept once per temperature
+    # (ids "<id>@T=<t>"; the copies of a row stay on one side of the train / val split), e.g. [0.0, 1.0] trains
+    # the draft on the contexts of greedy AND of sampling servers (docs/acceptance-levers.md section 2)
+    temperature: float | list[float] = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 256
     batch_size: int = 8  # local backend: rows per HF `generate` batch
@@ -65,6 +68,11 @@ class RegenerateConfig:
     max_retries: int = 3  # openai backend: attempts per request beyond the first (timeouts, 429, 5xx)
     request_timeout: float = 300.0  # openai backend: seconds per request
     max_failed_fraction: float = 0.01  # more rows failed than this (after retries): the stage fails, nothing written
+
+    @property
+    def temperatures(self) -> list[float]:
+        """`temperature` as a list (one entry per copy of each row)."""
+        return [float(t) for t in self.temperature] if isinstance(self.temperature, list) else [float(self.temperature)]
 
 
 @dataclass

@@ -193,8 +193,9 @@ def check_ranges(recipe: Recipe) -> None:
     """One-line SpeculatorsError for the first setting out of its range or list item outside its choices."""
     for name, low, high, low_in, high_in in _RANGES:
         value = _get(recipe, name)
-        if value is not None and _out_of_range(value, low, high, low_in, high_in):
-            raise SpeculatorsError(f"{name} must be {_range_text(low, high, low_in, high_in)}, got {value}")
+        for item in (value if isinstance(value, list) else [value]):  # a number, or a list of them
+            if item is not None and _out_of_range(item, low, high, low_in, high_in):
+                raise SpeculatorsError(f"{name} must be {_range_text(low, high, low_in, high_in)}, got {value}")
     for name, low, high, low_in, high_in in _LIST_RANGES:
         bad = [v for v in _get(recipe, name) if _out_of_range(v, low, high, low_in, high_in)]
         if bad:

@@ -77,7 +77,7 @@ class OpenAIBackend:
 
     def _turn(self, st: RowState) -> Turn:
         rg = self.recipe.data.regenerate
-        kwargs: dict[str, Any] = {"model": self.model, "max_tokens": rg.max_new_tokens, "temperature": rg.temperature,
+        kwargs: dict[str, Any] = {"model": self.model, "max_tokens": rg.max_new_tokens, "temperature": st.temperature,
                                   "top_p": rg.top_p, "seed": self.recipe.seed * 1_000_003 + st.index + st.stats["turns"]}
         try:
             if st.conv.is_chat:

@@ -76,8 +76,8 @@ class RowFailed(Exception):
 class RowState:
     """Walks one conversation, asking for a generation at each assistant turn to rewrite."""
 
-    def __init__(self, index: int, conv: Conversation) -> None:
-        self.index, self.conv = index, conv
+    def __init__(self, index: int, conv: Conversation, temperature: float = 0.0) -> None:
+        self.index, self.conv, self.temperature = index, conv, temperature
         self.history: list[dict] = []
         self.pos = 0
         self.done = False

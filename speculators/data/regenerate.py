@@ -16,7 +16,10 @@ Backends (`data.regenerate.backend`):
 - `local`: batched in-process `model.generate` (left padding) on the target's device;
 - `openai`: any OpenAI-compatible server (vLLM, SGLang, `speculators serve`) at `data.regenerate.endpoint`, through
   the `openai` client (regen_openai.py; the endpoint and the model are checked before the first row).
-Sampling: temperature / top_p / max_new_tokens from the recipe, seeded from `recipe.seed`.
+Sampling: temperature / top_p / max_new_tokens from the recipe, seeded from `recipe.seed`. Several temperatures
+(`data.regenerate.temperature: [0.0, 1.0]`): every row is regenerated once per temperature and written once per
+temperature (ids `<id>@T=<t>`, `schemas.copy_id`), so the draft sees the contexts of greedy and of sampling
+servers; capture and training keep a row's copies on one side of the train / val split.
 
 No row is ever lost (regen_rows.py keeps every row's state in `regenerated.partial/` across runs): a row is
 complete, rejected (it can never be regenerated: prompt longer than `data.max_length`, a request the server refuses
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,7 +51,7 @@ from speculators.data.prepare import RowEncoder, make_encoder
 from speculators.data.regen_openai import OpenAIBackend
 from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState, Turn
 from speculators.data.regenerate_engine import EngineGenerator, crosscheck
-from speculators.data.schemas import Conversation, RowError
+from speculators.data.schemas import Conversation, RowError, copy_id
 from speculators.errors import SpeculatorsError
 from speculators.target import fingerprint_target, load_target, load_tokenizer, tokenizer_hash
 
@@ -85,16 +89,18 @@ class LocalBackend:
         ids = list(self.tok(st.conv.prompt, add_special_tokens=True)["input_ids"])
         return ids[:-1] if ids and ids[-1] == self.tok.eos_token_id else ids
 
-    def generate(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[Turn]:
+    def generate(self, prompts: list[list[int]], max_new: list[int], seed: int, temperature: float) -> list[Turn]:
+        hf, engine = partial(self.hf_ids, temperature=temperature), partial(self.engine_ids, temperature=temperature)
         if self.engine is None:
-            gens = self.hf_ids(prompts, max_new, seed)
+            gens = hf(prompts, max_new, seed)
         else:
             n = min(self.recipe.data.regenerate.crosscheck_rows, len(prompts)) if self.crosscheck is None else 0
             gens = []
             if n > 0:  # the first rows run through both backends, side by side; the engine's answers are kept
-                self.crosscheck, gens = crosscheck(self.hf_batches, self.engine_ids, prompts[:n], max_new[:n], seed,
-                                                   self.recipe.data.regenerate.temperature == 0)
-            gens += self.engine_ids(prompts[n:], max_new[n:], seed + n)
+                self.crosscheck, gens = crosscheck(partial(self.hf_batches, temperature=temperature), engine,
+                                                   prompts[:n], max_new[:n], seed, temperature == 0)
+                self.crosscheck["temperature"] = temperature
+            gens += engine(prompts[n:], max_new[n:], seed + n)
         turns = []
         for gen in gens:
             stop = next((t for t, x in enumerate(gen) if x in self.stop_ids), None)
@@ -106,21 +112,23 @@ class LocalBackend:
                               retokenized_same=same))
         return turns
 
-    def engine_ids(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[list[int]]:
+    def engine_ids(self, prompts: list[list[int]], max_new: list[int], seed: int,
+                   temperature: float) -> list[list[int]]:
         """The runtime's answers (ids up to and including the first stop token); request j samples with seed+j."""
         rg = self.recipe.data.regenerate
-        params = [SamplingParams(max_new_tokens=m, temperature=rg.temperature, top_p=rg.top_p,
+        params = [SamplingParams(max_new_tokens=m, temperature=temperature, top_p=rg.top_p,
                                  seed=(seed + j) % (2**63), stop_token_ids=self.stop_ids)
                   for j, m in enumerate(max_new)]
         return self.engine.generate(prompts, params)
 
-    def hf_batches(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[list[int]]:
+    def hf_batches(self, prompts: list[list[int]], max_new: list[int], seed: int,
+                   temperature: float) -> list[list[int]]:
         """`hf_ids` in batches of `data.regenerate.batch_size` (how the `local` backend runs)."""
         size = self.recipe.data.regenerate.batch_size
-        return [g for a in range(0, len(prompts), size) for g in self.hf_ids(prompts[a:a + size], max_new[a:a + size],
-                                                                             seed + a)]
+        return [g for a in range(0, len(prompts), size)
+                for g in self.hf_ids(prompts[a:a + size], max_new[a:a + size], seed + a, temperature)]
 
-    def hf_ids(self, prompts: list[list[int]], max_new: list[int], seed: int) -> list[list[int]]:
+    def hf_ids(self, prompts: list[list[int]], max_new: list[int], seed: int, temperature: float) -> list[list[int]]:
         """HF `generate`'s answers (ids up to and including the first stop token), one left-padded batch."""
         rg = self.recipe.data.regenerate
         width = max(len(p) for p in prompts)
@@ -129,9 +137,9 @@ class LocalBackend:
         for j, p in enumerate(prompts):
             inp[j, width - len(p):] = torch.tensor(p)
             att[j, width - len(p):] = 1
-        sample = rg.temperature > 0
+        sample = temperature > 0
         gen_cfg = GenerationConfig(max_new_tokens=max(max_new), do_sample=sample,
-                                   temperature=rg.temperature if sample else None,
+                                   temperature=temperature if sample else None,
                                    top_p=rg.top_p if sample else None, top_k=0 if sample else None,
                                    eos_token_id=self.stop_ids, pad_token_id=self.pad)
         torch.manual_seed(seed)
@@ -166,9 +174,14 @@ class LocalBackend:
                 prompts.append(p)
                 budgets.append(budget)
                 ready.append(st)
-            if ready:
-                for st, turn in zip(ready, self.generate(prompts, budgets, seed * 1_000_003 + round_), strict=True):
-                    st.accept(turn)
+            for k, t in enumerate(rg.temperatures):  # one generation call per temperature (own seeds)
+                group = [j for j, st in enumerate(ready) if st.temperature == t]
+                if not group:
+                    continue
+                turns = self.generate([prompts[j] for j in group], [budgets[j] for j in group],
+                                      seed * 1_000_003 + round_ + 7919 * k, t)
+                for j, turn in zip(group, turns, strict=True):
+                    ready[j].accept(turn)
             round_ += 1
 
 
@@ -181,10 +194,13 @@ def _check_enabled(recipe: Recipe) -> None:
         raise SpeculatorsError("regeneration is disabled in the recipe; set data.regenerate.enabled=true (capture "
                                "then reads regenerated/ instead of prepared/)")
     rg = recipe.data.regenerate
-    if rg.max_new_tokens < 1 or rg.batch_size < 1 or rg.concurrency < 1 or rg.temperature < 0 or \
+    temps = rg.temperatures
+    if rg.max_new_tokens < 1 or rg.batch_size < 1 or rg.concurrency < 1 or not temps or min(temps) < 0 or \
             not 0 < rg.top_p <= 1:
         raise SpeculatorsError("data.regenerate: max_new_tokens, batch_size, concurrency must be >= 1, "
-                               "temperature >= 0 and 0 < top_p <= 1")
+                               "temperature >= 0 (one, or a non-empty list) and 0 < top_p <= 1")
+    if len({f"{t:g}" for t in temps}) != len(temps):
+        raise SpeculatorsError(f"data.regenerate.temperature lists a temperature twice: {rg.temperature}")
     if not 0 <= rg.max_failed_fraction < 1:
         raise SpeculatorsError(f"data.regenerate.max_failed_fraction must be in [0, 1), got {rg.max_failed_fraction}")
 
@@ -240,16 +256,25 @@ def engine_report(backend: Any) -> dict:
     return {"engine": engine.report(), "crosscheck": backend.crosscheck}
 
 
+def _job(recipe: Recipe, ds: Any, j: int) -> RowState:
+    """Job j of the stage: prepared row j % n at the (j // n)-th temperature (temperature-major, so a chunk of jobs
+    mostly shares one temperature); with one temperature, job j is row j with its own id."""
+    temps, n = recipe.data.regenerate.temperatures, len(ds)
+    row, t = ds[j % n], temps[j // n]
+    conv = Conversation.from_json(row["id"] if len(temps) == 1 else copy_id(row["id"], t), row["conversation"])
+    return RowState(j, conv, t)
+
+
 def _generate(recipe: Recipe, ds: Any, store: PartialStore, backend: Any) -> float:
-    """Run the backend over every row still to try, chunk by chunk; returns the generation seconds."""
+    """Run the backend over every job still to try, chunk by chunk; returns the generation seconds."""
     seconds = 0.0
-    left = store.pending()
-    with tqdm(total=len(ds), initial=len(ds) - left, desc="regenerate", unit=" rows", dynamic_ncols=True) as bar:
+    jobs = len(ds) * len(recipe.data.regenerate.temperatures)
+    with tqdm(total=jobs, initial=jobs - store.pending(), desc="regenerate", unit=" rows", dynamic_ncols=True) as bar:
         for ci, (a, b) in enumerate(store.chunks):
             todo = store.todo(a, b)  # new rows + rows that failed before
             if not todo:
                 continue
-            states = [RowState(i, Conversation.from_json(ds[i]["id"], ds[i]["conversation"])) for i in todo]
+            states = [_job(recipe, ds, j) for j in todo]
             t0 = time.time()
             backend.run_chunk(states, recipe.seed * 7919 + ci)
             seconds += time.time() - t0
@@ -291,14 +316,15 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         backend = OpenAIBackend(recipe)
         backend.check()  # the endpoint and the model, before the first row
     chunk = rg.batch_size if rg.backend == "local" else max(rg.concurrency * 4, rg.batch_size)
-    store = PartialStore(out_dir, inputs_hash, inputs, len(ds), chunk, force)
+    jobs = len(ds) * len(rg.temperatures)  # one per row and temperature
+    store = PartialStore(out_dir, inputs_hash, inputs, jobs, chunk, force)
     gen_seconds = _generate(recipe, ds, store, backend)
-    failed = _check_failures(recipe, store, len(ds))
+    failed = _check_failures(recipe, store, jobs)
     manifest = _assemble(recipe, tokenizer, store, len(ds), (inputs, inputs_hash, prepared_manifest), gen_seconds,
                          engine_report(backend))
     if failed:  # within the tolerance: written without them; they stay pending for the next run
         log.warning("%d of %d rows failed (<= data.regenerate.max_failed_fraction); they are left out of %s and "
-                    "will be tried again by the next regenerate / run (first: %s: %s)", len(failed), len(ds),
+                    "will be tried again by the next regenerate / run (first: %s: %s)", len(failed), jobs,
                     out_dir, failed[0].id, failed[0].error)
     else:
         store.remove()
@@ -307,8 +333,9 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
 
 def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, n: int, identity: tuple[dict, str, dict],
               gen_seconds: float, engine_info: dict) -> dict:
-    """Re-encode every complete row exactly like prepare and write `regenerated/` (manifest last); `identity`:
-    (inputs, inputs hash, the prepared data's manifest); `engine_info`: the engine backend's report."""
+    """Re-encode every complete row exactly like prepare and write `regenerated/` (manifest last); n: prepared
+    rows; `identity`: (inputs, inputs hash, the prepared data's manifest); `engine_info`: the engine backend's
+    report."""
     inputs, inputs_hash, prepared_manifest = identity
     out_dir = recipe.paths.regenerated
     writer = RowEncoder(make_encoder(recipe, tokenizer), recipe.data)
@@ -334,10 +361,12 @@ def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, n: int, ident
     manifest = {
         "format": artifacts.PREPARED_FORMAT, "stage": "regenerate", "complete": True, "created": artifacts.now(),
         "output": str(out_dir), "files": files, "inputs": inputs, "inputs_hash": inputs_hash,
-        "source": {"prepared": str(recipe.paths.prepared), "rows": n},
+        "source": {"prepared": str(recipe.paths.prepared), "rows": n,
+                   "temperatures": recipe.data.regenerate.temperatures},
         "tokenizer": prepared_manifest.get("tokenizer", {}), "mask_methods": tally.methods,
         "max_length": recipe.data.max_length, "length_policy": recipe.data.length_policy,
-        "counts": {"rows_in": n, **tally.counts(), "failed": len(failed), "rejected": len(rejected)},
+        "counts": {"rows_in": n * len(recipe.data.regenerate.temperatures), **tally.counts(), "failed": len(failed),
+                   "rejected": len(rejected)},
         "failed_rows": [vars(f) for f in failed[:MAX_LISTED_FAILURES]],
         "rejected_rows": [vars(f) for f in rejected[:MAX_LISTED_FAILURES]],
         "generation": {**gen, "backend": recipe.data.regenerate.backend, "seconds_this_run": round(gen_seconds, 2),

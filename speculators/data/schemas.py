@@ -34,6 +34,26 @@ _SHAREGPT_ROLES = {
     "function": "tool", "observation": "tool", "ipython": "tool",
 }
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+# a row regenerated at several temperatures (data.regenerate.temperature: [..]) is kept once per temperature, as
+# "<row id>@T=<temperature>"; the copies share one source row (one side of the train / val split)
+COPY_MARK = "@T="
+
+
+def copy_id(row_id: str, temperature: float) -> str:
+    """The id of `row_id`'s copy regenerated at `temperature`."""
+    return f"{row_id}{COPY_MARK}{temperature:g}"
+
+
+def source_row_id(row_id: str) -> str:
+    """The source row of an id written by `copy_id` (any other id is its own source)."""
+    head, mark, tail = row_id.rpartition(COPY_MARK)
+    if not mark:
+        return row_id
+    try:
+        float(tail)
+    except ValueError:
+        return row_id
+    return head
 
 
 @dataclass

@@ -26,6 +26,7 @@ import json
 import math
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from speculators.data.artifacts import read_manifest, sha256_file
+from speculators.data.schemas import source_row_id
 from speculators.errors import PairingError, SpeculatorsError
 
 FEATURES_FORMAT = "speculators.features/v1"
@@ -126,18 +128,28 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> tup
 # reading
 
 
-def split_indices(n: int, name: str, val_fraction: float, seed: int) -> list[int]:
-    """Deterministic train/val split of n sequences (the same for capture's vocab and for training)."""
+def split_indices(n: int, name: str, val_fraction: float, seed: int, groups: Sequence[str] | None = None) -> list[int]:
+    """Deterministic train/val split of n sequences (the same for capture's vocab and for training). `groups`
+    (one key per sequence, e.g. the source row of each regenerated copy): sequences of one group land on the same
+    side, and the split is made over the groups; with every key distinct it is the plain split of n."""
     if name not in ("train", "val"):
         raise SpeculatorsError(f"split must be 'train' or 'val', got {name!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise SpeculatorsError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    n_val = int(round(n * val_fraction))
-    if val_fraction > 0 and n >= 2:
-        n_val = min(max(n_val, 1), n - 1)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed))).tolist()
+    keys = list(dict.fromkeys(groups)) if groups is not None else None  # first-appearance order
+    if groups is not None and len(groups) != n:
+        raise SpeculatorsError(f"split: {len(groups)} group keys for {n} sequences")
+    units = n if keys is None else len(keys)
+    n_val = int(round(units * val_fraction))
+    if val_fraction > 0 and units >= 2:
+        n_val = min(max(n_val, 1), units - 1)
+    perm = torch.randperm(units, generator=torch.Generator().manual_seed(int(seed))).tolist()
     chosen = perm[:n_val] if name == "val" else perm[n_val:]
-    return sorted(chosen)
+    if keys is None or units == n:
+        return sorted(chosen)
+    picked = {keys[u] for u in chosen}
+    assert groups is not None
+    return [i for i, g in enumerate(groups) if g in picked]
 
 
 class _OpenShard:
@@ -208,8 +220,19 @@ class FeatureStore:
             self._lengths = out
         return list(self._lengths)
 
+    def row_ids(self) -> list[str]:
+        """The row id of every sequence, read from the shards' metadata only (no checksum pass)."""
+        out: list[str] = []
+        for s in range(len(self.manifest["shards"])):
+            meta = json.loads((self._handle(s).metadata() or {}).get("speculators", "{}"))
+            ids = [str(i) for i in meta.get("ids", [])]
+            if len(ids) != int(self.manifest["shards"][s]["rows"]):
+                raise SpeculatorsError(f"feature shard {self.shard_path(s)} does not match the manifest; re-run capture")
+            out.extend(ids)
+        return out
+
     def split(self, name: str, val_fraction: float, seed: int) -> list[int]:
-        return split_indices(len(self), name, val_fraction, seed)
+        return split_indices(len(self), name, val_fraction, seed, [source_row_id(i) for i in self.row_ids()])
 
     def check_target(self, fingerprint: dict) -> None:
         """Raise if these features were captured from another target (or tokenizer) than `fingerprint`."""

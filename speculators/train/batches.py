@@ -4,8 +4,9 @@ features + teacher of each batch (offline from feature shards, or online from a 
 What it does:
 - `PreparedSource` (online mode: the prepared/regenerated Arrow rows) and `FeatureSource` (offline mode: a
   `speculators.data.shards.FeatureStore`) give `len`, per-sequence lengths and `sequence(i) -> dict of tensors`.
-- `split_indices`: the train / val split of sequence indices (`speculators.data.shards.split_indices`, the split
-  capture uses, for the Arrow rows of online mode too).
+- `split_indices`: the train / val split of a source's sequences (`speculators.data.shards.split_indices`, the
+  split capture uses, for the Arrow rows of online mode too): the copies of one row regenerated at several
+  temperatures stay on one side.
 - `BatchPlan`: for epoch e, a seeded shuffle, grouped by length (windows of 16 batches, sorted) so padding stays
   small, cut into micro-batches, shuffled again, truncated to a multiple of the world size; rank r takes every
   world-th micro-batch. The plan depends only on (seed, epoch, lengths, batch size, world size), so the data
@@ -29,6 +30,7 @@ import torch
 
 from speculators.data.artifacts import load_token_dataset
 from speculators.data.features import compute_features
+from speculators.data.schemas import source_row_id
 from speculators.data.shards import split_indices as split
 from speculators.errors import SpeculatorsError
 from speculators.train.loss import Teacher, TeacherShape, VocabMap, dense_teacher, hidden_teacher, sparse_teacher
@@ -39,6 +41,7 @@ FLOAT_KEYS = ("taps", "last_hidden", "teacher_topk_logprobs")
 class SequenceSource(Protocol):
     def __len__(self) -> int: ...
     def lengths(self) -> list[int]: ...
+    def row_ids(self) -> list[str] | None: ...
     def sequence(self, i: int) -> dict[str, torch.Tensor]: ...
 
 
@@ -64,6 +67,9 @@ class PreparedSource:
             lens = pc.list_value_length(col).to_pylist()
             self._lengths = [min(int(n), self.max_length) if self.max_length else int(n) for n in lens]
         return self._lengths
+
+    def row_ids(self) -> list[str] | None:
+        return [str(i) for i in self.dataset["id"]] if "id" in self.dataset.column_names else None
 
     def sequence(self, i: int) -> dict[str, torch.Tensor]:
         row = self.dataset[int(i)]
@@ -93,13 +99,21 @@ class FeatureSource:
                 self._lengths = [int(self.store.sequence(i)["input_ids"].numel()) for i in range(len(self.store))]
         return self._lengths
 
+    def row_ids(self) -> list[str] | None:
+        get = getattr(self.store, "row_ids", None)
+        return list(get()) if callable(get) else None
+
     def sequence(self, i: int) -> dict[str, torch.Tensor]:
         return self.store.sequence(int(i))
 
 
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train, val) indices of n sequences: the same deterministic split capture uses for the features."""
-    return split(n, "train", val_fraction, seed), split(n, "val", val_fraction, seed)
+def split_indices(source: SequenceSource, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, val) indices of the source's sequences: the same deterministic split capture uses for the features
+    (grouped by source row, so the temperature copies of one regenerated row are never on both sides)."""
+    ids = source.row_ids()
+    groups = [source_row_id(i) for i in ids] if ids is not None else None
+    n = len(source)
+    return split(n, "train", val_fraction, seed, groups), split(n, "val", val_fraction, seed, groups)
 
 
 # ----------------------------------------------------------------------------------------------------------------

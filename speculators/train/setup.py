@@ -265,7 +265,7 @@ def load_setup(recipe: Recipe, device: Any) -> Setup:
     else:
         taps = SPECULATORS[recipe.speculator.family].capture_request(recipe.capture.layer_ids, n_layers).tap_layer_ids
         layer_ids = list(taps) if taps is not None else None
-    train_idx, val_idx = split_indices(len(source), recipe.data.val_fraction, recipe.seed)
+    train_idx, val_idx = split_indices(source, recipe.data.val_fraction, recipe.seed)
     d2t = None
     vd = recipe.speculator.draft_vocab_size
     if vd is not None and vd != vocab_size:
