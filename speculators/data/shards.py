@@ -128,17 +128,18 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> tup
 # reading
 
 
-def split_indices(n: int, name: str, val_fraction: float, seed: int, groups: Sequence[str] | None = None) -> list[int]:
-    """Deterministic train/val split of n sequences (the same for capture's vocab and for training). `groups`
-    (one key per sequence, e.g. the source row of each regenerated copy): sequences of one group land on the same
-    side, and the split is made over the groups; with every key distinct it is the plain split of n."""
+def split_indices(n: int, name: str, val_fraction: float, seed: int, row_ids: Sequence[str] | None = None) -> list[int]:
+    """Deterministic train/val split of n sequences (the same for capture's vocab and for training). With `row_ids`
+    (one per sequence) the split is made over source rows (`schemas.source_row_id`): the temperature copies of one
+    regenerated row land on the same side; with every source row distinct it is the plain split of n."""
     if name not in ("train", "val"):
         raise SpeculatorsError(f"split must be 'train' or 'val', got {name!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise SpeculatorsError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if row_ids is not None and len(row_ids) != n:
+        raise SpeculatorsError(f"split: {len(row_ids)} row ids for {n} sequences")
+    groups = [source_row_id(str(i)) for i in row_ids] if row_ids is not None else None
     keys = list(dict.fromkeys(groups)) if groups is not None else None  # first-appearance order
-    if groups is not None and len(groups) != n:
-        raise SpeculatorsError(f"split: {len(groups)} group keys for {n} sequences")
     units = n if keys is None else len(keys)
     n_val = int(round(units * val_fraction))
     if val_fraction > 0 and units >= 2:
@@ -232,7 +233,7 @@ class FeatureStore:
         return out
 
     def split(self, name: str, val_fraction: float, seed: int) -> list[int]:
-        return split_indices(len(self), name, val_fraction, seed, [source_row_id(i) for i in self.row_ids()])
+        return split_indices(len(self), name, val_fraction, seed, self.row_ids())
 
     def check_target(self, fingerprint: dict) -> None:
         """Raise if these features were captured from another target (or tokenizer) than `fingerprint`."""

@@ -20,7 +20,6 @@ from speculators.config import Recipe
 from speculators.core.workloads import load_workloads
 from speculators.data import shards
 from speculators.data.chat import ChatEncoder
-from speculators.data.schemas import source_row_id
 from speculators.errors import SpeculatorsError
 from speculators.target import eos_token_ids, load_tokenizer
 
@@ -37,9 +36,9 @@ def split_counts(ds: Any, vocab_size: int, val_fraction: float, seed: int) -> tu
     """Assistant-token counts [V] of the train split and of the held-out val split of the prepared dataset `ds`
     (vectorised over Arrow)."""
     n = len(ds)
-    groups = [source_row_id(str(i)) for i in ds["id"]] if "id" in ds.column_names else None
+    row_ids = [str(i) for i in ds["id"]] if "id" in ds.column_names else None
     is_val = np.zeros(n, dtype=bool)
-    is_val[shards.split_indices(n, "val", val_fraction, seed, groups)] = True
+    is_val[shards.split_indices(n, "val", val_fraction, seed, row_ids)] = True
     counts = {False: np.zeros(vocab_size, dtype=np.int64), True: np.zeros(vocab_size, dtype=np.int64)}
     ids_col, mask_col = ds.data.column("input_ids"), ds.data.column("loss_mask")
     base = 0

@@ -30,7 +30,6 @@ import torch
 
 from speculators.data.artifacts import load_token_dataset
 from speculators.data.features import compute_features
-from speculators.data.schemas import source_row_id
 from speculators.data.shards import split_indices as split
 from speculators.errors import SpeculatorsError
 from speculators.train.loss import Teacher, TeacherShape, VocabMap, dense_teacher, hidden_teacher, sparse_teacher
@@ -110,10 +109,8 @@ class FeatureSource:
 def split_indices(source: SequenceSource, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(train, val) indices of the source's sequences: the same deterministic split capture uses for the features
     (grouped by source row, so the temperature copies of one regenerated row are never on both sides)."""
-    ids = source.row_ids()
-    groups = [source_row_id(i) for i in ids] if ids is not None else None
-    n = len(source)
-    return split(n, "train", val_fraction, seed, groups), split(n, "val", val_fraction, seed, groups)
+    ids, n = source.row_ids(), len(source)
+    return split(n, "train", val_fraction, seed, ids), split(n, "val", val_fraction, seed, ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------

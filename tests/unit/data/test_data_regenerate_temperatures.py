@@ -77,8 +77,10 @@ def test_split_groups_reduce_to_the_plain_split_and_bad_temperature_lists_are_on
     groups = [f"r{i % 10}" for i in range(20)]
     val = shards.split_indices(20, "val", 0.1, 3, groups)
     assert len(val) == 2 and groups[val[0]] == groups[val[1]]
+    copies = [copy_id(f"r{i % 10}", 0.0 if i < 10 else 1.0) for i in range(20)]  # ids of two temperature copies
+    assert shards.split_indices(20, "val", 0.1, 3, copies) == val
     assert source_row_id(copy_id("a@T=x", 0.7)) == "a@T=x" and source_row_id("a@T=x") == "a@T=x"
-    with pytest.raises(SpeculatorsError, match="3 group keys for 4"):
+    with pytest.raises(SpeculatorsError, match="3 row ids for 4"):
         shards.split_indices(4, "val", 0.5, 0, ["a", "b", "c"])
 
     for bad, message in (([], "non-empty list"), ([1.0, 1.0], "lists a temperature twice")):
