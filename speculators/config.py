@@ -49,7 +49,7 @@ class RegenerateConfig:
     """Self-distillation: the target rewrites the assistant turns (DESIGN §1)."""
 
     enabled: bool = False
-    # engine: in-process on the bundled runtime (continuous batching + drafting, data/regenerate_engine.py);
+    # engine: in-process on the bundled runtime (continuous batching + drafting, serving/batch_generate.py);
     # local: in-process Hugging Face `generate` (left-padded batches); openai: an OpenAI-compatible endpoint
     backend: Literal["engine", "local", "openai"] = "engine"
     drafter: str = "ngram"  # engine backend: "ngram" (prompt lookup), "none", or a speculator directory
@@ -177,6 +177,9 @@ class EvaluateConfig:
     max_rows_per_cohort: int | None = None
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     depth: int = 5  # teacher-forced chain depth
+    # who writes the target's continuations of the rows: engine = the bundled runtime, many rows per forward
+    # (evaluate/teacher.py); local = HF generate, one row at a time (how evaluation ran before; other T > 0 samples)
+    continuation_backend: Literal["engine", "local"] = "engine"
     live: bool = True  # also run the bundled runtime on the workloads
     live_rows_per_cohort: int = 8
     # chain depth of the predicted-vs-live(-vs-vLLM) comparison; None = export.speculative_tokens (vLLM's k)

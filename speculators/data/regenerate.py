@@ -50,9 +50,10 @@ from speculators.data import artifacts
 from speculators.data.prepare import RowEncoder, make_encoder
 from speculators.data.regen_openai import OpenAIBackend
 from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState, Turn
-from speculators.data.regenerate_engine import EngineGenerator, crosscheck
+from speculators.data.regenerate_engine import crosscheck
 from speculators.data.schemas import Conversation, RowError, copy_id
 from speculators.errors import SpeculatorsError
+from speculators.serving.batch_generate import EngineGenerator
 from speculators.target import fingerprint_target, load_target, load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ MAX_LISTED_FAILURES = 100
 
 class LocalBackend:
     """Batched `model.generate` with left padding on the target's device — or, with `backend: engine`, the
-    bundled runtime (`regenerate_engine.EngineGenerator`) on the same loaded target."""
+    bundled runtime (`serving.batch_generate.EngineGenerator`) on the same loaded target."""
 
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe

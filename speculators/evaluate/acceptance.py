@@ -74,7 +74,8 @@ def eval_key(fingerprint: dict, rows: list[WorkloadRow], recipe: Recipe) -> str:
     ev = recipe.evaluate
     h = hashlib.sha256(json.dumps({"format": EVAL_FORMAT, "target": [fingerprint["revision"],
                                    fingerprint["content_hash"]], "temperatures": [float(t) for t in ev.temperatures],
-                                   "depth": ev.depth, "seed": recipe.seed}, sort_keys=True).encode())
+                                   "depth": ev.depth, "seed": recipe.seed,
+                                   "continuations": ev.continuation_backend}, sort_keys=True).encode())
     for r in rows:
         h.update(json.dumps([r.id, r.cohort, r.prompt, r.messages, r.max_new_tokens], sort_keys=True).encode())
     return h.hexdigest()[:32]
@@ -205,8 +206,8 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
             spec = load_speculator(c, weights)
             spec.to(target.device).float().eval()
             specs[c.name] = spec
-        seqs = continuations(target.model, target.tokenizer, rows, ev.temperatures, recipe.seed,
-                             fp["revision"] + fp["content_hash"], eval_dir / "continuations.json", progress)
+        seqs = continuations(target, rows, ev.temperatures, recipe.seed, fp["revision"] + fp["content_hash"],
+                             eval_dir / "continuations.json", ev.continuation_backend, progress)
         spec_sums, block_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress,
                                                                        recipe.capture.teacher_topk)
         for c in todo:
@@ -246,8 +247,8 @@ def _live(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], best: 
     (`agreement.serving_agreement`: the same chain / tree / n-gram chain on the same rows)."""
     ev = recipe.evaluate
     chosen = pick_rows(rows, ev.live_rows_per_cohort)
-    seqs = continuations(target.model, target.tokenizer, chosen, ev.temperatures, recipe.seed,
-                         fp["revision"] + fp["content_hash"], recipe.paths.eval / "continuations-live.json", progress)
+    seqs = continuations(target, chosen, ev.temperatures, recipe.seed, fp["revision"] + fp["content_hash"],
+                         recipe.paths.eval / "continuations.json", ev.continuation_backend, progress)
     spec_dir = recipe.paths.checkpoints / best
     spec = load_speculator(spec_dir, target_weights(target.model))
     spec.to(target.device).float().eval()

@@ -2,9 +2,12 @@
 
 - `encode_row`: a workload row -> prompt token ids (raw `prompt` with the tokenizer's special tokens, or
   `messages` through the target's chat template with the generation prompt).
-- `continuations`: the target's own continuation of every row (HF `generate`; greedy for T=0, sampled with a
-  per-row fixed seed for T>0, no top-k/top-p), cached in `eval/continuations.json` under a key made of the target
-  revision, the rows and the seed, so re-evaluating new checkpoints never regenerates.
+- `continuations`: the target's own continuation of every row (greedy for T=0, sampled with a per-row fixed seed
+  for T>0, no top-k/top-p), written by the bundled runtime with many rows sharing each target forward
+  (`serving.batch_generate`, `evaluate.continuation_backend: engine`) or by HF `generate` one row at a time
+  (`local`, how evaluation ran before); cached in `eval/continuations.json` per row (the row's content and
+  temperature) under a key made of the target revision, the seed and the backend, so re-evaluating new checkpoints,
+  or the live rows (a subset), never regenerates.
 - `teacher_pass`: one forward over prompt + continuation with `speculators.target.forward_with_taps` -> the
   features speculators ask for (taps of a union of layer ids, sliced per speculator) and the teacher logits.
 
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +30,18 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
+from speculators.serving.batch_generate import EngineGenerator
 from speculators.target import cache_kwarg, forward_with_taps
 
-CONTINUATIONS_FORMAT = "speculators.continuations/v1"
+log = logging.getLogger(__name__)
+
+CONTINUATIONS_FORMAT = "speculators.continuations/v2"
+CONTINUATION_BACKENDS = ("engine", "local")
+ENGINE_CONCURRENCY = 64  # requests sharing each target forward (as regeneration runs)
+LOCAL_SAVE_EVERY = 16  # rows HF generate writes between two writes of the cache
 
 
 def encode_row(tokenizer: Any, row: WorkloadRow) -> list[int]:
@@ -63,11 +75,14 @@ class EvalSequence:
         return self.token_ids[self.prompt_len:]
 
 
-def _cache_key(target_revision: str, rows: Sequence[WorkloadRow], seed: int) -> str:
-    h = hashlib.sha256(f"{CONTINUATIONS_FORMAT}|{target_revision}|{seed}".encode())
-    for r in rows:
-        h.update(json.dumps([r.id, r.prompt, r.messages, r.max_new_tokens], sort_keys=True).encode())
-    return h.hexdigest()
+def _cache_key(target_revision: str, seed: int, backend: str) -> str:
+    return hashlib.sha256(f"{CONTINUATIONS_FORMAT}|{target_revision}|{seed}|{backend}".encode()).hexdigest()
+
+
+def _entry_name(row: WorkloadRow, temperature: float) -> str:
+    """A cache entry's name: the temperature and everything of the row that its continuation depends on."""
+    content = json.dumps([row.id, row.prompt, row.messages, row.max_new_tokens], sort_keys=True)
+    return f"{float(temperature)}:{hashlib.sha256(content.encode()).hexdigest()[:20]}"
 
 
 def _load_cache(path: Path, key: str) -> dict[str, list[int]]:
@@ -89,7 +104,7 @@ def _save_cache(path: Path, key: str, sequences: dict[str, list[int]]) -> None:
 
 def generate_continuation(model: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float,
                           seed: int, eos_token_id: Any, pad_token_id: int | None) -> list[int]:
-    """The target's own continuation (generated ids only; ends with EOS if the target stopped)."""
+    """The target's own continuation by HF `generate` (generated ids only; ends with EOS if the target stopped)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, P]
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids),
@@ -104,40 +119,57 @@ def generate_continuation(model: Any, prompt_ids: list[int], max_new_tokens: int
     return [int(t) for t in out[0, len(prompt_ids):].tolist()]
 
 
-def continuations(model: Any, tokenizer: Any, rows: Sequence[WorkloadRow], temperatures: Sequence[float],
-                  seed: int, target_revision: str, cache_path: Path | None,
-                  progress: bool = True) -> dict[float, list[EvalSequence]]:
-    """prompt + target continuation of every row at every temperature (cached; see module docstring)."""
-    key = _cache_key(target_revision, rows, seed)
-    cache = _load_cache(cache_path, key) if cache_path is not None else {}
+def _stop_ids(model: Any, tokenizer: Any) -> tuple[list[int], int | None]:
+    """(the target's EOS ids as `generate` uses them, its pad id)."""
     gen_cfg = getattr(model, "generation_config", None)
-    eos = getattr(gen_cfg, "eos_token_id", None) or tokenizer.eos_token_id
+    eos = getattr(gen_cfg, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
     pad = getattr(gen_cfg, "pad_token_id", None)
     if pad is None:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts = {r.id: encode_row(tokenizer, r) for r in rows}
-    out: dict[float, list[EvalSequence]] = {}
-    dirty = 0
-    todo = sum(1 for t in temperatures for r in rows if f"{float(t)}:{r.id}" not in cache)
-    bar = tqdm(total=todo, desc="target continuations", unit="row", disable=not progress or todo == 0)
-    for temp in temperatures:
-        seqs = []
-        for r in rows:
-            name = f"{float(temp)}:{r.id}"
-            if name not in cache:
-                cache[name] = generate_continuation(model, prompts[r.id], r.max_new_tokens, float(temp),
-                                                    row_seed(seed, r.id), eos, pad)
-                dirty += 1
-                bar.update(1)
-                if cache_path is not None and dirty % 16 == 0:
-                    _save_cache(cache_path, key, cache)
-            seqs.append(EvalSequence(row=r, temperature=float(temp), token_ids=prompts[r.id] + cache[name],
-                                  prompt_len=len(prompts[r.id])))
-        out[float(temp)] = seqs
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
+    return eos_ids, pad
+
+
+def continuations(target: Any, rows: Sequence[WorkloadRow], temperatures: Sequence[float], seed: int,
+                  target_revision: str, cache_path: Path | None, backend: str = "engine",
+                  progress: bool = True) -> dict[float, list[EvalSequence]]:
+    """prompt + target continuation of every row at every temperature (cached; see module docstring). `target`
+    is the loaded target (`speculators.target.LoadedTarget`)."""
+    if backend not in CONTINUATION_BACKENDS:
+        raise SpeculatorsError(f"evaluate.continuation_backend must be one of {CONTINUATION_BACKENDS}, got {backend!r}")
+    key = _cache_key(target_revision, seed, backend)
+    cache = _load_cache(cache_path, key) if cache_path is not None else {}
+    prompts = {r.id: encode_row(target.tokenizer, r) for r in rows}
+    todo = [(float(t), r) for t in temperatures for r in rows if _entry_name(r, t) not in cache]
+    bar = tqdm(total=len(todo), desc="target continuations", unit="row", disable=not progress or not todo)
+    eos_ids, pad = _stop_ids(target.model, target.tokenizer)
+    generator = EngineGenerator(target, "ngram", ENGINE_CONCURRENCY) if backend == "engine" and todo else None
+    start = time.perf_counter()
+    # the runtime takes every row at once (a slot is refilled as soon as a row ends); HF generate one row at a time
+    step = len(todo) if generator is not None else LOCAL_SAVE_EVERY
+    for a in range(0, len(todo), max(step, 1)):
+        chunk = todo[a:a + step]
+        if generator is not None:
+            params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=t, seed=row_seed(seed, r.id),
+                                     stop_token_ids=eos_ids) for t, r in chunk]
+            outs = generator.generate([prompts[r.id] for _, r in chunk], params)
+        else:
+            outs = [generate_continuation(target.model, prompts[r.id], r.max_new_tokens, t, row_seed(seed, r.id),
+                                          eos_ids, pad) for t, r in chunk]
+        for (t, r), out in zip(chunk, outs, strict=True):
+            cache[_entry_name(r, t)] = out
+        bar.update(len(chunk))
+        if cache_path is not None:
+            _save_cache(cache_path, key, cache)
     bar.close()
-    if cache_path is not None and dirty:
-        _save_cache(cache_path, key, cache)
-    return out
+    if todo:
+        log.info("target continuations: %d generated in %.1f s (%s)%s", len(todo), time.perf_counter() - start,
+                 backend, f"; runtime {generator.report()}" if generator is not None else "")
+    return {float(t): [EvalSequence(row=r, temperature=float(t), token_ids=prompts[r.id] + cache[_entry_name(r, t)],
+                                    prompt_len=len(prompts[r.id])) for r in rows]
+            for t in temperatures}
 
 
 def greedy_tokens(model: Any, prompt_ids: Sequence[int], n: int) -> list[int]:

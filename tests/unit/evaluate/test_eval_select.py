@@ -60,7 +60,7 @@ def test_selection_picks_the_best_tau_not_the_lowest_loss(tmp_path: Path, tiny_l
     loaded = load_target(recipe.target)
     fp = fingerprint_target(recipe.target, tokenizer=loaded.tokenizer, model_config=loaded.model.config).to_dict()
     rows = load_workloads(recipe.evaluate.workloads)
-    seqs = continuations(loaded.model, loaded.tokenizer, rows, [0.0], recipe.seed, "test", None, progress=False)
+    seqs = continuations(loaded, rows, [0.0], recipe.seed, "test", None, progress=False)
     good = build_speculator(recipe, loaded, seed=0)
     _fit(good, loaded.model, seqs[0.0])
     bad = build_speculator(recipe, loaded, seed=1)
