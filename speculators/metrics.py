@@ -109,23 +109,29 @@ def block_reach_bounds(target_probs: Sequence[torch.Tensor], draft_probs: Sequen
     size = 1
     while size < 3 * bins + 2:
         size *= 2
+    # per depth, once for both bounds and only over the tokens some row's draft can draw (a token no draft draws
+    # carries no mass): log-ratios in grid steps, the draft mass, and the mass the upper bound keeps (p > 0)
+    depths = []
+    for k in range(k_max):
+        q = draft_probs[k].to(torch.float64)  # [N, V]
+        cols = (q > 0).any(0).nonzero().squeeze(1)  # [C] tokens some draft can draw
+        q = q[:, cols]  # [N, C]
+        p = target_probs[k].to(torch.float64)[:, cols]  # [N, C]
+        ratio = (torch.log(p) - torch.log(q)) / h  # [N, C]; -inf where p = 0, +inf where q = 0 < p
+        mass = torch.where(q > 0, q, torch.zeros_like(q))  # [N, C]
+        depths.append((ratio, mass, torch.where(p > 0, mass, torch.zeros_like(mass))))
     out = []
     for upper in (False, True):
         law = torch.zeros(n_rows, bins + 1, dtype=torch.float64)  # [N, G+1] mass at log w = (j - G) h
         law[:, bins] = 1.0
         reach = torch.zeros(n_rows, k_max, dtype=torch.float64)  # [N, K]
         values = torch.exp((torch.arange(bins + 1, dtype=torch.float64) - bins) * h)  # [G+1]
-        for k in range(k_max):
-            p = target_probs[k].to(torch.float64)  # [N, V]
-            q = draft_probs[k].to(torch.float64)  # [N, V]
-            ratio = torch.log(p) - torch.log(q)  # [N, V]; -inf where p = 0
-            steps = torch.ceil(ratio / h) if upper else torch.floor(ratio / h)
+        for k, (ratio, mass, kept) in enumerate(depths):
+            steps = torch.ceil(ratio) if upper else torch.floor(ratio)
             steps = steps.nan_to_num(nan=-(bins + 1), neginf=-(bins + 1), posinf=bins).clamp(-(bins + 1), bins)
             kernel = torch.zeros(n_rows, 2 * bins + 2, dtype=torch.float64)  # [N, 2G+2]: shift s at s + G + 1
-            mass = torch.where(q > 0, q, torch.zeros_like(q))
-            if upper:  # a token the target excludes sends w to 0 in both bounds
-                mass = torch.where(p > 0, mass, torch.zeros_like(mass))
-            kernel.scatter_add_(1, (steps + bins + 1).long(), mass)
+            # a token the target excludes sends w to 0 in both bounds (the lower bound drops shifts off the grid)
+            kernel.scatter_add_(1, (steps + bins + 1).long(), kept if upper else mass)
             if not upper:
                 kernel[:, 0] = 0.0  # shifts that leave the grid from every point: w -> 0
             full = torch.fft.irfft(torch.fft.rfft(law, size) * torch.fft.rfft(kernel, size), size)  # [N, size]
