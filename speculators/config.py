@@ -180,6 +180,7 @@ class EvaluateConfig:
     # who writes the target's continuations of the rows: engine = the bundled runtime, many rows per forward
     # (evaluate/teacher.py); local = HF generate, one row at a time (how evaluation ran before; other T > 0 samples)
     continuation_backend: Literal["engine", "local"] = "engine"
+    crosscheck_rows: int = 16  # engine: greedy rows also written by HF generate, timed and compared (0 = off)
     live: bool = True  # also run the bundled runtime on the workloads
     live_rows_per_cohort: int = 8
     # chain depth of the predicted-vs-live(-vs-vLLM) comparison; None = export.speculative_tokens (vLLM's k)

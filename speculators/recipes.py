@@ -122,6 +122,7 @@ _RANGES: tuple[tuple[str, float | None, float | None, bool, bool], ...] = (
     ("data.max_length", 2, None, True, True),
     ("data.val_fraction", 0, 1, True, False),
     ("data.regenerate.crosscheck_rows", 0, None, True, True),
+    ("evaluate.crosscheck_rows", 0, None, True, True),
     ("data.regenerate.temperature", 0, None, True, True),
     ("data.regenerate.top_p", 0, 1, False, True),
     ("data.regenerate.max_new_tokens", 1, None, True, True),

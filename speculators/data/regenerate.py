@@ -10,9 +10,9 @@ as they are. Raw prompt/completion rows get a new completion. The result is re-e
 
 Backends (`data.regenerate.backend`):
 - `engine` (default): in-process on the bundled runtime — up to `concurrency` requests sharing each target forward
-  (continuous batching) and n-gram or speculator drafting (`regenerate_engine.py`); the first `crosscheck_rows` rows
-  also run through HF `generate` (batches of `batch_size`, as `local` runs), timed and compared side by side (the
-  manifest's `generation.crosscheck`);
+  (continuous batching) and n-gram or speculator drafting (`serving/batch_generate.py`); the first
+  `crosscheck_rows` rows also run through HF `generate` (batches of `batch_size`, as `local` runs), timed and
+  compared side by side (the manifest's `generation.crosscheck`);
 - `local`: batched in-process `model.generate` (left padding) on the target's device;
 - `openai`: any OpenAI-compatible server (vLLM, SGLang, `speculators serve`) at `data.regenerate.endpoint`, through
   the `openai` client (regen_openai.py; the endpoint and the model are checked before the first row).
@@ -50,10 +50,9 @@ from speculators.data import artifacts
 from speculators.data.prepare import RowEncoder, make_encoder
 from speculators.data.regen_openai import OpenAIBackend
 from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState, Turn
-from speculators.data.regenerate_engine import crosscheck
 from speculators.data.schemas import Conversation, RowError, copy_id
 from speculators.errors import SpeculatorsError
-from speculators.serving.batch_generate import EngineGenerator
+from speculators.serving.batch_generate import EngineGenerator, crosscheck
 from speculators.target import fingerprint_target, load_target, load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -98,8 +97,9 @@ class LocalBackend:
             n = min(self.recipe.data.regenerate.crosscheck_rows, len(prompts)) if self.crosscheck is None else 0
             gens = []
             if n > 0:  # the first rows run through both backends, side by side; the engine's answers are kept
-                self.crosscheck, gens = crosscheck(partial(self.hf_batches, temperature=temperature), engine,
-                                                   prompts[:n], max_new[:n], seed, temperature == 0)
+                self.crosscheck, gens = crosscheck(
+                    partial(self.hf_batches, prompts[:n], max_new[:n], seed, temperature=temperature),
+                    partial(engine, prompts[:n], max_new[:n], seed), temperature == 0)
                 self.crosscheck["temperature"] = temperature
             gens += engine(prompts[n:], max_new[n:], seed + n)
         turns = []

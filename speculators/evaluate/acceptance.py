@@ -55,7 +55,7 @@ from speculators.evaluate.select import (
     selection_record,
 )
 from speculators.evaluate.tally import CeilingTally, SpeculatorTally
-from speculators.evaluate.teacher import EvalSequence, continuations, teacher_pass
+from speculators.evaluate.teacher import EvalSequence, continuations, crosscheck_record, teacher_pass
 from speculators.models.io import load_speculator, target_weights
 from speculators.recipes import to_dict
 from speculators.serving.ngram import ngram_propose
@@ -207,7 +207,7 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
             spec.to(target.device).float().eval()
             specs[c.name] = spec
         seqs = continuations(target, rows, ev.temperatures, recipe.seed, fp["revision"] + fp["content_hash"],
-                             eval_dir / "continuations.json", ev.continuation_backend, progress)
+                             eval_dir / "continuations.json", ev.continuation_backend, ev.crosscheck_rows, progress)
         spec_sums, block_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress,
                                                                        recipe.capture.teacher_topk)
         for c in todo:
@@ -248,7 +248,8 @@ def _live(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], best: 
     ev = recipe.evaluate
     chosen = pick_rows(rows, ev.live_rows_per_cohort)
     seqs = continuations(target, chosen, ev.temperatures, recipe.seed, fp["revision"] + fp["content_hash"],
-                         recipe.paths.eval / "continuations.json", ev.continuation_backend, progress)
+                         recipe.paths.eval / "continuations.json", ev.continuation_backend, ev.crosscheck_rows,
+                         progress)
     spec_dir = recipe.paths.checkpoints / best
     spec = load_speculator(spec_dir, target_weights(target.model))
     spec.to(target.device).float().eval()
@@ -294,6 +295,10 @@ def _summary(recipe: Recipe, reports: dict[str, dict], best: str, evaluated: int
             if o:
                 out[f"{name} tau@T={t} predicted / live"] = (f"{o['predicted']['tau']:.3f} / {o['live']['tau']:.3f}"
                                                              f" ({'agree' if o['agree'] else 'DISAGREE'})")
+    check = crosscheck_record(recipe.paths.eval / "continuations.json")
+    if check:
+        out["target continuations: runtime vs HF generate (first greedy rows)"] = (
+            f"{check['identical']}/{check['rows']} identical · {check['speedup']}x wall · {check['speedup_cpu']}x CPU")
     out["report"] = str(recipe.paths.eval / "report.md")
     return out
 

@@ -7,7 +7,8 @@
   (`serving.batch_generate`, `evaluate.continuation_backend: engine`) or by HF `generate` one row at a time
   (`local`, how evaluation ran before); cached in `eval/continuations.json` per row (the row's content and
   temperature) under a key made of the target revision, the seed and the backend, so re-evaluating new checkpoints,
-  or the live rows (a subset), never regenerates.
+  or the live rows (a subset), never regenerates. With the runtime, the first `crosscheck_rows` greedy rows are
+  also written by HF `generate` in the same process, timed and compared token for token (`crosscheck_record`).
 - `teacher_pass`: one forward over prompt + continuation with `speculators.target.forward_with_taps` -> the
   features speculators ask for (taps of a union of layer ids, sliced per speculator) and the teacher logits.
 
@@ -23,6 +24,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,7 @@ from transformers import DynamicCache
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
-from speculators.serving.batch_generate import EngineGenerator
+from speculators.serving.batch_generate import EngineGenerator, crosscheck
 from speculators.target import cache_kwarg, forward_with_taps
 
 log = logging.getLogger(__name__)
@@ -85,21 +87,31 @@ def _entry_name(row: WorkloadRow, temperature: float) -> str:
     return f"{float(temperature)}:{hashlib.sha256(content.encode()).hexdigest()[:20]}"
 
 
-def _load_cache(path: Path, key: str) -> dict[str, list[int]]:
+def _load_cache(path: Path, key: str) -> tuple[dict[str, list[int]], dict | None]:
+    """(the cached continuations, the crosscheck record) of `path` if it was written under `key`."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        return {}
+        return {}, None
     if data.get("format") != CONTINUATIONS_FORMAT or data.get("key") != key:
-        return {}
-    return {k: [int(t) for t in v] for k, v in data.get("sequences", {}).items()}
+        return {}, None
+    return {k: [int(t) for t in v] for k, v in data.get("sequences", {}).items()}, data.get("crosscheck")
 
 
-def _save_cache(path: Path, key: str, sequences: dict[str, list[int]]) -> None:
+def _save_cache(path: Path, key: str, sequences: dict[str, list[int]], check: dict | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"format": CONTINUATIONS_FORMAT, "key": key, "sequences": sequences}))
+    tmp.write_text(json.dumps({"format": CONTINUATIONS_FORMAT, "key": key, "crosscheck": check,
+                               "sequences": sequences}))
     tmp.replace(path)
+
+
+def crosscheck_record(path: Path) -> dict | None:
+    """The side-by-side record (HF `generate` vs the runtime on the first greedy rows) of a continuations cache."""
+    try:
+        return json.loads(path.read_text()).get("crosscheck")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
 
 
 def generate_continuation(model: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float,
@@ -133,40 +145,54 @@ def _stop_ids(model: Any, tokenizer: Any) -> tuple[list[int], int | None]:
 
 
 def continuations(target: Any, rows: Sequence[WorkloadRow], temperatures: Sequence[float], seed: int,
-                  target_revision: str, cache_path: Path | None, backend: str = "engine",
+                  target_revision: str, cache_path: Path | None, backend: str = "engine", crosscheck_rows: int = 0,
                   progress: bool = True) -> dict[float, list[EvalSequence]]:
     """prompt + target continuation of every row at every temperature (cached; see module docstring). `target`
     is the loaded target (`speculators.target.LoadedTarget`)."""
     if backend not in CONTINUATION_BACKENDS:
         raise SpeculatorsError(f"evaluate.continuation_backend must be one of {CONTINUATION_BACKENDS}, got {backend!r}")
     key = _cache_key(target_revision, seed, backend)
-    cache = _load_cache(cache_path, key) if cache_path is not None else {}
+    cache, check = _load_cache(cache_path, key) if cache_path is not None else ({}, None)
     prompts = {r.id: encode_row(target.tokenizer, r) for r in rows}
     todo = [(float(t), r) for t in temperatures for r in rows if _entry_name(r, t) not in cache]
     bar = tqdm(total=len(todo), desc="target continuations", unit="row", disable=not progress or not todo)
     eos_ids, pad = _stop_ids(target.model, target.tokenizer)
-    generator = EngineGenerator(target, "ngram", ENGINE_CONCURRENCY) if backend == "engine" and todo else None
+    engine = EngineGenerator(target, "ngram", ENGINE_CONCURRENCY) if backend == "engine" and todo else None
+
+    def hf(items: list[tuple[float, WorkloadRow]]) -> list[list[int]]:
+        return [generate_continuation(target.model, prompts[r.id], r.max_new_tokens, t, row_seed(seed, r.id),
+                                      eos_ids, pad) for t, r in items]
+
+    def runtime(items: list[tuple[float, WorkloadRow]]) -> list[list[int]]:
+        assert engine is not None
+        return engine.generate([prompts[r.id] for _, r in items],
+                               [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=t,
+                                               seed=row_seed(seed, r.id), stop_token_ids=eos_ids) for t, r in items])
+
     start = time.perf_counter()
-    # the runtime takes every row at once (a slot is refilled as soon as a row ends); HF generate one row at a time
-    step = len(todo) if generator is not None else LOCAL_SAVE_EVERY
-    for a in range(0, len(todo), max(step, 1)):
+    # the side-by-side check on the first greedy rows (the runtime's outputs are kept), then the rest: the runtime
+    # takes them all at once (a slot is refilled as soon as a row ends), HF generate one row at a time
+    first = [(t, r) for t, r in todo if t == 0][:crosscheck_rows] if engine is not None else []
+    if first:
+        check, outs = crosscheck(partial(hf, first), partial(runtime, first), greedy=True)
+        cache.update({_entry_name(r, t): out for (t, r), out in zip(first, outs, strict=True)})
+        bar.update(len(first))
+        todo = [item for item in todo if item not in first]
+    step = max(len(todo), 1) if engine is not None else LOCAL_SAVE_EVERY
+    for a in range(0, len(todo), step):
         chunk = todo[a:a + step]
-        if generator is not None:
-            params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=t, seed=row_seed(seed, r.id),
-                                     stop_token_ids=eos_ids) for t, r in chunk]
-            outs = generator.generate([prompts[r.id] for _, r in chunk], params)
-        else:
-            outs = [generate_continuation(target.model, prompts[r.id], r.max_new_tokens, t, row_seed(seed, r.id),
-                                          eos_ids, pad) for t, r in chunk]
-        for (t, r), out in zip(chunk, outs, strict=True):
-            cache[_entry_name(r, t)] = out
+        outs = runtime(chunk) if engine is not None else hf(chunk)
+        cache.update({_entry_name(r, t): out for (t, r), out in zip(chunk, outs, strict=True)})
         bar.update(len(chunk))
-        if cache_path is not None:
-            _save_cache(cache_path, key, cache)
+        if cache_path is not None and engine is None:  # HF, one row at a time: saved as it goes (resumable)
+            _save_cache(cache_path, key, cache, check)
     bar.close()
-    if todo:
-        log.info("target continuations: %d generated in %.1f s (%s)%s", len(todo), time.perf_counter() - start,
-                 backend, f"; runtime {generator.report()}" if generator is not None else "")
+    if cache_path is not None and (first or todo):
+        _save_cache(cache_path, key, cache, check)
+    if engine is not None:
+        log.info("target continuations: %d generated in %.1f s by the runtime (%s); side by side with HF generate "
+                 "on the first %d greedy rows: %s", len(first) + len(todo), time.perf_counter() - start,
+                 engine.report(), len(first), check if first else "not run")
     return {float(t): [EvalSequence(row=r, temperature=float(t), token_ids=prompts[r.id] + cache[_entry_name(r, t)],
                                     prompt_len=len(prompts[r.id])) for r in rows]
             for t in temperatures}

@@ -13,7 +13,7 @@ from evalexport_helpers import make_recipe, small_workloads
 from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.evaluate.live import pick_rows
-from speculators.evaluate.teacher import continuations
+from speculators.evaluate.teacher import continuations, crosscheck_record
 from speculators.target import load_target
 
 
@@ -28,7 +28,7 @@ def test_engine_continuations_equal_generate_at_t0_and_the_cache_serves_the_live
     loaded = load_target(recipe.target)
     rows = load_workloads(recipe.evaluate.workloads)
     cache = tmp_path / "continuations.json"
-    engine = continuations(loaded, rows, [0.0, 1.0], 5, "rev", cache, "engine", progress=False)
+    engine = continuations(loaded, rows, [0.0, 1.0], 5, "rev", cache, "engine", crosscheck_rows=4, progress=False)
     local = continuations(loaded, rows, [0.0], 5, "rev", tmp_path / "local.json", "local", progress=False)
     assert len(rows) == 9
     assert [s.continuation for s in engine[0.0]] == [s.continuation for s in local[0.0]]  # greedy: token for token
@@ -44,6 +44,11 @@ def test_engine_continuations_equal_generate_at_t0_and_the_cache_serves_the_live
     # the cache answers the subset without a target forward: poison the model to prove it is not called
     stored = json.loads(cache.read_text())
     assert stored["format"].endswith("/v2") and len(stored["sequences"]) == 2 * len(rows)
+    # the side-by-side check ran on the first 4 greedy rows, both backends agreeing; its outputs are the ones kept
+    check = crosscheck_record(cache)
+    assert check["rows"] == 4 and check["identical"] == 4 and check["hf_seconds"] > 0 and check["speedup_cpu"] > 0
+    unchecked = continuations(loaded, rows, [0.0, 1.0], 5, "rev", None, "engine", progress=False)
+    assert _ids(unchecked) == _ids(engine)
     forward = loaded.model.forward
     loaded.model.forward = lambda *a, **k: (_ for _ in ()).throw(AssertionError("generated again"))
     try:
@@ -58,3 +63,5 @@ def test_engine_continuations_equal_generate_at_t0_and_the_cache_serves_the_live
 
     with pytest.raises(SpeculatorsError, match="continuation_backend must be one of"):
         continuations(loaded, live, [0.0], 5, "rev", None, "vllm", progress=False)
+    with pytest.raises(SpeculatorsError, match="evaluate.crosscheck_rows must be"):
+        make_recipe(tmp_path, tiny_llama, "eagle3", extra=("evaluate.crosscheck_rows=-1",))
