@@ -80,9 +80,12 @@ def test_short_form_and_sampling(house_eagle3_run: Path, vllm_server) -> None:
     if sum(moved.accepted) == 0:  # ours, or vLLM's sampling verification on this CPU? vLLM's own drafter decides
         control = _ngram_acceptance(vllm_server, prompts)
         assert control[0.0] > 0, control  # prompt lookup drafts that T = 0 accepts
-        if control[1.0] == 0:
-            pytest.xfail(f"vLLM accepts no draft at T > 0 on this CPU, not even its own n-gram's (accepted at T=0: "
-                         f"{control[0.0]}, at T=1: 0; ours at T=1: {moved.to_dict()}): vLLM's defect, not the export's")
+        # the defect: vLLM's own n-gram drafts, accepted at T = 0, are (next to) never accepted at T = 1 either (0 of
+        # them in one CI run, 1 against 28 at T = 0 in another)
+        if control[1.0] * 10 <= control[0.0]:
+            pytest.xfail(f"vLLM accepts (next to) no draft at T > 0 on this CPU, not even its own n-gram's (accepted "
+                         f"at T=0: {control[0.0]}, at T=1: {control[1.0]}; ours at T=1: {moved.to_dict()}): vLLM's "
+                         f"defect, not the export's")
         pytest.fail(f"vLLM accepted none of our drafts at T=1 but accepts its own n-gram drafts ({control}): "
                     f"{moved.to_dict()}")
 
