@@ -36,7 +36,7 @@ from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
 from speculators.serving.batch_generate import EngineGenerator, crosscheck
-from speculators.target import cache_kwarg, forward_with_taps
+from speculators.target import cache_kwarg, eos_token_ids, forward_with_taps
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +132,9 @@ def generate_continuation(model: Any, prompt_ids: list[int], max_new_tokens: int
 
 
 def _stop_ids(model: Any, tokenizer: Any) -> tuple[list[int], int | None]:
-    """(the target's EOS ids as `generate` uses them, its pad id)."""
+    """(the EOS ids HF `generate` is given: the generation config's, else the tokenizer's; the pad id)."""
     gen_cfg = getattr(model, "generation_config", None)
-    eos = getattr(gen_cfg, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+    eos_ids = eos_token_ids(gen_cfg) or eos_token_ids(tokenizer)
     pad = getattr(gen_cfg, "pad_token_id", None)
     if pad is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
@@ -163,11 +160,11 @@ def continuations(target: Any, rows: Sequence[WorkloadRow], temperatures: Sequen
         return [generate_continuation(target.model, prompts[r.id], r.max_new_tokens, t, row_seed(seed, r.id),
                                       eos_ids, pad) for t, r in items]
 
-    def runtime(items: list[tuple[float, WorkloadRow]]) -> list[list[int]]:
+    def runtime(items: list[tuple[float, WorkloadRow]]) -> list[list[int]]:  # stops at the target's EOS ids itself
         assert engine is not None
         return engine.generate([prompts[r.id] for _, r in items],
                                [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=t,
-                                               seed=row_seed(seed, r.id), stop_token_ids=eos_ids) for t, r in items])
+                                               seed=row_seed(seed, r.id)) for t, r in items])
 
     start = time.perf_counter()
     # the side-by-side check on the first greedy rows (the runtime's outputs are kept), then the rest: the runtime
