@@ -120,7 +120,9 @@ class Speculator(nn.Module, ABC):
     def forward_train(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Per-step draft logits over the draft vocab: K tensors [B, T, Vd] (step k at position t targets the
         teacher at t+1+k). `batch` has "input_ids" [B, T], "attention_mask" [B, T] and the requested features
-        ("taps" [B, T, n*H] and/or "last_hidden" [B, T, H], float)."""
+        ("taps" [B, T, n*H] and/or "last_hidden" [B, T, H], float). With "head_rows" (`step_rows`: K long tensors
+        [N_k] of flat positions b*T+t) step k's logits are those rows only, [N_k, Vd] (`select_rows`): training
+        computes the head, the most expensive part of a step, only where its loss counts."""
 
     # ---- runtime ------------------------------------------------------------------------------------------------
     # proposes sampled chains / trees (TreeConfig kind "chain" / "sampled") that carry the draft law they were drawn
@@ -159,3 +161,17 @@ def step_valid_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor, k: in
     if shift < loss_mask.shape[1]:
         valid[:, : loss_mask.shape[1] - shift] = (loss_mask[:, shift:] > 0) & (attention_mask[:, shift:] > 0)
     return valid
+
+
+def step_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+    """The positions where each step's prediction counts (`step_valid_mask`), as flat indices b*T+t in
+    increasing order: K long tensors [N_k], the "head_rows" of `Speculator.forward_train`."""
+    return [step_valid_mask(loss_mask, attention_mask, k).flatten().nonzero().squeeze(-1) for k in range(num_steps)]
+
+
+def select_rows(x: torch.Tensor, rows: list[torch.Tensor] | None, k: int) -> torch.Tensor:
+    """Step k's rows of a per-position tensor: [B, T, ...] -> [N_k, ...] at `rows[k]`, or `x` unchanged
+    without rows."""
+    if rows is None:
+        return x
+    return x.flatten(0, 1).index_select(0, rows[k])

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculators.errors import SpeculatorsError
-from speculators.models.base import FeatureRequest, Speculator, TargetWeights
+from speculators.models.base import FeatureRequest, Speculator, TargetWeights, select_rows
 from speculators.models.drafting import medusa_choices_from_accuracy, propose_tree, root_only
 from speculators.models.layers import check_full_vocab, dtype_name, native_options, target_dims, verifier_info
 
@@ -183,7 +183,12 @@ class MedusaSpeculator(Speculator):
         h = batch.get("last_hidden")
         if h is None:
             raise SpeculatorsError("medusa needs the target's final hidden state ('last_hidden') in the features")
-        return self.heads(h.to(next(self.parameters()).dtype))
+        h = h.to(next(self.parameters()).dtype)
+        rows = batch.get("head_rows")
+        if rows is None:
+            return self.heads(h)
+        return [head(block(select_rows(h, rows, k)))  # [N_k, V]
+                for k, (block, head) in enumerate(zip(self.blocks, self.lm_heads, strict=True))]
 
     # ---- runtime ------------------------------------------------------------------------------------------------
     def new_state(self, max_len: int, device: torch.device | str) -> MedusaState:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from speculators.errors import SpeculatorsError
-from speculators.models.base import Speculator, shift_for_step
+from speculators.models.base import Speculator, select_rows, shift_for_step
 from speculators.models.drafting import propose_tree, root_only
 from speculators.models.fused import FusedStack
 from speculators.models.kv_cache import KVCache
@@ -89,6 +89,7 @@ class RecurrentSpeculator(Speculator):
         am = batch.get("attention_mask")
         if am is None:
             am = torch.ones_like(ids)
+        rows = batch.get("head_rows")
         dtype = self._param.dtype
         hidden = self.feature_hidden({k: batch[k].to(dtype) for k in ("taps", "last_hidden") if k in batch})
         pos = train_positions(am)  # [B, T]
@@ -99,7 +100,7 @@ class RecurrentSpeculator(Speculator):
             cos, sin = self.rotary(pos + k, dtype)  # [B, T, hd]
             x, fused = self.step_input(tokens, hidden)
             out = run_layers(self.layers, x, fused, cos, sin, ttt.for_step(k))  # [B, T, H]
-            logits.append(self.head(out))  # [B, T, Vd]
+            logits.append(self.head(select_rows(out, rows, k)))  # [B, T, Vd] or [N_k, Vd] with head rows
             hidden = self.feedback(out)
         return logits
 

@@ -47,6 +47,7 @@ from speculators.core.atomic import write_text_atomic
 from speculators.core.checkpoints import step_name
 from speculators.errors import SpeculatorsError
 from speculators.models import SPECULATORS
+from speculators.models.base import step_rows
 from speculators.recipes import to_dict
 from speculators.train import checkpoint as ck
 from speculators.train.accelerator import (
@@ -329,12 +330,14 @@ def _micro_step(s: _Session, batch: dict) -> tuple[Any, bool, float | None]:
     (loss output, synced, grad norm or None)."""
     t, device, grad_norm = s.recipe.train, s.acc.device, None
     inputs, teacher = s.features(batch, device)
+    loss_mask, attention_mask = batch["loss_mask"].to(device), batch["attention_mask"].to(device)
+    inputs["head_rows"] = rows = step_rows(loss_mask, attention_mask, len(s.weights))  # the head only where it counts
     with s.acc.accumulate(s.model):
         sync = s.acc.sync_gradients
         if sync:
             s.lr = float(s.optimizer.param_groups[0]["lr"])  # this step's, from `lr_schedule`
-        out = speculator_loss(s.model(inputs), teacher, batch["loss_mask"].to(device),
-                              batch["attention_mask"].to(device), s.weights, s.vocab, kind=t.loss)
+        out = speculator_loss(s.model(inputs), teacher, loss_mask, attention_mask, s.weights, s.vocab, kind=t.loss,
+                              rows=rows)
         s.acc.backward(out.loss)
         if sync:
             if s.acc.distributed_type == DistributedType.DEEPSPEED:

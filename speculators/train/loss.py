@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speculators.models.base import step_valid_mask
+from speculators.models.base import select_rows, step_rows
 
 TOPK = 8  # ranks measured for per-step top-k accuracy (Medusa static trees are built from it)
 LOSSES = ("kl", "tv", "lk", "hybrid")
@@ -72,15 +72,23 @@ class VocabMap:
 class Teacher:
     """The target's next-token law at each position t (the law of token t+1), on the draft vocab."""
 
-    argmax: torch.Tensor  # [B, T] long: the target's greedy token over the full vocab
+    argmax: torch.Tensor  # [B, T] long: the target's greedy token over the full vocab (or [N] rows: `at_rows`)
     logp: torch.Tensor | None = None  # [B, T, Vd] float32: dense log-probs renormalised over the draft vocab
     sparse_ids: torch.Tensor | None = None  # [B, T, k] long: draft ids of the top-k (-1: outside the draft vocab)
     sparse_p: torch.Tensor | None = None  # [B, T, k] float32: their probabilities renormalised over the draft vocab
     rest_p: torch.Tensor | None = None  # [B, T] float32: the draft-vocab mass outside the top-k (TeacherShape.rest_mass)
 
+    def at_rows(self, flat: torch.Tensor) -> Teacher:
+        """The teacher at flat positions b*T+t ([N] long): every field [B, T, ...] -> [N, ...]."""
+        def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.flatten(0, 1).index_select(0, flat)
+
+        return Teacher(argmax=pick(self.argmax), logp=pick(self.logp), sparse_ids=pick(self.sparse_ids),
+                       sparse_p=pick(self.sparse_p), rest_p=pick(self.rest_p))
+
     @property
     def has_mass(self) -> torch.Tensor:
-        """[B, T] bool: the teacher puts some probability on the draft vocab at this position."""
+        """[B, T] (or [N]) bool: the teacher puts some probability on the draft vocab at this position."""
         if self.logp is not None:
             return torch.ones_like(self.argmax, dtype=torch.bool)
         return self.sparse_p.sum(-1) > 0
@@ -150,27 +158,26 @@ class LossOutput:
         return [c / n if n else 0.0 for c, n in pairs]
 
 
-def _step_loss(draft_logits: torch.Tensor, teacher: Teacher, k: int, length: int, kind: str = "kl"
-               ) -> torch.Tensor:
-    """The step-k loss `kind` (see the module docstring) at positions 0..length-1.  -> [B, length]"""
-    logq = F.log_softmax(draft_logits[:, :length].float(), dim=-1)  # [B, L, Vd]
-    lo, hi = 1 + k, 1 + k + length
+def _step_loss(draft_logits: torch.Tensor, teacher: Teacher, kind: str = "kl") -> torch.Tensor:
+    """The loss `kind` (see the module docstring) of draft logits [..., Vd] against a teacher aligned with them
+    (`Teacher.at_rows`: every field's leading dims are the logits').  -> [...]"""
+    logq = F.log_softmax(draft_logits.float(), dim=-1)  # [..., Vd]
     if teacher.logp is not None:
-        p = teacher.logp[:, lo:hi].exp()  # [B, L, Vd]
+        p = teacher.logp.exp()  # [..., Vd]
         logq_p = logq  # q's log-probs where p lives
         rest = None
     else:
-        ids = teacher.sparse_ids[:, lo:hi]  # [B, L, k]
-        p = teacher.sparse_p[:, lo:hi]  # [B, L, k]
-        logq_p = logq.gather(-1, ids.clamp_min(0)) + torch.where(ids >= 0, 0.0, float("-inf"))  # [B, L, k]
-        rest = None if teacher.rest_p is None else teacher.rest_p[:, lo:hi]  # [B, L]
-    kl = (torch.xlogy(p, p) - p * logq_p.clamp_min(-1e4)).sum(-1)  # [B, L]
+        ids = teacher.sparse_ids  # [..., k]
+        p = teacher.sparse_p  # [..., k]
+        logq_p = logq.gather(-1, ids.clamp_min(0)) + torch.where(ids >= 0, 0.0, float("-inf"))  # [..., k]
+        rest = teacher.rest_p  # [...] or None
+    kl = (torch.xlogy(p, p) - p * logq_p.clamp_min(-1e4)).sum(-1)  # [...]
     if rest is not None:  # the rest bucket: q's mass outside the top-k ids
         q_rest = (1.0 - logq_p.exp().sum(-1)).clamp_min(1e-12)
         kl = kl + torch.xlogy(rest, rest) - rest * q_rest.log()
     if kind == "kl":
         return kl
-    alpha = torch.minimum(p, logq_p.exp()).sum(-1)  # [B, L]
+    alpha = torch.minimum(p, logq_p.exp()).sum(-1)  # [...]
     if rest is not None:
         alpha = alpha + torch.minimum(rest, q_rest)
     if kind == "tv":
@@ -183,43 +190,44 @@ def _step_loss(draft_logits: torch.Tensor, teacher: Teacher, k: int, length: int
 
 def speculator_loss(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor,
                     attention_mask: torch.Tensor, weights: list[float], vocab: VocabMap,
-                    with_alpha: bool = False, kind: str = "kl") -> LossOutput:
-    """The loss of K per-step draft logits [B, T, Vd] against the teacher (see the module docstring)."""
+                    with_alpha: bool = False, kind: str = "kl", rows: list[torch.Tensor] | None = None
+                    ) -> LossOutput:
+    """The loss of K per-step draft logits against the teacher (see the module docstring): full logits [B, T, Vd],
+    or, with `rows` (`models.base.step_rows` of these masks, the forward's "head_rows"), only the rows where step
+    k counts, [N_k, Vd]. Both give the same numbers; the loss is computed on those rows either way."""
     b, t = loss_mask.shape
     n_steps = len(step_logits)
+    packed = rows is not None
+    rows = rows if packed else step_rows(loss_mask, attention_mask, n_steps)
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     kls: list[float] = []
     correct = torch.zeros(n_steps, dtype=torch.long)
     counted = torch.zeros(n_steps, dtype=torch.long)
-    alpha = torch.zeros(b, t, n_steps) if with_alpha else None
-    valid_all = torch.zeros(b, t, n_steps, dtype=torch.bool) if with_alpha else None
+    alpha = torch.zeros(b * t, n_steps) if with_alpha else None
+    valid_all = torch.zeros(b * t, n_steps, dtype=torch.bool) if with_alpha else None
     topk_correct = torch.zeros(n_steps, TOPK, dtype=torch.long) if with_alpha else None
-    has_mass = teacher.has_mass
     for k, logits in enumerate(step_logits):
-        length = t - 1 - k  # positions whose teacher (t+1+k) exists
-        if length <= 0:
-            kls.append(0.0)
-            continue
-        valid = step_valid_mask(loss_mask, attention_mask, k)[:, :length]  # [B, L] bool
-        counts = valid & has_mass[:, 1 + k:1 + k + length]
-        per_pos = _step_loss(logits, teacher, k, length, kind)  # [B, L]
-        n = counts.sum()
-        step_loss = (per_pos * counts).sum() / n.clamp_min(1)
+        here = rows[k]  # [N] flat positions b*T+t where step k counts
+        logits = logits if packed else select_rows(logits, rows, k)  # [N, Vd]
+        aligned = teacher.at_rows(here + 1 + k)  # the teacher at t+1+k (same sequence: t+2+k < T)
+        counts = aligned.has_mass  # [N] bool
+        per_pos = _step_loss(logits, aligned, kind)  # [N]
+        step_loss = (per_pos * counts).sum() / counts.sum().clamp_min(1)
         total = total + weights[k] * step_loss
         kls.append(float(step_loss.detach()))
         with torch.no_grad():
-            pred = vocab.draft_to_target[logits[:, :length].argmax(-1)]  # [B, L] target ids
-            hit = (pred == teacher.argmax[:, 1 + k:1 + k + length]) & valid
+            hit = vocab.draft_to_target[logits.argmax(-1)] == aligned.argmax  # [N] bool
             correct[k] = int(hit.sum())
-            counted[k] = int(valid.sum())
+            counted[k] = int(here.numel())
             if with_alpha:
-                alpha[:, :length, k] = hit.float().cpu()
-                valid_all[:, :length, k] = valid.cpu()
+                at = here.cpu()
+                alpha[at, k] = hit.float().cpu()
+                valid_all[at, k] = True
                 r = min(TOPK, logits.shape[-1])
-                top = vocab.draft_to_target[logits[:, :length].topk(r, dim=-1).indices]  # [B, L, r]
-                found = (top == teacher.argmax[:, 1 + k:1 + k + length, None]).cumsum(-1) > 0  # [B, L, r]
-                found = found & valid[..., None]
-                topk_correct[k, :r] = found.sum((0, 1)).cpu()
+                top = vocab.draft_to_target[logits.topk(r, dim=-1).indices]  # [N, r] target ids
+                found = (top == aligned.argmax[:, None]).cumsum(-1) > 0  # [N, r]
+                topk_correct[k, :r] = found.sum(0).cpu()
                 topk_correct[k, r:] = topk_correct[k, r - 1]
-    return LossOutput(loss=total, step_kl=kls, correct=correct, counted=counted, alpha=alpha, valid=valid_all,
-                      topk_correct=topk_correct)
+    return LossOutput(loss=total, step_kl=kls, correct=correct, counted=counted,
+                      alpha=None if alpha is None else alpha.view(b, t, n_steps),
+                      valid=None if valid_all is None else valid_all.view(b, t, n_steps), topk_correct=topk_correct)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from speculators.metrics import chain_reach, per_position_from_reach, simulated_tau
+from speculators.models.base import step_rows
 from speculators.train.batches import load_batch
 from speculators.train.loss import TOPK, speculator_loss
 from speculators.train.setup import Setup
@@ -39,11 +40,13 @@ def evaluate_heldout(acc: Any, model: Any, setup: Setup, features: Any, weights:
             dummy = not idx
             batch = load_batch(setup.source, idx or [val[0]], pad_id)
             inputs, teacher = features(batch, acc.device)
+            loss_mask, attention_mask = batch["loss_mask"].to(acc.device), batch["attention_mask"].to(acc.device)
+            inputs["head_rows"] = rows = step_rows(loss_mask, attention_mask, k_steps)
             logits = model(inputs)
             if dummy:
                 continue
-            out = speculator_loss(logits, teacher, batch["loss_mask"].to(acc.device),
-                                  batch["attention_mask"].to(acc.device), weights, vocab, with_alpha=True)
+            out = speculator_loss(logits, teacher, loss_mask, attention_mask, weights, vocab, with_alpha=True,
+                                  rows=rows)
             kl_sum += torch.tensor(out.step_kl, dtype=torch.float64) * out.counted.double()
             correct += out.correct
             counted += out.counted
