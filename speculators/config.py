@@ -136,8 +136,8 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     accelerate_config: str | None = None  # recipes/accelerate/*.yaml (DDP, DeepSpeed ZeRO-2/3, FSDP)
     num_processes: int = 1
-    eval_every: int = 100
-    save_every: int = 100
+    eval_every: int = 100  # held-out evaluation every N steps (0: only with a checkpoint and at the end)
+    save_every: int = 100  # a checkpoint every N steps (0: only the final one)
     keep_last: int = 2
     resume: Literal["auto", "never"] | str = "auto"  # auto: latest checkpoint in run_dir; or a checkpoint path
     trackers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard", "wandb"])

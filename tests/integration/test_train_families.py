@@ -71,3 +71,18 @@ def test_family_trains_through_the_cli(family: str, tmp_path: Path, house_target
         blob = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
         assert b"train/loss" in blob and b"eval/simulated_tau" in blob
         assert not list((run_dir / "logs" / "wandb").glob("run-*"))  # no online run dir
+
+
+def test_train_bench_through_the_cli(tmp_path: Path, house_target: Path) -> None:
+    """`speculators train-bench` runs the real capture + training of a family in its own process (it passes
+    train.eval_every=0: evaluation only with the final checkpoint) and writes its table's numbers."""
+    out = tmp_path / "bench"
+    res = run_cli(["train-bench", "--families", "eagle3", "--steps", "3", "--batch-size", "2", "--out", str(out),
+                   "--data", str(write_rows(tmp_path / "rows.jsonl", 40))], timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    (result,) = json.loads((out / "train-bench.json").read_text())
+    assert result["family"] == "eagle3" and result["steps"] == 3 and result["batch_size"] == 2
+    assert result["tokens_per_s_per_process"] > 0 and result["peak_memory_mb"] > 0 and result["capture_seconds"] > 0
+    assert "training benchmark" in res.stdout
+    bad = run_cli(["train-bench", "--families", "eagle4", "--out", str(tmp_path / "bad")], timeout=120)
+    assert bad.returncode != 0 and "eagle4" in bad.stderr and not (tmp_path / "bad").exists()
