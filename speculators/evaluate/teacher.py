@@ -174,7 +174,8 @@ def continuations(target: Any, rows: Sequence[WorkloadRow], temperatures: Sequen
         check, outs = crosscheck(partial(hf, first), partial(runtime, first), greedy=True)
         cache.update({_entry_name(r, t): out for (t, r), out in zip(first, outs, strict=True)})
         bar.update(len(first))
-        todo = [item for item in todo if item not in first]
+        done = {_entry_name(r, t) for t, r in first}
+        todo = [(t, r) for t, r in todo if _entry_name(r, t) not in done]
     step = max(len(todo), 1) if engine is not None else LOCAL_SAVE_EVERY
     for a in range(0, len(todo), step):
         chunk = todo[a:a + step]
@@ -184,7 +185,7 @@ def continuations(target: Any, rows: Sequence[WorkloadRow], temperatures: Sequen
         if cache_path is not None and engine is None:  # HF, one row at a time: saved as it goes (resumable)
             _save_cache(cache_path, key, cache, check)
     bar.close()
-    if cache_path is not None and (first or todo):
+    if cache_path is not None and engine is not None:  # (HF's rows were saved as they came)
         _save_cache(cache_path, key, cache, check)
     if engine is not None:
         log.info("target continuations: %d generated in %.1f s by the runtime (%s); side by side with HF generate "
