@@ -175,3 +175,11 @@ def select_rows(x: torch.Tensor, rows: list[torch.Tensor] | None, k: int) -> tor
     if rows is None:
         return x
     return x.flatten(0, 1).index_select(0, rows[k])
+
+
+def live_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The flat positions where any step after the first counts: the sorted union of `rows[1:]` ([N] long)."""
+    later = rows[1:]
+    if not later:
+        return rows[0].new_zeros(0)
+    return torch.unique(torch.cat(later))  # sorted

@@ -403,7 +403,12 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0: to
 
 
 class TTTAttention:
-    """Keys/values of every layer across the unrolled steps of one `forward_train` call."""
+    """Keys/values of every layer across the unrolled steps of one `forward_train` call.
+
+    Steps k >= 1 may run on a subset of the positions only (`for_step(k, live)`: their queries, keys and values
+    are [1, n, N, hd] at the flat positions `live` b*T+t): a query at t reads the step-0 keys and the keys of steps
+    1..k at t itself, so positions outside `live` never influence those inside it. Their queries and keys are
+    placed at their positions for the attention (zeros elsewhere, whose outputs are dropped)."""
 
     def __init__(self, num_layers: int, mask0: torch.Tensor) -> None:
         self.mask0 = mask0
@@ -412,13 +417,31 @@ class TTTAttention:
         self.dk: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.dv: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
-    def for_step(self, step: int) -> AttendFn:
+    def for_step(self, step: int, live: torch.Tensor | None = None) -> AttendFn:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if step == 0:
                 self.k0[i], self.v0[i] = k, v
-            else:
-                self.dk[i].append(k)
-                self.dv[i].append(v)
-            return ttt_attention(q, self.k0[i], self.v0[i], self.mask0, self.dk[i], self.dv[i])
+                return ttt_attention(q, k, v, self.mask0, [], [])
+            b, t = self.k0[i].shape[0], self.k0[i].shape[2]
+            if live is not None:
+                q, k, v = (_unpack_heads(x, live, b, t) for x in (q, k, v))  # [B, n, T, hd]
+            self.dk[i].append(k)
+            self.dv[i].append(v)
+            out = ttt_attention(q, self.k0[i], self.v0[i], self.mask0, self.dk[i], self.dv[i])  # [B, nh, T, hd]
+            return out if live is None else _pack_heads(out, live)
 
         return attend
+
+
+def _unpack_heads(x: torch.Tensor, live: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """[1, n, N, hd] at flat positions `live` -> [B, n, T, hd] (zeros elsewhere)."""
+    n, hd = x.shape[1], x.shape[3]
+    rows = x[0].transpose(0, 1)  # [N, n, hd]
+    full = rows.new_zeros(b * t, n, hd).index_copy(0, live, rows)  # [B*T, n, hd]
+    return full.view(b, t, n, hd).transpose(1, 2)
+
+
+def _pack_heads(x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """[B, n, T, hd] -> [1, n, N, hd] at flat positions `live`."""
+    b, n, t, hd = x.shape
+    return x.transpose(1, 2).reshape(b * t, n, hd).index_select(0, live).transpose(0, 1).unsqueeze(0)

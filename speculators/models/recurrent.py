@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from speculators.errors import SpeculatorsError
-from speculators.models.base import Speculator, select_rows, shift_for_step
+from speculators.models.base import Speculator, live_rows, select_rows, shift_for_step
 from speculators.models.drafting import propose_tree, root_only
 from speculators.models.fused import FusedStack
 from speculators.models.kv_cache import KVCache
@@ -85,11 +85,15 @@ class RecurrentSpeculator(Speculator):
 
     # ---- training ---------------------------------------------------------------------------------------------
     def forward_train(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """K unrolled steps (see `Speculator.forward_train`). With "head_rows", steps 1..K-1 also run only at the
+        positions where one of them counts (`live_rows`): step k at t reads only step k-1's output at t and the
+        keys of steps 1..k at t, so the other positions' later steps change nothing that is trained."""
         ids = batch["input_ids"]  # [B, T]
         am = batch.get("attention_mask")
         if am is None:
             am = torch.ones_like(ids)
         rows = batch.get("head_rows")
+        live = None if rows is None or self.num_steps < 2 else live_rows(rows)  # [N] flat positions b*T+t
         dtype = self._param.dtype
         hidden = self.feature_hidden({k: batch[k].to(dtype) for k in ("taps", "last_hidden") if k in batch})
         pos = train_positions(am)  # [B, T]
@@ -98,10 +102,18 @@ class RecurrentSpeculator(Speculator):
         for k in range(self.num_steps):
             tokens = shift_for_step(ids, k)  # [B, T] token t+1+k at position t
             cos, sin = self.rotary(pos + k, dtype)  # [B, T, hd]
+            if k > 0 and live is not None:  # [1, N, ...]: the live positions only
+                tokens, cos, sin = (select_rows(x, [live], 0).unsqueeze(0) for x in (tokens, cos, sin))
             x, fused = self.step_input(tokens, hidden)
-            out = run_layers(self.layers, x, fused, cos, sin, ttt.for_step(k))  # [B, T, H]
-            logits.append(self.head(select_rows(out, rows, k)))  # [B, T, Vd] or [N_k, Vd] with head rows
+            out = run_layers(self.layers, x, fused, cos, sin, ttt.for_step(k, live if k > 0 else None))  # [B|1, T|N, H]
+            if k > 0 and live is not None:
+                head_in = out[0].index_select(0, torch.searchsorted(live, rows[k]))  # [N_k, H]
+            else:
+                head_in = select_rows(out, rows, k)
+            logits.append(self.head(head_in))  # [B, T, Vd], or [N_k, Vd] with head rows
             hidden = self.feedback(out)
+            if k == 0 and live is not None:
+                hidden = select_rows(hidden, [live], 0).unsqueeze(0)  # [1, N, H]
         return logits
 
     # ---- runtime ------------------------------------------------------------------------------------------------

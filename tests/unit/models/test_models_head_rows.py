@@ -14,16 +14,20 @@ from models_helpers import (
     target_features,
 )
 
-from speculators.models.base import step_rows, step_valid_mask
+from speculators.models.base import live_rows, step_rows, step_valid_mask
 from speculators.train.loss import TeacherShape, VocabMap, dense_teacher, sparse_teacher, speculator_loss
 
 
-def _batch(target, layer_ids):
+def _batch(target, layer_ids, masks: str = "random"):
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(2, VOCAB, (3, 12), generator=g)  # [B, T]
+    ids = torch.randint(2, VOCAB, (3, 16), generator=g)  # [B, T]
     attention = torch.ones_like(ids)
-    attention[1, 9:] = 0  # a padded row
-    loss_mask = (torch.rand(ids.shape, generator=g) > 0.4).long() * attention  # [B, T] assistant positions
+    attention[1, 11:] = 0  # a padded row
+    if masks == "random":
+        loss_mask = (torch.rand(ids.shape, generator=g) > 0.4).long() * attention  # [B, T] assistant positions
+    else:  # a prompt, then one answer: the later steps' positions are a strict subset
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[0, 9:14] = loss_mask[1, 6:11] = loss_mask[2, 12:] = 1
     with torch.no_grad():
         feats = target_features(target, ids, layer_ids)
         logits = target(input_ids=ids).logits  # [B, T, V]
@@ -31,13 +35,13 @@ def _batch(target, layer_ids):
 
 
 @pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
-@pytest.mark.parametrize("sparse", [False, True])
-def test_head_rows_give_the_full_logits_loss_and_gradients(family: str, sparse: bool) -> None:
+@pytest.mark.parametrize(("sparse", "masks"), [(False, "random"), (True, "random"), (True, "answers")])
+def test_head_rows_give_the_full_logits_loss_and_gradients(family: str, sparse: bool, masks: str) -> None:
     d2t, _ = reduced_vocab(VOCAB, 120) if family == "eagle3" else (None, None)
     model, _, target = build(family, num_steps=3, d2t=d2t)
     randomize(model, scale=0.2)
     layer_ids = list(model.required_features().tap_layer_ids or []) or None
-    batch, loss_mask, target_logits = _batch(target, layer_ids)
+    batch, loss_mask, target_logits = _batch(target, layer_ids, masks)
     vocab = VocabMap.build(model.draft_to_target, VOCAB)
     if sparse:
         top = target_logits.log_softmax(-1).topk(8, dim=-1)
@@ -50,6 +54,10 @@ def test_head_rows_give_the_full_logits_loss_and_gradients(family: str, sparse: 
     for k, r in enumerate(rows):  # flat positions b*T+t of the step-k mask, in order
         assert r.tolist() == step_valid_mask(loss_mask, attention, k).flatten().nonzero().flatten().tolist()
     assert all(r.numel() > 0 for r in rows)
+    live = live_rows(rows)  # where steps 1..K-1 of a recurrent family run
+    assert live.tolist() == sorted(set(rows[1].tolist()) | set(rows[2].tolist()))
+    if masks == "answers":
+        assert live.numel() < batch["input_ids"].numel() // 2
 
     full_logits = model.forward_train(batch)
     full = speculator_loss(full_logits, teacher, loss_mask, attention, weights, vocab, with_alpha=True)
@@ -86,3 +94,18 @@ def test_a_wrong_row_changes_the_loss() -> None:
         wrong = speculator_loss(model.forward_train({**batch, "head_rows": shifted}), teacher, loss_mask,
                                 batch["attention_mask"], [1.0, 1.0], vocab, rows=rows)
     assert abs(float(right.loss) - float(wrong.loss)) > 1e-4
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa"])
+def test_a_batch_where_nothing_counts(family: str) -> None:
+    """No assistant token: every step has no rows, the loss is 0 and backward still runs."""
+    model, _, target = build(family, num_steps=3)
+    layer_ids = list(model.required_features().tap_layer_ids or []) or None
+    batch, loss_mask, target_logits = _batch(target, layer_ids)
+    vocab = VocabMap.build(model.draft_to_target, VOCAB)
+    none = torch.zeros_like(loss_mask)
+    rows = step_rows(none, batch["attention_mask"], 3)
+    out = speculator_loss(model.forward_train({**batch, "head_rows": rows}), dense_teacher(target_logits, vocab),
+                          none, batch["attention_mask"], [1.0, 1.0, 1.0], vocab, rows=rows)
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0 and out.counted.tolist() == [0, 0, 0]
