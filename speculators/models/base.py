@@ -169,12 +169,15 @@ def step_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, num_steps: 
     return [step_valid_mask(loss_mask, attention_mask, k).flatten().nonzero().squeeze(-1) for k in range(num_steps)]
 
 
+def gather_positions(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """A per-position tensor at flat positions b*T+t: [B, T, ...] -> [N, ...] (`flat` [N] long)."""
+    return x.flatten(0, 1).index_select(0, flat)
+
+
 def select_rows(x: torch.Tensor, rows: list[torch.Tensor] | None, k: int) -> torch.Tensor:
     """Step k's rows of a per-position tensor: [B, T, ...] -> [N_k, ...] at `rows[k]`, or `x` unchanged
     without rows."""
-    if rows is None:
-        return x
-    return x.flatten(0, 1).index_select(0, rows[k])
+    return x if rows is None else gather_positions(x, rows[k])
 
 
 def live_rows(rows: list[torch.Tensor]) -> torch.Tensor:

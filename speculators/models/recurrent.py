@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from speculators.errors import SpeculatorsError
-from speculators.models.base import Speculator, live_rows, select_rows, shift_for_step
+from speculators.models.base import Speculator, gather_positions, live_rows, select_rows, shift_for_step
 from speculators.models.drafting import propose_tree, root_only
 from speculators.models.fused import FusedStack
 from speculators.models.kv_cache import KVCache
@@ -100,20 +100,21 @@ class RecurrentSpeculator(Speculator):
         ttt = TTTAttention(len(self.layers), train_mask(am))
         logits = []
         for k in range(self.num_steps):
+            packed = live is not None and k > 0  # this step runs on [1, N, ...]: the live positions only
             tokens = shift_for_step(ids, k)  # [B, T] token t+1+k at position t
             cos, sin = self.rotary(pos + k, dtype)  # [B, T, hd]
-            if k > 0 and live is not None:  # [1, N, ...]: the live positions only
-                tokens, cos, sin = (select_rows(x, [live], 0).unsqueeze(0) for x in (tokens, cos, sin))
+            if packed:
+                tokens, cos, sin = (gather_positions(x, live).unsqueeze(0) for x in (tokens, cos, sin))
             x, fused = self.step_input(tokens, hidden)
-            out = run_layers(self.layers, x, fused, cos, sin, ttt.for_step(k, live if k > 0 else None))  # [B|1, T|N, H]
-            if k > 0 and live is not None:
+            out = run_layers(self.layers, x, fused, cos, sin, ttt.for_step(k, live if packed else None))  # [B|1, T|N, H]
+            if packed:
                 head_in = out[0].index_select(0, torch.searchsorted(live, rows[k]))  # [N_k, H]
             else:
                 head_in = select_rows(out, rows, k)
             logits.append(self.head(head_in))  # [B, T, Vd], or [N_k, Vd] with head rows
             hidden = self.feedback(out)
-            if k == 0 and live is not None:
-                hidden = select_rows(hidden, [live], 0).unsqueeze(0)  # [1, N, H]
+            if live is not None and k == 0:
+                hidden = gather_positions(hidden, live).unsqueeze(0)  # [1, N, H]: steps 1.. read it packed
         return logits
 
     # ---- runtime ------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speculators.models.base import select_rows, step_rows
+from speculators.models.base import gather_positions, select_rows, step_rows
 
 TOPK = 8  # ranks measured for per-step top-k accuracy (Medusa static trees are built from it)
 LOSSES = ("kl", "tv", "lk", "hybrid")
@@ -81,7 +81,7 @@ class Teacher:
     def at_rows(self, flat: torch.Tensor) -> Teacher:
         """The teacher at flat positions b*T+t ([N] long): every field [B, T, ...] -> [N, ...]."""
         def pick(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.flatten(0, 1).index_select(0, flat)
+            return None if x is None else gather_positions(x, flat)
 
         return Teacher(argmax=pick(self.argmax), logp=pick(self.logp), sparse_ids=pick(self.sparse_ids),
                        sparse_p=pick(self.sparse_p), rest_p=pick(self.rest_p))
