@@ -113,10 +113,9 @@ def block_reach_bounds(target_probs: Sequence[torch.Tensor], draft_probs: Sequen
     # carries no mass): log-ratios in grid steps, the draft mass, and the mass the upper bound keeps (p > 0)
     depths = []
     for k in range(k_max):
-        q = draft_probs[k].to(torch.float64)  # [N, V]
-        cols = (q > 0).any(0).nonzero().squeeze(1)  # [C] tokens some draft can draw
-        q = q[:, cols]  # [N, C]
-        p = target_probs[k].to(torch.float64)[:, cols]  # [N, C]
+        cols = (draft_probs[k] > 0).any(0).nonzero().squeeze(1)  # [C] tokens some draft can draw
+        q = draft_probs[k][:, cols].to(torch.float64)  # [N, C]
+        p = target_probs[k][:, cols].to(torch.float64)  # [N, C]
         ratio = (torch.log(p) - torch.log(q)) / h  # [N, C]; -inf where p = 0, +inf where q = 0 < p
         mass = torch.where(q > 0, q, torch.zeros_like(q))  # [N, C]
         depths.append((ratio, mass, torch.where(p > 0, mass, torch.zeros_like(mass))))
@@ -134,8 +133,12 @@ def block_reach_bounds(target_probs: Sequence[torch.Tensor], draft_probs: Sequen
             kernel.scatter_add_(1, (steps + bins + 1).long(), kept if upper else mass)
             if not upper:
                 kernel[:, 0] = 0.0  # shifts that leave the grid from every point: w -> 0
-            full = torch.fft.irfft(torch.fft.rfft(law, size) * torch.fft.rfft(kernel, size), size)  # [N, size]
-            full = full[:, : 3 * bins + 2].clamp_min_(0.0)  # index m <-> log w = (m - G - 1) h
+            if k == 0:  # the law is still the point mass at w = 1: the convolution is the kernel, shifted by G
+                full = torch.zeros(n_rows, 3 * bins + 2, dtype=torch.float64)  # [N, 3G+2]
+                full[:, bins:] = kernel
+            else:
+                full = torch.fft.irfft(torch.fft.rfft(law, size) * torch.fft.rfft(kernel, size), size)  # [N, size]
+                full = full[:, : 3 * bins + 2].clamp_min_(0.0)  # index m <-> log w = (m - G - 1) h
             new = torch.zeros_like(law)
             new[:, :bins] = full[:, bins + 1: 2 * bins + 1]
             new[:, bins] = full[:, 2 * bins + 1:].sum(-1)  # w capped at 1

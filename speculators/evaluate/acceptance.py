@@ -33,7 +33,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from speculators.config import Recipe
@@ -45,6 +44,7 @@ from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.evaluate.agreement import serving_agreement
 from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
+from speculators.evaluate.drafts import draft_logits
 from speculators.evaluate.live import pick_rows
 from speculators.evaluate.report import write_checkpoint_report, write_overview
 from speculators.evaluate.select import (
@@ -151,16 +151,10 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
         for seq in seqs:
             tp = teacher_pass(model, seq.token_ids, union)
             teacher_logits = tp.logits.cpu()
-            ids = torch.tensor([seq.token_ids], dtype=torch.long)  # [1, T]
             for name, spec in specs.items():
-                param = next(spec.parameters())
                 req = requests[name]
-                feats = {k: v.to(device=param.device, dtype=param.dtype)
-                         for k, v in tp.features(req.tap_layer_ids, req.last_hidden).items()}
-                batch = {"input_ids": ids.to(param.device), "attention_mask": torch.ones_like(ids, device=param.device),
-                         **feats}
-                with torch.no_grad():
-                    steps = [s[0].float().cpu() for s in spec.forward_train(batch)]  # K x [T, Vd]
+                steps = draft_logits(spec, seq.token_ids, tp.features(req.tap_layer_ids, req.last_hidden),
+                                     seq.prompt_len, depths[name])  # K x [T, Vd]
                 tallies[name].add(seq, steps, teacher_logits, t)
                 if t > 0:
                     block_acc[name][_tkey(t)].add(seq.row.cohort, *speculator_block_alpha(

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from speculators import metrics
 from speculators.config import TreeConfig
 from speculators.core.sampling import SamplingParams
+from speculators.evaluate.drafts import draft_logits
 from speculators.evaluate.live import LiveRun, load_engine, run_live
 from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain, replay_drafter, tau_interval, wilson
 from speculators.evaluate.teacher import EvalSequence, teacher_pass
@@ -46,18 +47,6 @@ TOLERANCE = 0.02  # T = 0: |predicted tau - live tau| <= 2% of live tau
 
 # ----------------------------------------------------------------------------------------------------------------
 # predictions
-
-
-def _spec_inputs(spec: Any, tp: Any, seq: EvalSequence) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """forward_train step logits [T, Vd] (batch row 0) and the per-position features of one teacher pass."""
-    req = spec.required_features()
-    param = next(spec.parameters())
-    feats = {k: v.to(device=param.device, dtype=param.dtype)
-             for k, v in tp.features(req.tap_layer_ids, req.last_hidden).items()}  # [1, T, ...]
-    ids = torch.tensor([seq.token_ids], dtype=torch.long, device=param.device)  # [1, T]
-    with torch.no_grad():
-        steps = spec.forward_train({"input_ids": ids, "attention_mask": torch.ones_like(ids), **feats})
-    return [s[0].float().cpu() for s in steps], {k: v[0] for k, v in feats.items()}
 
 
 def by_cohort(per_row: dict[str, CycleCounts], sequences: Sequence[EvalSequence]) -> dict[str, CycleCounts]:
@@ -79,8 +68,10 @@ def predict_chain(spec: Any, target_model: Any, sequences: Sequence[EvalSequence
     depth = min(int(k), int(spec.num_steps))
     out: dict[str, CycleCounts] = {}
     for seq in tqdm(sequences, desc=f"predict chain k={depth}", unit="seq", disable=not progress):
-        tp = teacher_pass(target_model, seq.token_ids, list(spec.required_features().tap_layer_ids or ()))
-        steps, _ = _spec_inputs(spec, tp, seq)
+        req = spec.required_features()
+        tp = teacher_pass(target_model, seq.token_ids, list(req.tap_layer_ids or ()))
+        steps = draft_logits(spec, seq.token_ids, tp.features(req.tap_layer_ids, req.last_hidden), seq.prompt_len,
+                             depth)  # K x [T, Vd]
         params = SamplingParams(temperature=seq.temperature)
         w = chain_weights(steps, tp.logits.cpu(), seq.token_ids, seq.prompt_len, spec.draft_to_target.cpu(), params,
                           depth, draft)

@@ -26,6 +26,7 @@ from speculators.config import TreeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.evaluate.alpha import speculator_alpha
+from speculators.evaluate.drafts import draft_logits
 from speculators.evaluate.teacher import encode_row, greedy_tokens, teacher_pass
 from speculators.metrics import ChainCounts, walk_chain
 
@@ -53,11 +54,8 @@ def predict_row(spec: Any, model: Any, tokenizer: Any, row: WorkloadRow, k: int,
     total = row.max_new_tokens if eos_at is None else min(row.max_new_tokens, eos_at + 1)
     passed = teacher_pass(model, prompt + tokens, list(spec.required_features().tap_layer_ids or []))
     req = spec.required_features()
-    ids = torch.tensor([prompt + tokens], dtype=torch.long)  # [1, T]
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             **passed.features(req.tap_layer_ids, req.last_hidden)}
-    with torch.no_grad():
-        steps = [s[0].float() for s in spec.forward_train(batch)]  # k' x [T, Vd]
+    steps = draft_logits(spec, prompt + tokens, passed.features(req.tap_layer_ids, req.last_hidden), len(prompt),
+                         min(k, int(spec.num_steps)))  # k' x [T, Vd]
     alpha, _ = speculator_alpha(steps, passed.logits, spec.draft_to_target.cpu(), len(prompt), GREEDY, k)
     return RowPrediction(row, prompt, tokens[:total], walk_chain(leading_accepts(alpha), k, total))
 

@@ -14,6 +14,7 @@ from models_helpers import (
     target_features,
 )
 
+from speculators.evaluate.drafts import draft_logits
 from speculators.models.base import live_rows, step_rows, step_valid_mask
 from speculators.train.loss import TeacherShape, VocabMap, dense_teacher, sparse_teacher, speculator_loss
 
@@ -109,3 +110,30 @@ def test_a_batch_where_nothing_counts(family: str) -> None:
                           none, batch["attention_mask"], [1.0, 1.0, 1.0], vocab, rows=rows)
     out.loss.backward()
     assert float(out.loss.detach()) == 0.0 and out.counted.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize(("prompt_len", "depth"), [(9, 2), (1, 3), (15, 3)])
+def test_evaluation_drafts_only_where_it_scores(family: str, prompt_len: int, depth: int) -> None:
+    """`evaluate.drafts.draft_logits` (the head only at t = P-2 .. T-3 and steps < depth) gives the full forward's
+    logits at every row evaluation reads, and nothing elsewhere."""
+    d2t, _ = reduced_vocab(VOCAB, 120) if family == "eagle3" else (None, None)
+    model, _, target = build(family, num_steps=3, d2t=d2t)
+    randomize(model, scale=0.2)
+    model.eval()
+    layer_ids = list(model.required_features().tap_layer_ids or []) or None
+    batch, _, _ = _batch(target, layer_ids)
+    ids = batch["input_ids"][:1]  # [1, T]
+    feats = {k: v[:1] for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        full = model.forward_train({"input_ids": ids, "attention_mask": torch.ones_like(ids), **feats})  # K x [1, T, Vd]
+    steps = draft_logits(model, ids[0].tolist(), feats, prompt_len, depth)
+    total = ids.shape[1]
+    read = list(range(max(prompt_len - 2, 0), total - 2))
+    assert read and len(steps) == 3
+    for k, step in enumerate(steps):
+        assert step.shape == full[k][0].shape and step.dtype == torch.float32
+        if k < depth:
+            torch.testing.assert_close(step[read], full[k][0, read], rtol=1e-5, atol=1e-5)
+        others = [t for t in range(total) if k >= depth or t not in read]
+        assert torch.count_nonzero(step[others]) == 0
