@@ -218,7 +218,8 @@ def to_dict(obj: Any) -> Any:
 
 
 def apply_override(data: dict, assignment: str) -> None:
-    """Apply `a.b.c=value` (value parsed as YAML) to a nested dict, validating the path against `Recipe`."""
+    """Apply `a.b.c=value` (value parsed as YAML) to a nested dict, validating the path against `Recipe`; an item of a
+    list of sections is named by its index (`data.sources.1.max_rows=300`)."""
     if "=" not in assignment:
         raise SpeculatorsError(f"override {assignment!r} must look like section.key=value (e.g. train.lr=3e-4)")
     dotted, raw = assignment.split("=", 1)
@@ -231,7 +232,9 @@ def apply_override(data: dict, assignment: str) -> None:
         value = raw
     cls: Any = Recipe
     node = data
-    for i, key in enumerate(keys):
+    i = 0
+    while i < len(keys):
+        key = keys[i]
         fields = {f.name: f for f in _public_fields(cls)} if dataclasses.is_dataclass(cls) else {}
         prefix = ".".join(keys[:i])
         if key not in fields:
@@ -241,14 +244,35 @@ def apply_override(data: dict, assignment: str) -> None:
             raise SpeculatorsError(f"unknown recipe key '{full}' in override {assignment!r}{hint}")
         if i == len(keys) - 1:
             node[key] = value
-        else:
-            hint_tp = typing.get_type_hints(cls)[key]
-            if not dataclasses.is_dataclass(hint_tp):
-                raise SpeculatorsError(f"'{'.'.join(keys[: i + 1])}' is a value, not a section, in {assignment!r}")
-            node = node.setdefault(key, {})
-            if not isinstance(node, dict):
-                raise SpeculatorsError(f"'{'.'.join(keys[: i + 1])}' is not a mapping in the recipe")
-            cls = hint_tp
+            return
+        hint_tp = typing.get_type_hints(cls)[key]
+        item_tp = (typing.get_args(hint_tp) or [None])[0] if typing.get_origin(hint_tp) is list else None
+        if dataclasses.is_dataclass(item_tp) and i + 2 < len(keys):  # one item of a list of sections, by index
+            node, cls = _list_item(node, keys, i, assignment), item_tp
+            i += 2
+            continue
+        if not dataclasses.is_dataclass(hint_tp):
+            raise SpeculatorsError(f"'{'.'.join(keys[: i + 1])}' is a value, not a section, in {assignment!r}")
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise SpeculatorsError(f"'{'.'.join(keys[: i + 1])}' is not a mapping in the recipe")
+        cls = hint_tp
+        i += 1
+
+
+def _list_item(node: dict, keys: list[str], i: int, assignment: str) -> dict:
+    """The item `keys[i+1]` (an index) of the list of sections `keys[i]` in `node`, e.g. data.sources.1."""
+    items, index, where = node.get(keys[i]), keys[i + 1], ".".join(keys[: i + 1])
+    count = len(items) if isinstance(items, list) else 0
+    if not count:
+        raise SpeculatorsError(f"'{where}.{index}' in {assignment!r}: {where} is empty in the recipe")
+    if not index.isdigit() or int(index) >= count:
+        raise SpeculatorsError(f"'{where}.{index}' in {assignment!r}: {where} has {count} item(s) in the recipe; "
+                               f"give an index 0..{count - 1}")
+    item = items[int(index)]
+    if not isinstance(item, dict):
+        raise SpeculatorsError(f"'{where}.{index}' is not a mapping in the recipe")
+    return item
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:

@@ -76,3 +76,18 @@ def test_defaults_and_paths() -> None:
     assert recipe.training_data_dir == recipe.paths.prepared
     recipe.data.regenerate.enabled = True
     assert recipe.training_data_dir == recipe.paths.regenerated
+
+
+def test_override_one_item_of_a_list_of_sections() -> None:
+    recipe = load_recipe(REPO / "recipes" / "house-eagle3.yaml",
+                         ["data.sources.1.max_rows=300", "data.sources.0.schema=sharegpt"])
+    assert [s.max_rows for s in recipe.data.sources] == [1200, 300]
+    assert recipe.data.sources[0].schema == "sharegpt" and recipe.data.sources[1].schema != "sharegpt"
+    with pytest.raises(SpeculatorsError, match=r"'data.sources.2'.*has 2 item\(s\).*index 0..1"):
+        load_recipe(REPO / "recipes" / "house-eagle3.yaml", ["data.sources.2.max_rows=3"])
+    with pytest.raises(SpeculatorsError, match=r"'data.sources.first'.*index 0..1"):
+        load_recipe(REPO / "recipes" / "house-eagle3.yaml", ["data.sources.first.max_rows=3"])
+    with pytest.raises(SpeculatorsError, match=r"unknown recipe key 'data.sources.0.max_row'.*max_rows"):
+        load_recipe(REPO / "recipes" / "house-eagle3.yaml", ["data.sources.0.max_row=3"])
+    with pytest.raises(SpeculatorsError, match=r"'data.sources.0'.*data.sources is empty"):
+        load_recipe(None, ["data.sources.0.max_rows=3"])
