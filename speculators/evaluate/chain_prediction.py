@@ -52,8 +52,8 @@ def predict_row(spec: Any, model: Any, tokenizer: Any, row: WorkloadRow, k: int,
     tokens = greedy_tokens(model, prompt, row.max_new_tokens + k)
     eos_at = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
     total = row.max_new_tokens if eos_at is None else min(row.max_new_tokens, eos_at + 1)
-    passed = teacher_pass(model, prompt + tokens, list(spec.required_features().tap_layer_ids or []))
     req = spec.required_features()
+    passed = teacher_pass(model, prompt + tokens, list(req.tap_layer_ids or []))
     steps = draft_logits(spec, prompt + tokens, passed.features(req.tap_layer_ids, req.last_hidden), len(prompt),
                          min(k, int(spec.num_steps)))  # k' x [T, Vd]
     alpha, _ = speculator_alpha(steps, passed.logits, spec.draft_to_target.cpu(), len(prompt), GREEDY, k)

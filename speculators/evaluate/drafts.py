@@ -7,7 +7,7 @@ the steps past D cost no head and no later training-time-test step. The rows com
 [T, Vd] tensor whose rows t in P-2 .. T-3 hold the draft logits (k < D) and whose other rows are 0 and read by
 nobody.
 
-This module does not run the target, score drafts or load checkpoints.
+The span is `replay.cycle_roots`. This module does not run the target, score drafts or load checkpoints.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
+from speculators.evaluate.replay import cycle_roots
+
 
 def scored_rows(total_len: int, prompt_len: int, num_steps: int, depth: int) -> list[torch.Tensor]:
     """Flat positions (batch row 0) evaluation reads per step: t = max(P-2, 0) .. T-3 for the first `depth` steps,
     none after.  -> `num_steps` long tensors [N_k]"""
-    start = max(prompt_len - 2, 0)
-    span = torch.arange(start, max(total_len - 2, start), dtype=torch.long)  # [N]
+    span = cycle_roots(total_len, prompt_len)  # [N]
     return [span if k < depth else span[:0] for k in range(num_steps)]
 
 

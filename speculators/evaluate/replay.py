@@ -111,6 +111,13 @@ def from_stats(stats: metrics.AcceptanceStats, depth: int) -> CycleCounts:
 # chains from forward_train logits
 
 
+def cycle_roots(total_len: int, prompt_len: int) -> torch.Tensor:
+    """Positions t = P-2 .. T-3 whose root x[t+1] may start a cycle (the widest span evaluation scores;
+    `alpha.positions` is its tail from P-1).  -> [N] long"""
+    start = max(prompt_len - 2, 0)
+    return torch.arange(start, max(total_len - 2, start), dtype=torch.long)
+
+
 def chain_weights(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Tensor, token_ids: Sequence[int],
                   prompt_len: int, draft_to_target: torch.Tensor, params: SamplingParams, depth: int,
                   draft: str = "sampled") -> torch.Tensor:
@@ -122,8 +129,7 @@ def chain_weights(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Ten
     sequence get 0."""
     total, vocab = teacher_logits.shape
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)  # [T]
-    start = max(prompt_len - 2, 0)
-    pos = torch.arange(start, max(total - 2, start), dtype=torch.long)  # [N] t values (root x[t+1], t+1 <= T-2)
+    pos = cycle_roots(total, prompt_len)  # [N] t values (root x[t+1], t+1 <= T-2)
     w = torch.zeros(pos.shape[0], depth, dtype=torch.float64)  # [N, D]
     greedy = params.greedy or draft == "argmax"
     for k in range(1, min(depth, len(step_logits)) + 1):
