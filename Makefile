@@ -1,9 +1,13 @@
 # The README's two commands: `make demo` (the whole pipeline on the embedded house target) and `make test`.
-# Both bootstrap .venv on a fresh machine (CPU torch 2.13.0) and install the package with its extras.
+# Both bootstrap .venv on a fresh machine (CPU torch 2.13.0) and install the package: `make demo` with the extras the
+# pipeline uses (W&B tracking, the server, the OpenAI-compatible regeneration backend), `make test` with all of them
+# (plus DeepSpeed and the test tools). Each level has its own stamp, so neither command reinstalls after the other.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+PYPROJECT_SHA := $(shell cat pyproject.toml | sha1sum | cut -c1-12)
+DEMO_STAMP := $(VENV)/.installed-demo-$(PYPROJECT_SHA)
+STAMP      := $(VENV)/.installed-all-$(PYPROJECT_SHA)
 RUN    ?= runs/demo
 # The real vLLM (CPU build) that tests/vllm/ serves every export with; its own venv (it pins transformers < 5.20).
 VLLM_VENV  := .venv-vllm
@@ -12,12 +16,17 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQS) | sha1sum | cut -
 
 .PHONY: install vllm-env demo test test-unit test-integration test-distributed test-vllm clean-demo
 
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[wandb,serve,regenerate]"
+	@rm -f $(VENV)/.installed-demo-*
+	@touch $@
+
+$(STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,wandb,serve,regenerate]"
-	@rm -f $(VENV)/.installed-*
+	@rm -f $(VENV)/.installed-all-*
 	@touch $@
 
 install: $(STAMP)
@@ -39,7 +48,7 @@ $(VLLM_STAMP): $(VLLM_REQS)
 
 vllm-env: $(VLLM_STAMP)
 
-demo: install
+demo: $(DEMO_STAMP)
 	$(BIN)/speculators run recipes/house-eagle3.yaml run_dir=$(RUN)/eagle3 train.epochs=2
 	$(BIN)/speculators bench --speculator $(RUN)/eagle3/export --rows-per-cohort 2 --temperatures 0 --out $(RUN)/bench
 
