@@ -81,7 +81,7 @@ def test_defaults_and_paths() -> None:
 def test_override_one_item_of_a_list_of_sections() -> None:
     recipe = load_recipe(REPO / "recipes" / "house-eagle3.yaml",
                          ["data.sources.1.max_rows=300", "data.sources.0.schema=sharegpt"])
-    assert [s.max_rows for s in recipe.data.sources] == [1200, 300]
+    assert [s.max_rows for s in recipe.data.sources] == [3000, 300]
     assert recipe.data.sources[0].schema == "sharegpt" and recipe.data.sources[1].schema != "sharegpt"
     with pytest.raises(SpeculatorsError, match=r"'data.sources.2'.*has 2 item\(s\).*index 0..1"):
         load_recipe(REPO / "recipes" / "house-eagle3.yaml", ["data.sources.2.max_rows=3"])
