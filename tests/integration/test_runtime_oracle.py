@@ -42,22 +42,35 @@ GREEDY_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef walk(top):\n", "cla
                   "    for i in range(10):\n", "def read_config(path):\n    with open(path) as f:\n"]
 
 
-class _HeadPricedDrafts(CostModel):
-    """The oracle drafts with the whole target, so its measured drafting costs as much as verifying and the adaptive
-    controller may rightly stop speculating (it did on a loaded CI machine: 1 deep residual in 3,017 cycles). Priced
-    as a real draft head would be (1/20 of what it measures), the controller keeps choosing deep trees whatever the
-    machine's load, and the test exercises what it is about: the unseeded adaptive path's output law."""
+class _FixedCosts(CostModel):
+    """The adaptive controller's costs priced by a fixed rule instead of this machine's clock: every target cycle costs
+    0.1 s whatever its size (flat, as on an accelerator), drafting and absorbing nothing. The oracle drafts with the
+    whole target, so its measured drafting costs as much as verifying, and the controller chose by the clock: once
+    plain decoding on a loaded CI machine (1 deep residual in 3,017 cycles), once depth-1 trees only on an idle AMD
+    EPYC even with drafts priced at 1/20 of their measured time (no path deeper than 1 in 2,020 cycles; with 2 ms
+    per verified node and 10 ms per drafted level, none deeper than 2). Priced by this rule a deeper tree never costs
+    more, so the choice depends only on the acceptance the controller observes and it keeps drafting deep on any
+    machine: the test exercises what it is about, the unseeded adaptive path's output law. (Choosing a depth never
+    changes the output law; the clock is not what is tested.)"""
 
-    PRICE = 0.05
+    @staticmethod
+    def _cycle_seconds(nodes: float) -> float:
+        return 0.1  # [s], whatever the node count
+
+    def set_cycle(self, nodes: int, seconds: float) -> None:
+        super().set_cycle(nodes, self._cycle_seconds(nodes))
+
+    def observe_cycle(self, nodes: int, seconds: float) -> None:
+        super().observe_cycle(nodes, self._cycle_seconds(nodes))
 
     def set_draft(self, depth: int, drafted_nodes: int, seconds: float, kind: str = "") -> None:
-        super().set_draft(depth, drafted_nodes, seconds * self.PRICE, kind)
+        super().set_draft(depth, drafted_nodes, 0.0, kind)
 
     def observe_draft(self, depth: int, drafted_nodes: int, seconds: float, kind: str = "") -> None:
-        super().observe_draft(depth, drafted_nodes, seconds * self.PRICE, kind)
+        super().observe_draft(depth, drafted_nodes, 0.0, kind)
 
     def observe_absorb(self, seconds: float) -> None:
-        super().observe_absorb(seconds * self.PRICE)
+        super().observe_absorb(0.0)
 
 
 def _engine(house_target, tree: TreeConfig, cls: type[Engine] = CycleLog) -> Engine:
@@ -117,7 +130,7 @@ def test_unseeded_adaptive_serving_path(house_target) -> None:
     """What the server runs: no seeds, adaptive depth, requests sharing forwards in a `BatchRunner`, each client
     leaving once it has its first three tokens (as a disconnecting client does; the rest is never generated)."""
     engine = _engine(house_target, ADAPTIVE)
-    engine.cost = _HeadPricedDrafts()
+    engine.cost = _FixedCosts()
     prompt = engine.encode(PROMPT)
     runner = BatchRunner(engine, max_batch=4)
     firsts: list[list[int]] = [[] for _ in range(SAMPLES)]
