@@ -53,15 +53,13 @@ class _FixedCosts(CostModel):
     machine: the test exercises what it is about, the unseeded adaptive path's output law. (Choosing a depth never
     changes the output law; the clock is not what is tested.)"""
 
-    @staticmethod
-    def _cycle_seconds(nodes: float) -> float:
-        return 0.1  # [s], whatever the node count
+    CYCLE_SECONDS = 0.1  # [s], every target cycle whatever its node count
 
     def set_cycle(self, nodes: int, seconds: float) -> None:
-        super().set_cycle(nodes, self._cycle_seconds(nodes))
+        super().set_cycle(nodes, self.CYCLE_SECONDS)
 
     def observe_cycle(self, nodes: int, seconds: float) -> None:
-        super().observe_cycle(nodes, self._cycle_seconds(nodes))
+        super().observe_cycle(nodes, self.CYCLE_SECONDS)
 
     def set_draft(self, depth: int, drafted_nodes: int, seconds: float, kind: str = "") -> None:
         super().set_draft(depth, drafted_nodes, 0.0, kind)
