@@ -134,6 +134,8 @@ def _agreement_lines(lv: dict, t: str) -> list[str]:
         shape = f"depth {tree.get('depth')}" + (f", top-{tree.get('topk')}, {tree.get('budget')} nodes"
                                                 if tree.get("kind") != "chain" else "")
         extra = f", drafts: {block['draft']}" if block.get("draft") else ""
+        if float(t) > 0 and tree.get("kind") == "chain" and tree.get("verify") == "token":
+            extra += ", verified token by token"
         lines += [f"### T = {t}: predicted vs live — {title} ({shape}{extra}; live drafting: "
                   f"{block.get('live_precision') or '?'})", "",
                   "| cohort | predicted tau | live tau [95% binomial] | gap [95% paired rows] | "

@@ -35,6 +35,8 @@ def test_live_acceptance_of_best_and_ngram_per_cohort(tmp_path: Path, tiny_llama
                 lo, hi = v["live"]["tau_interval"]
                 assert lo <= v["live"]["tau"] <= hi
         assert live["chain"]["tree"]["kind"] == "chain" and live["chain"]["k"] == 2
+        # the prediction is token-wise (min(1, p/q)): the live chain must verify the same way, not by block
+        assert live["chain"]["tree"]["verify"] == "token"
     for name in ("chain", "tree", "ngram"):  # at T = 0 the replay is exact: the prediction agrees with live
         assert rep["live"]["0.0"][name]["agree"], rep["live"]["0.0"][name]
     assert "live tau@T=0.0 (best / n-gram)" in summary and "chain tau@T=0.0 predicted / live" in summary
