@@ -214,6 +214,7 @@ class VllmCheckConfig:
     port: int = 8431
     threads: int = 2
     max_model_len: int = 1024
+    temperature: float = 1.0  # also measure vLLM's sampled verification at this T against the prediction (0: off)
 
 
 @dataclass

@@ -266,12 +266,13 @@ class AcceptanceStats:
 class ChainCounts:
     """Counters of chain speculation as vLLM keeps them (`vllm:spec_decode_*` on /metrics): `drafts` verification
     steps that carried drafts, `draft_tokens` drafted tokens, and accepted[j] = drafts whose first j+1 tokens were
-    all accepted (vLLM's `num_accepted_tokens_per_pos`, an unconditional count)."""
+    all accepted (vLLM's `num_accepted_tokens_per_pos`, an unconditional count). Floats where they are expected
+    counts (`evaluate.chain_prediction.predict_sampled_rows`)."""
 
     k: int
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted: list[int] = field(default_factory=list)
+    drafts: float = 0
+    draft_tokens: float = 0
+    accepted: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.accepted = self.accepted or [0] * self.k
@@ -307,7 +308,8 @@ class ChainCounts:
         return per_position_from_reach(self.reach)
 
     def to_dict(self) -> dict:
-        return {"k": self.k, "drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": list(self.accepted),
+        return {"k": self.k, "drafts": round(self.drafts, 2), "draft_tokens": round(self.draft_tokens, 2),
+                "accepted": [round(a, 2) for a in self.accepted],
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "reach": [round(r, 4) for r in self.reach],
                 "per_position_acceptance": [round(a, 4) for a in self.per_position_acceptance]}

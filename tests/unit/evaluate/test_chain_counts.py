@@ -1,12 +1,16 @@
-"""Chain speculation counted as vLLM counts it (metrics.ChainCounts / walk_chain), vLLM's /metrics parsed, and the
-vLLM section of eval/report.md replaced rather than duplicated."""
+"""Chain speculation counted as vLLM counts it (metrics.ChainCounts / walk_chain, and the replay's expected counts
+that predict vLLM at T > 0), vLLM's /metrics parsed, and the vLLM section of eval/report.md replaced rather than
+duplicated."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
+from speculators.evaluate.chain_prediction import as_chain_counts, sampled_agreement
+from speculators.evaluate.replay import replay_chain
 from speculators.evaluate.report import VLLM_SECTION_HEADING, with_vllm_section
 from speculators.export.vllm_consumer import _COUNTER, counts_between, last_error_line, parse_spec_counters
 from speculators.metrics import ChainCounts, walk_chain
@@ -25,6 +29,56 @@ def test_walk_visits_the_positions_an_engine_visits() -> None:
     assert walk_chain([0] * 8, k=2, total=1).drafts == 0  # one token: the prefill's, no verification step
     with pytest.raises(ValueError, match="reach covers"):
         walk_chain([0, 0], k=2, total=5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_replay_as_vllm_counts_what_walk_chain_counts(seed: int) -> None:
+    """With 0/1 weights (T = 0, or one sample path) the replay's vLLM counting is the engine walk itself: first step
+    from the prefill's token, every step judging all k drafts, none once max_new_tokens are out."""
+    gen = torch.Generator().manual_seed(seed)
+    k, prompt_len, max_new = 3, 5, 20
+    total_len = prompt_len + max_new + k  # the continuation runs k past the cap, as predict_sampled_rows makes it
+    w = (torch.rand(total_len - prompt_len, k, generator=gen) < 0.7).double()  # [N, k] rows t = P-2 .. T-3
+    reach = [0] * max_new  # from output index i (root x[P+i] = row i+1): leading accepted drafts
+    for i in range(max_new):
+        while reach[i] < k and w[i + 1, reach[i]] > 0:
+            reach[i] += 1
+    want = walk_chain(reach, k, max_new)
+    got = as_chain_counts(replay_chain(w, prompt_len, total_len, max_new, k, as_vllm=True), k)
+    assert got.drafts == want.drafts and got.accepted == [float(a) for a in want.accepted]
+    runtime = replay_chain(w, prompt_len, total_len, max_new, k)  # the runtime's own walk differs
+    assert (runtime.attempts[0], runtime.accepts) != (got.drafts, got.accepted)
+
+
+def _sampled_rows(gen: torch.Generator, rates: torch.Tensor, k: int, steps: int) -> list[ChainCounts]:
+    """One chain-k row per rate: `steps` drafts whose drafts are accepted independently with the row's rate."""
+    rows = []
+    for rate in rates.tolist():
+        c = ChainCounts(k)
+        for _ in range(steps):
+            n = 0
+            while n < k and torch.rand(1, generator=gen).item() < rate:
+                n += 1
+            c.record(n, k)
+        rows.append(c)
+    return rows
+
+
+def test_sampled_agreement_is_calibrated_over_rows() -> None:
+    """Rows differ (each its own acceptance rate, as sampled paths do): two measurements of the same rows agree
+    about 95% of the time, and a 25% lower acceptance on every row is caught."""
+    gen = torch.Generator().manual_seed(0)
+    agree, caught = 0, 0
+    for _ in range(100):
+        rates = torch.rand(24, generator=gen) * 0.8  # [24] per-row acceptance
+        a, b = _sampled_rows(gen, rates, 3, 25), _sampled_rows(gen, rates, 3, 25)
+        agree += sampled_agreement(a, b)["agrees"]
+        caught += not sampled_agreement(a, _sampled_rows(gen, rates * 0.75, 3, 25))["agrees"]
+    assert 85 <= agree <= 100 and caught >= 70, (agree, caught)
+    same = sampled_agreement(a, a)
+    assert same["delta"] == 0 and same["agrees"] and same["rows"] == 24
+    with pytest.raises(ValueError, match="same >= 2 rows"):
+        sampled_agreement(a, a[:5])
 
 
 def test_walk_caps_reach_at_k_and_counts_merge() -> None:

