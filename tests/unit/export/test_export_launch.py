@@ -82,10 +82,12 @@ def _run_launch(tmp_path: Path, script: str, env: dict[str, str] | None = None) 
     return json.loads(res.stdout)
 
 
-def _script(rows: list[dict], k: int, method: str = "eagle3", fixed: bool = False, block: dict | None = None) -> str:
+def _script(rows: list[dict], k: int, method: str = "eagle3", fixed: bool = False, block: dict | None = None,
+            drafts: dict | None = None) -> str:
     measured = {"device": "test CPU", "dtype": "float32", "cost": {"1": {"0": 1.0, "1": 1.1, "2": 1.2}}}
     return launch.launch_script(target="org/target model", method=method, k=k, rows=rows, self_describing=True,
-                                fixed_k=fixed, measured=measured, tau_by_depth=[1.8, 2.4], block=block)
+                                fixed_k=fixed, measured=measured, tau_by_depth=[1.8, 2.4], block=block,
+                                drafts=drafts)
 
 
 def test_block_verification_goes_into_the_launch_command_where_it_helps(tmp_path: Path) -> None:
@@ -113,6 +115,32 @@ def test_block_verification_goes_into_the_launch_command_where_it_helps(tmp_path
                                  self_describing=True, measured=measured, tau_by_depth=[1.8, 2.4], config_k=2,
                                  fixed_k=False, block=choice)
     assert "### Block verification" in text and '"rejection_sample_method": "block"' in text and "+2.8%" in text
+
+
+def test_sampled_drafts_go_into_the_launch_command_where_they_beat_argmax(tmp_path: Path) -> None:
+    """vLLM drafts the argmax by default; at T > 0 drafts drawn from the draft law (draft_sample_method
+    'probabilistic', verified token by token) accept more when the evaluation's cycle-start tau says so."""
+    choice = launch.draft_choice({"0.0": 3.1, "1.0": 2.68}, {"1.0": 1.66})
+    assert choice == {"temperature": 1.0, "tau_sampled": 2.68, "tau_argmax": 1.66, "gain": round(2.68 / 1.66 - 1, 4),
+                      "use": True, "fields": {"draft_sample_method": "probabilistic"}}
+    assert launch.draft_choice({"1.0": 1.5}, {"1.0": 1.6})["use"] is False
+    assert launch.draft_choice({"0.0": 3.0}, {}) is None
+    rows = [{"start_bs": 1, "end_bs": 512, "k": 2}]
+    spec_of = lambda args: json.loads(args[args.index("--speculative-config") + 1])  # noqa: E731
+    assert spec_of(_run_launch(tmp_path, _script(rows, 2, drafts=choice))) == {
+        "model": str(tmp_path / "export"), "method": "eagle3", "num_speculative_tokens": 2,
+        "draft_sample_method": "probabilistic"}
+    assert "draft_sample_method" not in spec_of(_run_launch(tmp_path, _script(rows, 2, drafts=choice),
+                                                            {"SAMPLED_DRAFTS": "0"}))
+    block = launch.block_choice({"1.0": [1.5, 1.8]}, {"1.0": [1.5, 1.85]}, k=2)  # block verification wins
+    assert spec_of(_run_launch(tmp_path, _script(rows, 2, block=block, drafts=choice)))[
+        "rejection_sample_method"] == "block"
+    measured = {"device": "test CPU", "dtype": "float32", "method": "test", "cost": {"1": {"0": 1.0, "1": 1.1}}}
+    text = launch.readme_section(export_dir_name="export", target="t", method="eagle3", k=2,
+                                 rows=[{**rows[0], "measured_at": 1, "tokens_per_unit_cost": 1.5}],
+                                 self_describing=True, measured=measured, tau_by_depth=[1.8, 2.4], config_k=2,
+                                 fixed_k=False, drafts=choice)
+    assert "### Sampled drafts" in text and '"draft_sample_method": "probabilistic"' in text and "+61.5%" in text
 
 
 def test_launch_script_runs_vllm_with_k_and_schedule(tmp_path: Path) -> None:

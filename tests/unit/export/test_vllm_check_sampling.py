@@ -16,11 +16,12 @@ from speculators.export.vllm_consumer import CPU_SAMPLING_FIX, expand_kernel_che
 from speculators.metrics import ChainCounts
 
 
-def _export(tmp_path: Path, use_block: bool | None, launch_text: str) -> Path:
+def _export(tmp_path: Path, use_block: bool | None, launch_text: str, use_sampled: bool = False) -> Path:
     export = tmp_path / "export"
     export.mkdir(exist_ok=True)
     block = None if use_block is None else {"use": use_block}
-    (export / "report.json").write_text(json.dumps({"launch": {"k": 3, "block": block}}))
+    (export / "report.json").write_text(json.dumps({"launch": {"k": 3, "block": block,
+                                                               "drafts": {"use": use_sampled}}}))
     (export / "launch.sh").write_text(launch_text)
     return export
 
@@ -32,6 +33,10 @@ def test_drafting_follows_what_launch_sh_asks_this_vllm_for(tmp_path: Path) -> N
     assert vllm_check.sampled_drafting(_export(tmp_path, False, "VLLM_CPU"), {}, python) == "argmax"
     assert vllm_check.sampled_drafting(_export(tmp_path, True, "VLLM_CPU"), {}, python) == "block"
     assert vllm_check.sampled_drafting(_export(tmp_path, True, "VLLM_CPU"), {"BLOCK": "0"}, python) == "argmax"
+    sampled = _export(tmp_path, False, "SAMPLED_DRAFTS", use_sampled=True)
+    assert vllm_check.sampled_drafting(sampled, {}, python) == "sampled"
+    assert vllm_check.sampled_drafting(sampled, {"SAMPLED_DRAFTS": "0"}, python) == "argmax"
+    assert vllm_check.sampled_drafting(_export(tmp_path, False, "old", use_sampled=True), {}, python) == "argmax"
 
 
 def test_the_sampled_section_renders_agreement_and_skips(tmp_path: Path) -> None:
