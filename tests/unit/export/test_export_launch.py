@@ -90,6 +90,15 @@ def _script(rows: list[dict], k: int, method: str = "eagle3", fixed: bool = Fals
                                 drafts=drafts)
 
 
+def _readme(row: dict, **choices: dict) -> str:
+    """The README section of a k = 2 launch over one schedule row, with `block=` / `drafts=` choices."""
+    measured = {"device": "test CPU", "dtype": "float32", "method": "test", "cost": {"1": {"0": 1.0, "1": 1.1}}}
+    return launch.readme_section(export_dir_name="export", target="t", method="eagle3", k=2,
+                                 rows=[{**row, "measured_at": 1, "tokens_per_unit_cost": 1.5}],
+                                 self_describing=True, measured=measured, tau_by_depth=[1.8, 2.4], config_k=2,
+                                 fixed_k=False, **choices)
+
+
 def test_block_verification_goes_into_the_launch_command_where_it_helps(tmp_path: Path) -> None:
     """vLLM's fields (vllm/config/speculative.py: rejection_sample_method 'standard' | 'synthetic' | 'block',
     draft_sample_method 'greedy' | 'probabilistic') are added when the T > 0 prediction gains >= 0.5%."""
@@ -109,11 +118,7 @@ def test_block_verification_goes_into_the_launch_command_where_it_helps(tmp_path
     assert "rejection_sample_method" not in json.loads(args[args.index("--speculative-config") + 1])
     args = _run_launch(tmp_path, _script(rows, 2, block={**choice, "use": False}))
     assert "rejection_sample_method" not in json.loads(args[args.index("--speculative-config") + 1])
-    measured = {"device": "test CPU", "dtype": "float32", "method": "test", "cost": {"1": {"0": 1.0, "1": 1.1}}}
-    text = launch.readme_section(export_dir_name="export", target="t", method="eagle3", k=2,
-                                 rows=[{**rows[0], "measured_at": 1, "tokens_per_unit_cost": 1.5}],
-                                 self_describing=True, measured=measured, tau_by_depth=[1.8, 2.4], config_k=2,
-                                 fixed_k=False, block=choice)
+    text = _readme(rows[0], block=choice)
     assert "### Block verification" in text and '"rejection_sample_method": "block"' in text and "+2.8%" in text
 
 
@@ -135,11 +140,7 @@ def test_sampled_drafts_go_into_the_launch_command_where_they_beat_argmax(tmp_pa
     block = launch.block_choice({"1.0": [1.5, 1.8]}, {"1.0": [1.5, 1.85]}, k=2)  # block verification wins
     assert spec_of(_run_launch(tmp_path, _script(rows, 2, block=block, drafts=choice)))[
         "rejection_sample_method"] == "block"
-    measured = {"device": "test CPU", "dtype": "float32", "method": "test", "cost": {"1": {"0": 1.0, "1": 1.1}}}
-    text = launch.readme_section(export_dir_name="export", target="t", method="eagle3", k=2,
-                                 rows=[{**rows[0], "measured_at": 1, "tokens_per_unit_cost": 1.5}],
-                                 self_describing=True, measured=measured, tau_by_depth=[1.8, 2.4], config_k=2,
-                                 fixed_k=False, drafts=choice)
+    text = _readme(rows[0], drafts=choice)
     assert "### Sampled drafts" in text and '"draft_sample_method": "probabilistic"' in text and "+61.5%" in text
 
 
