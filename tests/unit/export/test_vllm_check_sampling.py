@@ -12,7 +12,7 @@ import pytest
 from speculators.errors import SpeculatorsError
 from speculators.evaluate.chain_prediction import sampled_agreement
 from speculators.export import vllm_check
-from speculators.export.vllm_consumer import CPU_SAMPLING_FIX, expand_kernel_check, is_vllm_cpu
+from speculators.export.vllm_consumer import CPU_SAMPLING_FIX, expand_kernel_check, is_vllm_cpu, sampling_env
 from speculators.metrics import ChainCounts
 
 
@@ -56,6 +56,11 @@ def test_the_sampled_section_renders_agreement_and_skips(tmp_path: Path) -> None
 
 
 def test_the_expand_probe_names_a_python_without_vllm() -> None:
+    """The probe's failure is one clear error; for the stage it means "measured as installed", not a failed stage
+    (a GPU vLLM, say, whose kernels the probe cannot reach)."""
     assert (CPU_SAMPLING_FIX / "sitecustomize.py").is_file()
+    env = {"PATH": "/usr/bin:/bin"}
     with pytest.raises(SpeculatorsError, match="could not run vLLM's expand_batch_to_tokens"):
-        expand_kernel_check(Path(sys.executable), {"PATH": "/usr/bin:/bin"})
+        expand_kernel_check(Path(sys.executable), env)
+    chosen, note = sampling_env(Path(sys.executable), env)
+    assert chosen == env and note.startswith("measured as installed (could not run")
