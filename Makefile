@@ -10,7 +10,7 @@ DEMO_STAMP := $(VENV)/.installed-demo-$(PYPROJECT_SHA)
 STAMP      := $(VENV)/.installed-all-$(PYPROJECT_SHA)
 RUN    ?= runs/demo
 # The demo's budget: the house EAGLE-3 recipe on 1,800 of its 4,000 rows, regenerated at T=0 only, for 2 epochs
-# (426 steps) instead of all of them at T=0 and T=1 for 4,248 steps (~36-47 min of training), so that the whole
+# (426 steps) instead of all of them at T=0 and T=1 for 5,192 steps (~35-59 min of training), so that the whole
 # pipeline takes minutes.
 DEMO_BUDGET := data.sources.0.max_rows=1200 data.sources.1.max_rows=600 data.regenerate.temperature=0.0 train.epochs=2
 # The real vLLM (CPU build) that tests/vllm/ serves every export with; its own venv (it pins transformers < 5.20).
