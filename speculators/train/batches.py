@@ -32,7 +32,15 @@ from speculators.data.artifacts import load_token_dataset
 from speculators.data.features import compute_features
 from speculators.data.shards import split_indices as split
 from speculators.errors import SpeculatorsError
-from speculators.train.loss import Teacher, TeacherShape, VocabMap, dense_teacher, hidden_teacher, sparse_teacher
+from speculators.train.loss import (
+    Teacher,
+    TeacherShape,
+    VocabMap,
+    dense_teacher,
+    hidden_teacher,
+    sparse_teacher,
+    teacher_positions,
+)
 
 FLOAT_KEYS = ("taps", "last_hidden", "teacher_topk_logprobs")
 
@@ -285,7 +293,9 @@ class OfflineFeatures:
             teacher = sparse_teacher(batch["teacher_topk_ids"].to(device), batch["teacher_topk_logprobs"].to(device),
                                      self.vocab, self.shape)
         elif "last_hidden" in batch and self.lm_head is not None:
-            teacher = hidden_teacher(batch["last_hidden"].to(device), self.lm_head, self.vocab, shape=self.shape)
+            needed = teacher_positions(batch["loss_mask"].to(device), inputs["attention_mask"])  # [B, T]
+            teacher = hidden_teacher(batch["last_hidden"].to(device), self.lm_head, self.vocab, shape=self.shape,
+                                     needed=needed)
         else:
             raise SpeculatorsError("the feature shards hold neither a top-k teacher nor the last hidden state; "
                                    "re-run capture (capture.teacher: topk | hidden)")

@@ -4,9 +4,10 @@ What it does:
 - `VocabMap`: draft id -> target id (`draft_to_target`, [Vd]) and target id -> draft id (`target_to_draft`, [V],
   -1 outside the draft vocab).
 - `Teacher`: the target's next-token law at every position, restricted and renormalised to the draft vocab, in one
-  of two forms: dense log-probs [B, T, Vd] (from full logits, or recomputed from the target's post-norm last hidden
-  state with its `lm_head`), or sparse top-k probabilities [B, T, k] (stored by `capture` with teacher=topk). It
-  also keeps the target's greedy token over the FULL vocab, so accuracy counts a miss where the target's choice is
+  of two forms: dense probabilities [B, T, Vd] with their sum p log p (from full logits, or recomputed from the
+  target's post-norm last hidden state with its `lm_head`, then only at the positions the loss reads:
+  `teacher_positions`), or sparse top-k probabilities [B, T, k] (stored by `capture` with teacher=topk). It also
+  keeps the target's greedy token over the FULL vocab, so accuracy counts a miss where the target's choice is
   outside the draft vocab.
 - `TeacherShape`: how the stored teacher becomes the training target: a temperature (the law the draft should match;
   1 = the target's own sampling law) and, for a sparse top-k teacher, whether the mass the target puts outside
@@ -73,7 +74,8 @@ class Teacher:
     """The target's next-token law at each position t (the law of token t+1), on the draft vocab."""
 
     argmax: torch.Tensor  # [B, T] long: the target's greedy token over the full vocab (or [N] rows: `at_rows`)
-    logp: torch.Tensor | None = None  # [B, T, Vd] float32: dense log-probs renormalised over the draft vocab
+    p: torch.Tensor | None = None  # [B, T, Vd] float32: dense probabilities renormalised over the draft vocab
+    p_log_p: torch.Tensor | None = None  # [B, T] float32: sum_v p log p of `p` (once per position, not per step)
     sparse_ids: torch.Tensor | None = None  # [B, T, k] long: draft ids of the top-k (-1: outside the draft vocab)
     sparse_p: torch.Tensor | None = None  # [B, T, k] float32: their probabilities renormalised over the draft vocab
     rest_p: torch.Tensor | None = None  # [B, T] float32: the draft-vocab mass outside the top-k (TeacherShape.rest_mass)
@@ -83,13 +85,13 @@ class Teacher:
         def pick(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else gather_positions(x, flat)
 
-        return Teacher(argmax=pick(self.argmax), logp=pick(self.logp), sparse_ids=pick(self.sparse_ids),
-                       sparse_p=pick(self.sparse_p), rest_p=pick(self.rest_p))
+        return Teacher(argmax=pick(self.argmax), p=pick(self.p), p_log_p=pick(self.p_log_p),
+                       sparse_ids=pick(self.sparse_ids), sparse_p=pick(self.sparse_p), rest_p=pick(self.rest_p))
 
     @property
     def has_mass(self) -> torch.Tensor:
         """[B, T] (or [N]) bool: the teacher puts some probability on the draft vocab at this position."""
-        if self.logp is not None:
+        if self.p is not None:
             return torch.ones_like(self.argmax, dtype=torch.bool)
         return self.sparse_p.sum(-1) > 0
 
@@ -98,25 +100,52 @@ def dense_teacher(logits: torch.Tensor, vocab: VocabMap, shape: TeacherShape = T
     """From full target logits [B, T, V]."""
     with torch.no_grad():
         restricted = logits if vocab.full else logits.index_select(-1, vocab.draft_to_target)  # [B, T, Vd]
-        return Teacher(argmax=logits.argmax(-1), logp=F.log_softmax(restricted.float() / shape.temperature, dim=-1))
+        p, p_log_p = _dense_law(restricted, shape.temperature)
+        return Teacher(argmax=logits.argmax(-1), p=p, p_log_p=p_log_p)
+
+
+def _dense_law(restricted_logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft-vocab logits [..., Vd] -> (probabilities [..., Vd] float32, sum_v p log p [...])."""
+    logp = F.log_softmax(restricted_logits.float() / temperature, dim=-1)
+    p = logp.exp()
+    return p, (p * logp).sum(-1)
+
+
+def teacher_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the positions whose law the loss reads. Step k at t reads the teacher at p = t+1+k and counts
+    when token t+2+k = p+1 is a real assistant token (`models.base.step_valid_mask`), whatever k."""
+    needed = torch.zeros_like(loss_mask, dtype=torch.bool)
+    needed[:, :-1] = (loss_mask[:, 1:] > 0) & (attention_mask[:, 1:] > 0)
+    return needed
 
 
 def hidden_teacher(last_hidden: torch.Tensor, lm_head: torch.Tensor, vocab: VocabMap, chunk: int = 2048,
-                   shape: TeacherShape = TeacherShape()) -> Teacher:
+                   shape: TeacherShape = TeacherShape(), needed: torch.Tensor | None = None) -> Teacher:
     """Recompute the teacher from the target's post-norm last hidden state [B, T, H] and lm_head [V, H].
 
-    Only the draft-vocab rows are multiplied for the log-probs; the full-vocab argmax is computed in chunks of
-    positions so no [B, T, V] float32 tensor is ever materialised for a reduced draft vocab."""
+    One product with the whole lm_head per chunk of positions gives both the full-vocab argmax and the draft-vocab
+    columns of the log-probs, so no [B, T, V] float32 tensor is ever materialised for a reduced draft vocab. With
+    `needed` ([B, T] bool, `teacher_positions`) only those positions are computed; the others hold argmax -1 and
+    NaN probabilities, so a read of one is loud."""
     with torch.no_grad():
-        h = last_hidden.to(lm_head.dtype)
-        t = shape.temperature
-        if vocab.full:
-            logits = h @ lm_head.T  # [B, T, V]
-            return Teacher(argmax=logits.argmax(-1), logp=F.log_softmax(logits.float() / t, dim=-1))
-        restricted = h @ lm_head.index_select(0, vocab.draft_to_target).T  # [B, T, Vd]
-        flat = h.reshape(-1, h.shape[-1])  # [B*T, H]
-        argmax = torch.cat([(flat[i:i + chunk] @ lm_head.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
-        return Teacher(argmax=argmax.view(h.shape[:-1]), logp=F.log_softmax(restricted.float() / t, dim=-1))
+        b, t, hdim = last_hidden.shape
+        flat = last_hidden.reshape(b * t, hdim)  # [B*T, H]
+        at = None if needed is None else needed.flatten().nonzero().squeeze(-1)  # [N] flat positions
+        rows = (flat if at is None else flat.index_select(0, at)).to(lm_head.dtype)  # [N, H]
+        vd = vocab.draft_to_target.numel()
+        argmax = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)  # [N]
+        p = torch.empty(rows.shape[0], vd, dtype=torch.float32, device=rows.device)  # [N, Vd]
+        p_log_p = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)  # [N]
+        for i in range(0, rows.shape[0], chunk):
+            logits = rows[i:i + chunk] @ lm_head.T  # [n, V]
+            argmax[i:i + chunk] = logits.argmax(-1)
+            restricted = logits if vocab.full else logits.index_select(-1, vocab.draft_to_target)  # [n, Vd]
+            p[i:i + chunk], p_log_p[i:i + chunk] = _dense_law(restricted, shape.temperature)
+        if at is not None:
+            argmax = argmax.new_full((b * t,), -1).index_copy_(0, at, argmax)  # [B*T]
+            p = p.new_full((b * t, vd), float("nan")).index_copy_(0, at, p)  # [B*T, Vd]
+            p_log_p = p_log_p.new_full((b * t,), float("nan")).index_copy_(0, at, p_log_p)  # [B*T]
+        return Teacher(argmax=argmax.view(b, t), p=p.view(b, t, vd), p_log_p=p_log_p.view(b, t))
 
 
 def sparse_teacher(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab: VocabMap,
@@ -162,16 +191,17 @@ def _step_loss(draft_logits: torch.Tensor, teacher: Teacher, kind: str = "kl") -
     """The loss `kind` (see the module docstring) of draft logits [..., Vd] against a teacher aligned with them
     (`Teacher.at_rows`: every field's leading dims are the logits').  -> [...]"""
     logq = F.log_softmax(draft_logits.float(), dim=-1)  # [..., Vd]
-    if teacher.logp is not None:
-        p = teacher.logp.exp()  # [..., Vd]
+    if teacher.p is not None:
+        p = teacher.p  # [..., Vd]
         logq_p = logq  # q's log-probs where p lives
         rest = None
+        kl = teacher.p_log_p - (p * logq).sum(-1)  # [...]
     else:
         ids = teacher.sparse_ids  # [..., k]
         p = teacher.sparse_p  # [..., k]
         logq_p = logq.gather(-1, ids.clamp_min(0)) + torch.where(ids >= 0, 0.0, float("-inf"))  # [..., k]
         rest = teacher.rest_p  # [...] or None
-    kl = (torch.xlogy(p, p) - p * logq_p.clamp_min(-1e4)).sum(-1)  # [...]
+        kl = (torch.xlogy(p, p) - p * logq_p.clamp_min(-1e4)).sum(-1)  # [...]
     if rest is not None:  # the rest bucket: q's mass outside the top-k ids
         q_rest = (1.0 - logq_p.exp().sum(-1)).clamp_min(1e-12)
         kl = kl + torch.xlogy(rest, rest) - rest * q_rest.log()

@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from speculators.train.loss import VocabMap, dense_teacher, hidden_teacher, sparse_teacher, speculator_loss
+from speculators.train.loss import (
+    VocabMap,
+    dense_teacher,
+    hidden_teacher,
+    sparse_teacher,
+    speculator_loss,
+    teacher_positions,
+)
 
 
 def _kl(p: list[float], logq: list[float]) -> float:
@@ -73,7 +80,33 @@ def test_hidden_teacher_equals_dense_teacher_of_the_same_logits() -> None:
     vocab = VocabMap.build(torch.tensor([1, 4, 6, 7, 10]), 11)
     a, b = hidden_teacher(h, lm, vocab, chunk=3), dense_teacher(h @ lm.T, vocab)
     assert torch.equal(a.argmax, b.argmax)
-    assert torch.allclose(a.logp, b.logp, atol=1e-5)
+    assert torch.allclose(a.p, b.p, atol=1e-5) and torch.allclose(a.p_log_p, b.p_log_p, atol=1e-5)
+
+
+def test_hidden_teacher_at_the_needed_positions_only_gives_the_same_loss() -> None:
+    """The positions the loss reads (`teacher_positions`) are computed exactly as without the restriction, the
+    others are NaN and argmax -1, and the loss, step losses and accuracies are unchanged."""
+    torch.manual_seed(3)
+    b, t, h_dim, v, k_steps = 2, 9, 6, 13, 3
+    h, lm = torch.randn(b, t, h_dim), torch.randn(v, h_dim)
+    vocab = VocabMap.build(torch.tensor([0, 2, 3, 5, 8, 9, 12]), v)
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 1, 1, 1, 1, 1, 0, 0]])
+    attn = torch.tensor([[1] * 9, [1] * 7 + [0, 0]])
+    needed = teacher_positions(loss_mask, attn)
+    assert needed.tolist() == [[False, False, True, True, True, False, True, True, False],
+                               [True, True, True, True, True, True, False, False, False]]
+    full = hidden_teacher(h, lm, vocab, chunk=4)
+    part = hidden_teacher(h, lm, vocab, chunk=4, needed=needed)
+    assert torch.equal(part.argmax[needed], full.argmax[needed]) and (part.argmax[~needed] == -1).all()
+    assert torch.allclose(part.p[needed], full.p[needed], atol=1e-6) and part.p[~needed].isnan().all()
+    draft = [torch.randn(b, t, 7) for _ in range(k_steps)]
+    weights = [1.0, 0.8, 0.64]
+    a = speculator_loss(draft, full, loss_mask, attn, weights, vocab, with_alpha=True)
+    c = speculator_loss(draft, part, loss_mask, attn, weights, vocab, with_alpha=True)
+    assert torch.isfinite(c.loss) and c.loss.item() == pytest.approx(a.loss.item(), rel=1e-6)
+    assert c.step_kl == pytest.approx(a.step_kl, rel=1e-6)
+    assert torch.equal(c.correct, a.correct) and torch.equal(c.counted, a.counted)
+    assert torch.equal(c.alpha, a.alpha)
 
 
 def test_sparse_teacher_restricts_renormalises_and_masks_positions_without_mass() -> None:
@@ -211,7 +244,7 @@ def test_teacher_temperature_and_rest_mass() -> None:
     logp_full = torch.log_softmax(logits, -1)
     # temperature: the dense teacher is the tempered law restricted to the draft vocab
     t = dense_teacher(logits.expand(1, 1, v), vocab, TeacherShape(temperature=0.5))
-    torch.testing.assert_close(t.logp[0, 0], torch.log_softmax(logits[:5] / 0.5, -1))
+    torch.testing.assert_close(t.p[0, 0], torch.softmax(logits[:5] / 0.5, -1))
     # top-3 + rest: the stored probabilities are kept and the remaining draft-vocab mass is one bucket
     ids = torch.tensor([[[0, 1, 5]]])
     lp = logp_full[ids]
