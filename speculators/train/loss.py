@@ -108,7 +108,7 @@ def _dense_law(restricted_logits: torch.Tensor, temperature: float) -> tuple[tor
     """Draft-vocab logits [..., Vd] -> (probabilities [..., Vd] float32, sum_v p log p [...])."""
     logp = F.log_softmax(restricted_logits.float() / temperature, dim=-1)
     p = logp.exp()
-    return p, (p * logp).sum(-1)
+    return p, torch.xlogy(p, p).sum(-1)  # 0 where p underflows (a -inf logit gives 0 * -inf otherwise)
 
 
 def teacher_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -263,3 +263,13 @@ def test_teacher_temperature_and_rest_mass() -> None:
     assert _step_loss(draft[0, :1], aligned, "kl")[0].item() == pytest.approx(want_kl.item(), rel=1e-5)
     want_alpha = torch.minimum(p2, q[:2]).sum() + torch.minimum(rest, q_rest)
     assert _step_loss(draft[0, :1], aligned, "tv")[0].item() == pytest.approx(1 - want_alpha.item(), rel=1e-5)
+
+
+def test_dense_teacher_with_masked_logits_keeps_a_finite_loss() -> None:
+    """Targets that mask tokens with -inf logits: the teacher's entropy term and the loss stay finite."""
+    logits = torch.tensor([[[2.0, float("-inf"), 0.5, -1.0]]])  # [1, 1, 4]
+    vocab = VocabMap.build(torch.arange(4), 4)
+    teacher = dense_teacher(logits.expand(1, 4, 4).contiguous(), vocab)
+    assert torch.isfinite(teacher.p_log_p).all() and teacher.p[0, 0, 1] == 0
+    out = speculator_loss([torch.randn(1, 4, 4)], teacher, torch.ones(1, 4), torch.ones(1, 4), [1.0], vocab)
+    assert torch.isfinite(out.loss)
