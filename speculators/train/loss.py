@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from speculators.models.base import gather_positions, select_rows, step_rows
+from speculators.models.base import gather_positions, select_rows, step_rows, step_valid_mask
 
 TOPK = 8  # ranks measured for per-step top-k accuracy (Medusa static trees are built from it)
 LOSSES = ("kl", "tv", "lk", "hybrid")
@@ -114,9 +114,7 @@ def _dense_law(restricted_logits: torch.Tensor, temperature: float) -> tuple[tor
 def teacher_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] bool: the positions whose law the loss reads. Step k at t reads the teacher at p = t+1+k and counts
     when token t+2+k = p+1 is a real assistant token (`models.base.step_valid_mask`), whatever k."""
-    needed = torch.zeros_like(loss_mask, dtype=torch.bool)
-    needed[:, :-1] = (loss_mask[:, 1:] > 0) & (attention_mask[:, 1:] > 0)
-    return needed
+    return step_valid_mask(loss_mask, attention_mask, -1)
 
 
 def hidden_teacher(last_hidden: torch.Tensor, lm_head: torch.Tensor, vocab: VocabMap, chunk: int = 2048,
