@@ -15,8 +15,12 @@ leaves speculation only when plain decoding is clearly (5%) faster. While drafti
 `explore_every`-th speculative cycle drafts one level deeper than the best depth: acceptance at a depth is only
 observed when that depth is drafted, so without it a depth that once looked poor would never be tried again (on the
 house target the estimates of depths 3-5 stayed at their first low values while fixed depth-5 trees committed 3.5
-tokens per cycle against the controller's 2.5). A request starts from the engine's previous estimate pulled halfway
-back to a neutral default.
+tokens per cycle against the controller's 2.5). A request starts from the engine's `AcceptanceMemory`: the
+acceptance of every earlier request's cycles at the same temperature (counts that decay over a few hundred cycles),
+regularised towards the next shallower depth's estimate where a depth was rarely drafted. It used to start from the
+previous request's estimate pulled halfway back to a neutral 0.6, whatever that request's temperature: the house
+EAGLE-3 export's depths 3-5 then stayed near 0.6 against a measured 0.75-0.85, and at T = 1 the controller drafted
+depth 2 in most cycles (tau 2.3-2.8 adaptive vs 3.0 for fixed depth-5 chains, and slower than those chains).
 Speculation is off from the start for short outputs (max_new_tokens < `short_output_tokens`).
 
 Tree kinds: the same model chooses WHAT to draft. Given `kinds` (the configured tree kind first; at T > 0 with a
@@ -37,6 +41,7 @@ Not here: tree shapes (drafters), timing the cycles (the engine measures and rep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from speculators.metrics import simulated_tau
 
@@ -50,13 +55,20 @@ class CostModel:
     Cycle costs are kept per size bucket (1, 2-3, 4-7, 8-15, ... nodes: an EWMA of the node count and of the
     seconds seen in each bucket) and interpolated piecewise-linearly between buckets: on CPUs a 1-token forward
     (matrix-vector products) is much cheaper than a 2-token one, after which the cost grows slowly, so one straight
-    line fits badly."""
+    line fits badly.
+
+    The buckets hold every kind's cycles (the calibration's are greedy chains), but a cycle also costs what its tree's
+    shape and verifier cost: a sampled tree's forward runs an ancestor mask and traversal verification makes target
+    laws for more nodes (house target, T = 1, depth 5: 9.1 ms per cycle for a sampled tree of 11 nodes, 7.5 ms for a
+    chain of 6). `excess` keeps, per kind, an EWMA of how much longer (or shorter) its cycles took than the buckets
+    predicted, and `rate` adds it."""
 
     points: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean nodes, mean seconds)
     # per tree kind ("" when the caller drafts one kind only): depth -> proposing seconds per cycle (absorb: below)
     draft: dict[str, dict[int, float]] = field(default_factory=dict)
     nodes: dict[str, dict[int, float]] = field(default_factory=dict)  # kind -> depth -> verified draft nodes
     absorb: float | None = None  # seconds the drafter takes to absorb one cycle's committed tokens
+    excess: dict[str, float] = field(default_factory=dict)  # kind -> its cycles' seconds beyond `cycle(nodes)`
     smoothing: float = 0.2
 
     @staticmethod
@@ -86,14 +98,20 @@ class CostModel:
         `simulated_tau`. The ONE formula the adaptive controller and the speedup oracle (`oracle.py`) share."""
         if depth == 0:
             return 1.0 / max(self.cycle(1), 1e-9)
-        seconds = self.draft_cost(depth, kind) + self.cycle(1 + self.draft_nodes(depth, kind))
+        seconds = self.draft_cost(depth, kind) + self.cycle_of(1 + self.draft_nodes(depth, kind), kind)
         return simulated_tau(acceptance[:depth]) / max(seconds, 1e-9)
 
     def set_cycle(self, nodes: int, seconds: float) -> None:
         """Seed one size from a calibration run."""
         self.points[self._bucket(nodes)] = (float(nodes), seconds)
 
-    def observe_cycle(self, nodes: int, seconds: float) -> None:
+    def observe_cycle(self, nodes: int, seconds: float, kind: str = "") -> None:
+        """A measured cycle of `nodes` nodes (root included) of a `kind` tree ("" = the root alone, or not known)."""
+        if kind and self.points:  # the kind's difference from the shared buckets (a spike moves it by <= 1 cycle)
+            predicted = self.cycle(nodes)
+            gap = min(max(seconds - predicted, -0.5 * predicted), predicted)
+            old = self.excess.get(kind)
+            self.excess[kind] = gap if old is None else old + self.smoothing * (gap - old)
         b = self._bucket(nodes)
         if b not in self.points:
             self.points[b] = (float(nodes), seconds)
@@ -140,10 +158,15 @@ class CostModel:
         return 1 in self.points and len(self.points) >= 2
 
     def cycle(self, nodes: float) -> float:
-        """Interpolated seconds of a cycle verifying `nodes` nodes (root included)."""
+        """Interpolated seconds of a cycle verifying `nodes` nodes (root included). A bigger cycle is taken to cost
+        at least what any smaller one measured: noisy buckets had rated a 4-node cycle at 4.9 ms under a 1-node one's
+        5.8, and the controller then drafted depth 2-3 chains where depth 5 decodes faster."""
         if not self.points:
             return 0.0
-        pts = sorted(self.points.values())
+        pts, most = [], 0.0
+        for n, t in sorted(self.points.values()):
+            most = max(most, t)
+            pts.append((n, most))
         if nodes <= pts[0][0] or len(pts) == 1:
             return pts[0][1]
         for (n0, t0), (n1, t1) in zip(pts, pts[1:], strict=False):
@@ -152,13 +175,70 @@ class CostModel:
         (n0, t0), (n1, t1) = pts[-2], pts[-1]
         return t1 + max(0.0, (t1 - t0) / max(n1 - n0, 1e-9)) * (nodes - n1)
 
+    def cycle_of(self, nodes: float, kind: str = "") -> float:
+        """Seconds of a cycle verifying `nodes` nodes of a `kind` tree: `cycle` + the kind's measured excess."""
+        return self.cycle(nodes) + self.excess.get(kind, 0.0)
+
     def to_dict(self) -> dict:
         ms = lambda x: None if x is None else round(1000 * x, 3)  # noqa: E731
         return {"cycle_ms_by_nodes": {str(round(n, 1)): ms(t) for n, t in sorted(self.points.values())},
+                "cycle_excess_ms_by_kind": {k: ms(v) for k, v in sorted(self.excess.items())},
                 "draft_ms_by_depth": {k: {str(d): ms(t) for d, t in sorted(v.items())} for k, v in self.draft.items()},
                 "absorb_ms": ms(self.absorb),
                 "draft_nodes_by_depth": {k: {str(d): round(n, 2) for d, n in sorted(v.items())}
                                          for k, v in self.nodes.items()}}
+
+
+@dataclass
+class AcceptanceMemory:
+    """Per-position acceptance of an engine's earlier cycles, by temperature and tree kind: what a new request's
+    estimates start from.
+
+    For each (temperature, kind) it keeps per depth k the decayed counts of cycles that reached depth k (all
+    shallower drafts accepted) and of those that accepted it; a request adds its own counts when it ends, after the
+    older ones decay by 0.5 per `half_life` cycles of the new request, so the memory follows a workload that
+    changes. The estimate at depth k is (hits + w * c) / (tries + w), with `prior_weight` pseudo-cycles w at
+    c = the estimate at depth k - 1 (`default` at depth 0): a depth that is rarely drafted is believed to be about
+    as good as the one above it rather than a fixed 0.6, which kept deep drafts from ever being chosen.
+    Temperatures are kept to one decimal (0 = greedy; all above 2 as 2); a temperature not yet seen starts from the
+    nearest one seen of the same kind."""
+
+    MAX_BUCKET: ClassVar[float] = 2.0
+    half_life: float = 512.0
+    prior_weight: float = 4.0
+    default: float = 0.6
+    counts: dict[tuple[float, str], list[tuple[float, float]]] = field(default_factory=dict)  # -> [(tries, hits)]
+
+    @staticmethod
+    def bucket(temperature: float) -> float:
+        """Temperatures to one decimal, those above `MAX_BUCKET` together: at most 21 keys per kind, whatever
+        temperatures clients send."""
+        return min(round(float(temperature), 1), AcceptanceMemory.MAX_BUCKET)
+
+    def add(self, temperature: float, kind: str, counts: list[tuple[int, int]], cycles: int) -> None:
+        """Fold one request's per-depth (tries, hits) of `kind` into the memory; `cycles`: how many speculative
+        cycles that request drafted (they set how much the older counts decay)."""
+        if not any(tries for tries, _ in counts):
+            return
+        key = (self.bucket(temperature), kind)
+        decay = 0.5 ** (cycles / self.half_life)
+        old = self.counts.get(key, [])
+        size = max(len(old), len(counts))
+        pad = lambda xs: list(xs) + [(0, 0)] * (size - len(xs))  # noqa: E731
+        self.counts[key] = [(decay * t0 + t1, decay * h0 + h1) for (t0, h0), (t1, h1) in zip(pad(old), pad(counts),
+                                                                                            strict=True)]
+
+    def estimates(self, temperature: float, kind: str, depth: int) -> list[float]:
+        """[depth] per-position acceptance estimates of `kind` at `temperature` (see the class docstring)."""
+        seen = [b for b, k in self.counts if k == kind and (b == 0) == (self.bucket(temperature) == 0)]
+        near = min(seen, key=lambda b: abs(b - self.bucket(temperature)), default=None)
+        counts = self.counts.get((near, kind), []) if near is not None else []
+        out, centre = [], self.default
+        for k in range(depth):
+            tries, hits = counts[k] if k < len(counts) else (0.0, 0.0)
+            centre = (hits + self.prior_weight * centre) / (tries + self.prior_weight)
+            out.append(centre)
+        return out
 
 
 @dataclass
@@ -169,7 +249,7 @@ class AdaptiveDepth:
     max_depth: int
     max_new_tokens: int
     enabled: bool = True
-    # a_k seeds (engine-wide estimate): of the first kind, or per kind
+    # a_k seeds (the engine's `AcceptanceMemory`): of the first kind, or per kind; `default_acceptance` elsewhere
     prior: list[float] | dict[str, list[float]] = field(default_factory=list)
     short_output_tokens: int = 8
     probe_every: int = 8
@@ -181,12 +261,12 @@ class AdaptiveDepth:
     kinds: tuple[str, ...] = ("",)  # tree kinds to choose among (cost model keys); the first is the configured one
 
     def __post_init__(self) -> None:
-        # start from the engine's last estimate pulled halfway back to the default, so one bad request does
-        # not keep the next one from drafting
         priors = self.prior if isinstance(self.prior, dict) else {self.kinds[0]: self.prior}
         self.estimates: dict[str, list[float]] = {
-            kind: [0.5 * (priors.get(kind, [])[k] + self.default_acceptance) if k < len(priors.get(kind, []))
-                   else self.default_acceptance for k in range(self.max_depth)] for kind in self.kinds}
+            kind: [priors.get(kind, [])[k] if k < len(priors.get(kind, [])) else self.default_acceptance
+                   for k in range(self.max_depth)] for kind in self.kinds}
+        # per kind and depth: (cycles that reached the depth, cycles that accepted it), for the engine's memory
+        self.counts: dict[str, list[tuple[int, int]]] = {kind: [(0, 0)] * self.max_depth for kind in self.kinds}
         self.kind = self.kinds[0]  # the kind of the last choice
         self.depth_histogram: dict[int, int] = {}
         self.kind_histogram: dict[str, int] = {}
@@ -290,10 +370,11 @@ class AdaptiveDepth:
     def observe(self, drafted_depth: int, accepted: int, kind: str | None = None) -> None:
         """Update a_k of `kind` (default: the last chosen) for the depths this cycle tried (a depth is tried iff all
         shallower ones were accepted)."""
-        estimate = self.estimates[kind or self.kind]
+        estimate, counts = self.estimates[kind or self.kind], self.counts[kind or self.kind]
         for k in range(min(drafted_depth, accepted + 1)):
             hit = 1.0 if accepted > k else 0.0
             estimate[k] += self.smoothing * (hit - estimate[k])
+            counts[k] = (counts[k][0] + 1, counts[k][1] + int(hit))
 
     def report(self) -> dict:
         return {

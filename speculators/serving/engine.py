@@ -56,7 +56,7 @@ from speculators.core.sampling import SamplingParams, logits_to_probs
 from speculators.core.trees import DraftTree, ancestor_mask
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
-from speculators.serving.adaptive import AdaptiveDepth, CostModel
+from speculators.serving.adaptive import AcceptanceMemory, AdaptiveDepth, CostModel
 from speculators.serving.calibration import SAMPLED_KINDS, calibrate_drafting, calibrate_verification
 from speculators.serving.drafters import (
     DrafterInfo,
@@ -114,6 +114,7 @@ class _RequestState:
     root: int  # the last committed token (not yet in the target's cache)
     wants_ids: bool  # the drafter absorbs token ids with the features
     enders: set[int]  # EOS ids + the request's stop_token_ids
+    temperature: float  # 0 = greedy: the key of the engine's acceptance memory
 
 
 class Engine:
@@ -136,7 +137,7 @@ class Engine:
         self.eos_ids = set(eos_token_ids(getattr(target.model, "generation_config", None), self.tokenizer))
         self.prefix_caching = prefix_caching
         self.cost = CostModel()
-        self._acceptance_prior: dict[str, list[float]] = {}  # per tree kind, from the previous adaptive request
+        self.acceptance_memory = AcceptanceMemory()  # every request's acceptance, where the next one starts
         self.totals = AcceptanceStats()  # over every request served (the server's /metrics reads it)
 
     # ---- construction -------------------------------------------------------------------------------------------
@@ -367,13 +368,15 @@ class Engine:
         stats.prefill_seconds = time.perf_counter() - t0
         seeded = params.seed is not None and not params.greedy
         adaptive = self.adaptive and not seeded
-        ctrl = AdaptiveDepth(cost=self.cost, max_depth=self.tree.depth if self.speculative else 0,
-                             max_new_tokens=params.max_new_tokens, enabled=adaptive, prior=self._acceptance_prior,
-                             kinds=self.kinds_for(params, adaptive))
+        kinds, depth = self.kinds_for(params, adaptive), self.tree.depth if self.speculative else 0
+        temperature = 0.0 if params.greedy else params.temperature
+        prior = {kind: self.acceptance_memory.estimates(temperature, kind, depth) for kind in kinds}
+        ctrl = AdaptiveDepth(cost=self.cost, max_depth=depth, max_new_tokens=params.max_new_tokens, enabled=adaptive,
+                             prior=prior, kinds=kinds)
         if seeded and self.adaptive and ctrl.mode.startswith("fixed"):
             ctrl.mode += " (seeded sampled request: reproducible)"
         return _RequestState(generator, state, pending, ctrl, prompt_ids[-1], wants_ids,
-                             self.eos_ids | set(params.stop_token_ids or ()))
+                             self.eos_ids | set(params.stop_token_ids or ()), temperature)
 
     def _draft(self, req: _RequestState, kind: str, depth: int, remaining: int, params: SamplingParams,
                cache: StaticKVCache) -> tuple[DraftTree, float]:
@@ -402,12 +405,13 @@ class Engine:
             req.ctrl.observe(min(tree.max_depth, depth), min(accepted, depth), kind)
             self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose, kind)
         if not shared:  # a forward shared with other requests says little about this tree's cost
-            self.cost.observe_cycle(tree.size, t_done - t_verify)
+            self.cost.observe_cycle(tree.size, t_done - t_verify, kind if tree.max_depth > 0 else "")
 
     def _close_request(self, req: _RequestState, stats: GenerationStats) -> None:
         stats.adaptive = req.ctrl.report()
-        if req.ctrl.mode == "adaptive":  # the next request starts from this one's acceptance estimates
-            self._acceptance_prior = {k: list(v) for k, v in req.ctrl.estimates.items()}
+        cycles = sum(req.ctrl.kind_histogram.values())  # the next requests start from this one's acceptance too
+        for kind, counts in req.ctrl.counts.items():
+            self.acceptance_memory.add(req.temperature, kind, counts, cycles)
 
     def tree_for(self, depth: int, kind: str | None = None) -> TreeConfig:
         """The tree settings of one cycle: the chosen kind (default: the configured one) at the chosen depth

@@ -58,8 +58,8 @@ class _FixedCosts(CostModel):
     def set_cycle(self, nodes: int, seconds: float) -> None:
         super().set_cycle(nodes, self.CYCLE_SECONDS)
 
-    def observe_cycle(self, nodes: int, seconds: float) -> None:
-        super().observe_cycle(nodes, self.CYCLE_SECONDS)
+    def observe_cycle(self, nodes: int, seconds: float, kind: str = "") -> None:
+        super().observe_cycle(nodes, self.CYCLE_SECONDS, kind)
 
     def set_draft(self, depth: int, drafted_nodes: int, seconds: float, kind: str = "") -> None:
         super().set_draft(depth, drafted_nodes, 0.0, kind)

@@ -4,8 +4,9 @@ loses (with periodic probes), every choice reported; the engine stays lossless e
 from __future__ import annotations
 
 from speculators.config import TreeConfig
+from speculators.metrics import simulated_tau
 from speculators.serving import Engine, SamplingParams
-from speculators.serving.adaptive import AdaptiveDepth, CostModel
+from speculators.serving.adaptive import AcceptanceMemory, AdaptiveDepth, CostModel
 from tests.unit.serving.runtime_helpers import hf_greedy, loaded_target, single_thread  # noqa: F401
 
 
@@ -90,10 +91,36 @@ def test_the_kind_with_the_best_expected_rate_is_drafted_and_others_are_explored
     report = ctrl.report()
     assert sum(report["kind_histogram"].values()) == 16 and set(report["acceptance_by_kind"]) == set(kinds)
     assert set(report["cost"]["draft_ms_by_depth"]) >= set(kinds)
-    # a request starts from the engine's per-kind estimates (pulled halfway back to the default)
+    # a request starts from the engine's per-kind estimates (the default where it has none)
     seeded = AdaptiveDepth(cost=_kinds_cost(), max_depth=2, max_new_tokens=100, kinds=kinds,
-                           prior={"chain": [1.0, 1.0]})
-    assert seeded.estimates["chain"] == [0.8, 0.8] and seeded.estimates["sampled"] == [0.6, 0.6]
+                           prior={"chain": [1.0, 0.9]})
+    assert seeded.estimates["chain"] == [1.0, 0.9] and seeded.estimates["sampled"] == [0.6, 0.6]
+    seeded.observe(drafted_depth=2, accepted=1, kind="chain")
+    seeded.observe(drafted_depth=2, accepted=0, kind="chain")
+    assert seeded.counts["chain"] == [(2, 1), (1, 0)] and seeded.counts["sampled"] == [(0, 0), (0, 0)]
+
+
+def test_acceptance_memory_pools_requests_by_temperature_and_kind() -> None:
+    memory = AcceptanceMemory(half_life=100.0, prior_weight=4.0, default=0.6)
+    assert memory.estimates(1.0, "chain", 3) == [0.6, 0.6, 0.6]  # nothing seen yet
+    memory.add(1.0, "chain", [(16, 12), (12, 12), (0, 0)], cycles=16)
+    a = memory.estimates(1.0, "chain", 3)
+    assert a[0] == (12 + 4 * 0.6) / (16 + 4)
+    assert a[1] == (12 + 4 * a[0]) / (12 + 4)  # a rarely drafted depth leans on the one above it, not on 0.6
+    assert a[2] == a[1]  # never drafted: as good as the depth above
+    assert memory.estimates(0.96, "chain", 1) == a[:1] and memory.estimates(0.7, "chain", 1) == a[:1]  # nearest T
+    assert memory.estimates(0.0, "chain", 1) == [0.6]  # greedy never borrows from sampled requests
+    assert memory.estimates(1.0, "sampled", 1) == [0.6]  # nor one kind from another
+    memory.add(1.0, "chain", [(0, 0)], cycles=5)  # a request that never drafted the kind changes nothing
+    assert memory.estimates(1.0, "chain", 3) == a
+    memory.add(1.0, "chain", [(10, 0)], cycles=100)  # older counts weigh half after `half_life` cycles
+    tries, hits = memory.counts[(1.0, "chain")][0]
+    assert (tries, hits) == (16 * 0.5 + 10, 12 * 0.5) and memory.counts[(1.0, "chain")][1] == (6.0, 6.0)
+    memory.add(0.7, "chain", [(4, 4)], cycles=4)
+    assert memory.estimates(0.75, "chain", 1) == [(4 + 4 * 0.6) / 8]  # 0.75 rounds to 0.8: nearest is 0.7
+    for t in range(3, 1000):  # clients' temperatures cannot grow the memory without bound
+        memory.add(t + 0.5, "chain", [(1, 1)], cycles=1)
+    assert {b for b, _ in memory.counts} == {0.7, 1.0, 2.0}
 
 
 def test_cheap_verification_prefers_depth_over_plain() -> None:
@@ -117,6 +144,10 @@ def test_cost_model_interpolates_and_ignores_preempted_spikes() -> None:
     assert abs(c.cycle(5) - 0.015) < 1e-9 and abs(c.cycle(16) - 0.016 - 8 * 0.002 / 6) < 1e-9
     c.observe_cycle(1, 5.0)  # a cycle that lost the CPU
     assert c.cycle(1) < 0.02
+    noisy = CostModel()  # buckets that say 4 nodes cost less than 1: read as costing what 1 node costs
+    for nodes, seconds in ((1, 0.006), (4, 0.005), (10, 0.011)):
+        noisy.set_cycle(nodes, seconds)
+    assert noisy.cycle(1) == noisy.cycle(4) == 0.006 and abs(noisy.cycle(7) - 0.0085) < 1e-12
     c.observe_draft(depth=2, drafted_nodes=6, seconds=0.004)
     assert c.draft_nodes(2) == 6 and abs(c.draft_nodes(4) - 12) < 1e-9 and abs(c.draft_cost(1) - 0.002) < 1e-9
     c.observe_absorb(0.001)
@@ -125,7 +156,23 @@ def test_cost_model_interpolates_and_ignores_preempted_spikes() -> None:
     assert abs(c.absorb - (0.001 - 0.2 * 0.0005)) < 1e-12
     c.set_draft(3, 6, 0.003)
     assert c.draft_nodes(3) == 6 and abs(c.draft_cost(3) - c.absorb - 0.003) < 1e-12
-    assert set(c.to_dict()) == {"cycle_ms_by_nodes", "draft_ms_by_depth", "absorb_ms", "draft_nodes_by_depth"}
+    assert set(c.to_dict()) == {"cycle_ms_by_nodes", "cycle_excess_ms_by_kind", "draft_ms_by_depth", "absorb_ms",
+                                "draft_nodes_by_depth"}
+
+
+def test_a_kind_whose_cycles_cost_more_than_their_size_says_is_rated_by_its_own_cost() -> None:
+    c = _kinds_cost()
+    predicted = c.cycle(9)
+    c.observe_cycle(9, predicted + 0.004, kind="sampled")  # a sampled tree's cycle: 4 ms over the shared buckets
+    assert abs(c.excess["sampled"] - 0.004) < 1e-12 and "chain" not in c.excess
+    assert abs(c.cycle_of(9, "sampled") - c.cycle(9) - 0.004) < 1e-12 and c.cycle_of(9, "chain") == c.cycle(9)
+    a = [0.8] * 4  # the controller's rate prices the excess in
+    seconds = c.draft_cost(4, "sampled") + c.cycle(1 + c.draft_nodes(4, "sampled")) + 0.004
+    assert abs(simulated_tau(a) / c.rate(a, 4, "sampled") - seconds) < 1e-12
+    c.observe_cycle(9, 5.0, kind="sampled")  # a preempted cycle (5 s) moves the excess by at most one cycle's worth
+    assert c.excess["sampled"] < 0.004 + c.smoothing * 0.03
+    c.observe_cycle(1, 0.001)  # root-only (plain) cycles carry no kind
+    assert set(c.excess) == {"sampled"}
 
 
 def test_engine_reports_choices_and_stays_lossless(tiny_llama) -> None:

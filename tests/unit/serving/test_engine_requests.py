@@ -164,4 +164,5 @@ def test_adaptive_sampled_requests_choose_among_kinds(tiny_llama, tmp_path, monk
     assert [m for _, m in modes[:3]] == ["deterministic", "block", "traversal"]
     assert [n for n, _ in modes[1:3]] == [3, 5]  # chain of 2; spine of 2 with a sibling per level (never grafted)
     assert set(adaptive["cost"]["draft_ms_by_depth"]) == {"dynamic", "chain", "sampled"}  # all calibrated
-    assert set(eng._acceptance_prior) == {"dynamic", "chain", "sampled"}  # per kind, for the next request
+    # every kind's acceptance at T = 1 is kept for the next requests (per temperature and kind)
+    assert set(eng.acceptance_memory.counts) == {(1.0, "dynamic"), (1.0, "chain"), (1.0, "sampled")}
