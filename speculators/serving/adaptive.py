@@ -20,7 +20,9 @@ acceptance of every earlier request's cycles at the same temperature (counts tha
 regularised towards the next shallower depth's estimate where a depth was rarely drafted. It used to start from the
 previous request's estimate pulled halfway back to a neutral 0.6, whatever that request's temperature: the house
 EAGLE-3 export's depths 3-5 then stayed near 0.6 against a measured 0.75-0.85, and at T = 1 the controller drafted
-depth 2 in most cycles (tau 2.3-2.8 adaptive vs 3.0 for fixed depth-5 chains, and slower than those chains).
+depth 2 in most cycles (tau 2.3-2.8 adaptive vs 3.0 for fixed depth-5 chains, and slower than those chains). On
+one engine serving each request at T = 0 and then at T = 1, the memory took T = 1 from 1.12x to 1.19-1.29x plain
+decoding (docs/benchmarks.md).
 Speculation is off from the start for short outputs (max_new_tokens < `short_output_tokens`).
 
 Tree kinds: the same model chooses WHAT to draft. Given `kinds` (the configured tree kind first; at T > 0 with a
