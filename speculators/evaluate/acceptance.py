@@ -15,12 +15,19 @@ writes eval/<step>/{report.json, report.md, per_position.png, tau.png}, eval/sel
 eval/selection.png and `checkpoints/best` (atomic); with W&B among `train.trackers`, the report (per-cohort tau,
 the plots, the checkpoint choice) also goes to the training run's W&B run.
 
+A target the bundled runtime cannot run (`runtime_support.runtime_refusal`: its `UnsupportedTargetError` message,
+asked once) is still evaluated: the continuations are written by HF `generate`, the live / predicted-vs-live part is
+skipped, one log line says why, and the reports and selection.json record the reason (`runtime_unavailable`, shown
+as one line in report.md and eval/report.md). Teacher-forced acceptance and the checkpoint choice are unchanged.
+
 Report record (eval/<step>/report.json, format "speculators.eval/v1"): checkpoint, step, family, draft_revision,
 eval_key (what the numbers depend on: target revision, rows, temperatures, depth, seed), target, workloads,
 rows, cohorts, depth (evaluate.depth), speculator_depth (min(depth, K)), temperatures {"<T>": {"speculator":
 summary, "speculator_block": summary of block verification (T > 0 only), "ngram": summary at the speculator's depth
 (the fair comparison), "ngram_full_depth": summary at evaluate.depth}} where summary = {"cohorts": {cohort: {rows, positions, per_position_acceptance, chain_reach,
-simulated_tau, tau_by_depth}}, "overall": pooled, "mean_tau": mean over cohorts}, live (or null), loss.
+simulated_tau, tau_by_depth}}, "overall": pooled, "mean_tau": mean over cohorts}, live (or null), loss,
+continuation_backend (who wrote the continuations), runtime_unavailable (why the runtime cannot run the target, or
+null).
 
 Checkpoints whose report already matches (same draft revision and eval_key) are not re-evaluated unless forced.
 The same code evaluates every family: it never branches on a family name.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +50,7 @@ from speculators.core.pairing import check_pairing, draft_revision, read_pairing
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
+from speculators.evaluate import runtime_support
 from speculators.evaluate.agreement import serving_agreement
 from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
 from speculators.evaluate.drafts import draft_logits
@@ -64,18 +73,21 @@ from speculators.train.tracking import log_evaluation, wandb_options
 
 EVAL_FORMAT = "speculators.eval/v1"
 
+log = logging.getLogger(__name__)
+
 
 def _tkey(t: float) -> str:
     return str(float(t))
 
 
-def eval_key(fingerprint: dict, rows: list[WorkloadRow], recipe: Recipe) -> str:
-    """Hash of everything the analytic numbers depend on besides the checkpoint itself."""
+def eval_key(fingerprint: dict, rows: list[WorkloadRow], recipe: Recipe, backend: str | None = None) -> str:
+    """Hash of everything the analytic numbers depend on besides the checkpoint itself; `backend`: who wrote the
+    continuations (default the recipe's `evaluate.continuation_backend`)."""
     ev = recipe.evaluate
     h = hashlib.sha256(json.dumps({"format": EVAL_FORMAT, "target": [fingerprint["revision"],
                                    fingerprint["content_hash"]], "temperatures": [float(t) for t in ev.temperatures],
                                    "depth": ev.depth, "seed": recipe.seed,
-                                   "continuations": ev.continuation_backend}, sort_keys=True).encode())
+                                   "continuations": backend or ev.continuation_backend}, sort_keys=True).encode())
     for r in rows:
         h.update(json.dumps([r.id, r.cohort, r.prompt, r.messages, r.max_new_tokens], sort_keys=True).encode())
     return h.hexdigest()[:32]
@@ -183,7 +195,8 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
     fp = fingerprint_target(recipe.target, tokenizer=target.tokenizer, model_config=target.model.config).to_dict()
     for c in ckpts:
         check_pairing(read_pairing(c), fp, allow_revision_mismatch=recipe.serve.allow_revision_mismatch)
-    key = eval_key(fp, rows, recipe)
+    refusal, backend = _runtime_plan(recipe, target)
+    key = eval_key(fp, rows, recipe, backend)
 
     reports: dict[str, dict] = {}
     todo = []
@@ -201,7 +214,7 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
             spec.to(target.device).float().eval()
             specs[c.name] = spec
         seqs = continuations(target, rows, ev.temperatures, recipe.seed, fp["revision"] + fp["content_hash"],
-                             eval_dir / "continuations.json", ev.continuation_backend, ev.crosscheck_rows, progress)
+                             eval_dir / "continuations.json", backend, ev.crosscheck_rows, progress)
         spec_sums, block_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress,
                                                                        recipe.capture.teacher_topk)
         for c in todo:
@@ -218,15 +231,11 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
                                      "ngram_full_depth": ngram_sums[t]}
                                  for t in spec_sums[c.name]},
                 "live": None, "live_rows_per_cohort": None, "loss": checkpoint_loss(c),
+                "continuation_backend": backend, "runtime_unavailable": refusal,
             }
         del specs
     best = choose_best(reports, ev.select_temperature)
-    if ev.live and (force or reports[best].get("live") is None or best in {c.name for c in todo}):
-        reports[best]["live"] = _live(recipe, target, fp, rows, best, progress)
-        reports[best]["live_rows_per_cohort"] = ev.live_rows_per_cohort
-        todo_names = {c.name for c in todo} | {best}
-    else:
-        todo_names = {c.name for c in todo}
+    todo_names = _live_step(recipe, target, fp, rows, reports[best], {c.name for c in todo}, refusal, force, progress)
     selection = _write_outputs(recipe, reports, best, todo_names)
     if "wandb" in recipe.train.trackers:  # the report joins the training run in W&B (when training had one)
         eval_dir = recipe.paths.eval
@@ -234,6 +243,40 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
                        {"selection": eval_dir / "selection.png", "per_position": eval_dir / best / "per_position.png",
                         "tau": eval_dir / best / "tau.png"})
     return _summary(recipe, reports, best, len(todo))
+
+
+def _runtime_plan(recipe: Recipe, target: Any) -> tuple[str | None, str]:
+    """(why the bundled runtime cannot run the target, or None; who writes the continuations). The runtime is asked
+    only when evaluation would use it (continuations by `engine`, or live acceptance); a refusal means HF `generate`
+    and no live columns, said in one log line."""
+    ev = recipe.evaluate
+    refusal = runtime_support.runtime_refusal(target) if ev.continuation_backend == "engine" or ev.live else None
+    if refusal is None:
+        return None, ev.continuation_backend
+    log.warning("evaluating without the bundled runtime (target continuations by HF generate, no live or "
+                "predicted-vs-live columns): %s", refusal)
+    return refusal, "local"
+
+
+def _live_step(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], report: dict, changed: set[str],
+               refusal: str | None, force: bool, progress: bool) -> set[str]:
+    """Measure (or, for a target the runtime cannot run, record why not) the live acceptance of the best
+    checkpoint's `report` when it is new or missing; -> the names of the reports to (re)write."""
+    ev = recipe.evaluate
+    name = report["checkpoint"]
+    if not ev.live:
+        return changed
+    if refusal is not None:
+        if report.get("live") is None and report.get("runtime_unavailable") == refusal:
+            return changed
+        report.update(live=None, live_rows_per_cohort=None, runtime_unavailable=refusal)
+        return changed | {name}
+    if force or report.get("live") is None or name in changed:
+        report["live"] = _live(recipe, target, fp, rows, name, progress)
+        report["live_rows_per_cohort"] = ev.live_rows_per_cohort
+        report["runtime_unavailable"] = None
+        return changed | {name}
+    return changed
 
 
 def _live(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], best: str, progress: bool) -> dict:
@@ -261,6 +304,8 @@ def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed:
     selection = selection_record(reports, best, recipe.evaluate.select_temperature, recipe.paths.checkpoints)
     selection["eval_key"] = reports[best]["eval_key"]
     selection["recipe"] = to_dict(recipe.evaluate)
+    selection["continuation_backend"] = reports[best].get("continuation_backend", recipe.evaluate.continuation_backend)
+    selection["runtime_unavailable"] = reports[best].get("runtime_unavailable")
     write_overview(eval_dir, selection, reports)
     if recipe.evaluate.select_best:
         write_pointer(recipe.paths.checkpoints, "best", recipe.paths.checkpoints / best)
@@ -289,6 +334,9 @@ def _summary(recipe: Recipe, reports: dict[str, dict], best: str, evaluated: int
             if o:
                 out[f"{name} tau@T={t} predicted / live"] = (f"{o['predicted']['tau']:.3f} / {o['live']['tau']:.3f}"
                                                              f" ({'agree' if o['agree'] else 'DISAGREE'})")
+    if reports[best].get("runtime_unavailable"):
+        out["without the bundled runtime (continuations by HF generate, no live columns)"] = (
+            reports[best]["runtime_unavailable"])
     check = crosscheck_record(recipe.paths.eval / "continuations.json")
     if check:
         out["target continuations: runtime vs HF generate (first greedy rows)"] = (
@@ -320,11 +368,15 @@ def is_complete(recipe: Recipe) -> bool:
             return False
         if best is None or best.name != selection.get("best"):
             return False
-    if recipe.evaluate.live and selection.get("live") is None:
+    unavailable = selection.get("runtime_unavailable")  # the runtime cannot run the target: no live part, HF's tokens
+    if recipe.evaluate.live and selection.get("live") is None and not unavailable:
+        return False
+    backend = selection.get("continuation_backend") or recipe.evaluate.continuation_backend
+    if backend != recipe.evaluate.continuation_backend and not (unavailable and backend == "local"):
         return False
     try:
         rows = load_workloads(recipe.evaluate.workloads, recipe.evaluate.max_rows_per_cohort)
         fp = fingerprint_target(recipe.target).to_dict()
     except SpeculatorsError:
         return False
-    return selection.get("eval_key") == eval_key(fp, rows, recipe)
+    return selection.get("eval_key") == eval_key(fp, rows, recipe, backend)

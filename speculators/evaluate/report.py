@@ -5,11 +5,13 @@ Per checkpoint, `write_checkpoint_report(dir, report)` writes into `eval/<step>/
   report.md           per temperature: a table per cohort with a_1..a_D, simulated tau (every position and at
                       cycle starts), the n-gram baseline's tau and, when measured, the live runtime's tau and
                       a_k; then predicted vs live (vs vLLM, when filled in) for the chain, the runtime's default
-                      tree and the n-gram chain, per cohort and position, with what differs and why
+                      tree and the n-gram chain, per cohort and position, with what differs and why; for a
+                      target the bundled runtime cannot run, one line saying so and why instead of the live parts
   per_position.png    per-position acceptance a_k per cohort (speculator solid, n-gram dashed), one panel per T
   tau.png             simulated tau per cohort, speculator vs n-gram (and live when measured), one panel per T
-`write_overview(eval_dir, selection, reports)` writes `eval/report.md` (checkpoint table + the chosen one) and
-`eval/selection.png` (mean tau per checkpoint, with the recorded loss for reference).
+`write_overview(eval_dir, selection, reports)` writes `eval/report.md` (checkpoint table + the chosen one, and the
+runtime's refusal line when there is one) and `eval/selection.png` (mean tau per checkpoint, with the recorded loss
+for reference).
 
 This module formats numbers; it computes none (they come from `speculators.metrics` via `alpha.py`).
 """
@@ -33,6 +35,14 @@ def _temps(report: dict) -> list[str]:
     return sorted(report.get("temperatures", {}), key=float)
 
 
+def runtime_unavailable_line(reason: str | None) -> list[str]:
+    """The one line a report carries when the bundled runtime cannot run the target (empty list otherwise)."""
+    if not reason:
+        return []
+    return [f"- no live or predicted-vs-live columns, and the target's continuations were written by HF `generate`: "
+            f"the bundled runtime cannot run this target ({reason})"]
+
+
 def render_markdown(report: dict) -> str:
     lines = [f"# Acceptance report — {report['checkpoint']} ({report.get('family', '?')})", ""]
     tgt = report.get("target") or {}
@@ -46,7 +56,8 @@ def render_markdown(report: dict) -> str:
               "(committed tokens per target call, bonus included)",
               "- at T > 0: tau of the sampled chain verified token by token (min(1, p/q) per depth) and, as `block "
               "tau`, verified jointly by block verification (Sun et al. 2024; vLLM `rejection_sample_method: "
-              "\"block\"`; never lower), both from the same teacher-forced laws (`speculators.metrics`)", ""]
+              "\"block\"`; never lower), both from the same teacher-forced laws (`speculators.metrics`)",
+              *runtime_unavailable_line(report.get("runtime_unavailable")), ""]
     live = report.get("live") or {}
     for t in _temps(report):
         entry = report["temperatures"][t]
@@ -235,9 +246,10 @@ def write_checkpoint_report(out_dir: Path, report: dict) -> None:
 
 def render_overview(selection: dict, reports: dict[str, dict]) -> str:
     t = selection["temperature"]
+    refusal = runtime_unavailable_line(selection.get("runtime_unavailable"))
     lines = ["# Evaluation overview", "",
              f"Selection metric: {selection['metric']}. Best checkpoint: **{selection['best']}** "
-             "(written to `checkpoints/best`).", "",
+             "(written to `checkpoints/best`).", "", *refusal, *([""] if refusal else []),
              "| checkpoint | mean tau | recorded loss (not used) |", "|---|---|---|"]
     for row in selection["checkpoints"]:
         mark = " ← best" if row["checkpoint"] == selection["best"] else ""

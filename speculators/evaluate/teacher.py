@@ -9,6 +9,8 @@
   temperature) under a key made of the target revision, the seed and the backend, so re-evaluating new checkpoints,
   or the live rows (a subset), never regenerates. With the runtime, the first `crosscheck_rows` greedy rows are
   also written by HF `generate` in the same process, timed and compared token for token (`crosscheck_record`).
+  When the runtime cannot run the target's architecture (`runtime_support.runtime_refusal`), `engine` falls back
+  to `local` with one log line naming why (the entries are cached under the `local` key: they are HF's).
 - `teacher_pass`: one forward over prompt + continuation with `speculators.target.forward_with_taps` -> the
   features speculators ask for (taps of a union of layer ids, sliced per speculator) and the teacher logits.
 
@@ -35,6 +37,7 @@ from transformers import DynamicCache
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
+from speculators.evaluate import runtime_support
 from speculators.serving.batch_generate import EngineGenerator, crosscheck
 from speculators.target import cache_kwarg, eos_token_ids, forward_with_taps
 
@@ -145,9 +148,15 @@ def continuations(target: Any, rows: Sequence[WorkloadRow], temperatures: Sequen
                   target_revision: str, cache_path: Path | None, backend: str = "engine", crosscheck_rows: int = 0,
                   progress: bool = True) -> dict[float, list[EvalSequence]]:
     """prompt + target continuation of every row at every temperature (cached; see module docstring). `target`
-    is the loaded target (`speculators.target.LoadedTarget`)."""
+    is the loaded target (`speculators.target.LoadedTarget`); `engine` on a target the runtime cannot run writes
+    them with HF `generate` (`local`) instead."""
     if backend not in CONTINUATION_BACKENDS:
         raise SpeculatorsError(f"evaluate.continuation_backend must be one of {CONTINUATION_BACKENDS}, got {backend!r}")
+    if backend == "engine":
+        refusal = runtime_support.runtime_refusal(target)
+        if refusal is not None:
+            log.warning("target continuations by HF generate instead of the bundled runtime: %s", refusal)
+            backend = "local"
     key = _cache_key(target_revision, seed, backend)
     cache, check = _load_cache(cache_path, key) if cache_path is not None else ({}, None)
     prompts = {r.id: encode_row(target.tokenizer, r) for r in rows}
