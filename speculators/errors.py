@@ -19,3 +19,8 @@ class SpeculatorsError(Exception):
 
 class PairingError(SpeculatorsError):
     """A speculator was paired with a target (or tokenizer) it was not trained for."""
+
+
+class UnsupportedTargetError(SpeculatorsError):
+    """The bundled runtime cannot run this target's architecture (the message names the model type and why).
+    Stages that only need the target's tokens (evaluation's continuations) fall back to Hugging Face `generate`."""

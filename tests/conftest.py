@@ -1,7 +1,8 @@
 """Shared test fixtures: tiny random targets built from config (never a download) and the house target.
 
-- `tiny_target(family)` saves a tiny random Llama / Qwen3 / Qwen3-MoE causal LM (8 layers so EAGLE-3 taps
-  2, N//2, N-3 are distinct) with the house tokenizer to a temp dir and returns its path.
+- `make_tiny_target(path, family)` saves a tiny random causal LM of one model type of `TINY_EXTRAS` (Llama,
+  Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3, Phi-3, gpt-oss, OLMo 2; 8 layers so EAGLE-3 taps 2, N//2, N-3 are
+  distinct) with the house tokenizer to a directory and returns its path.
 - `house_target` is the embedded default target in data/targets/stdlib-lm (integration tests).
 """
 
@@ -29,22 +30,37 @@ def _house_tokenizer():
     return AutoTokenizer.from_pretrained(HOUSE_TARGET)
 
 
-def tiny_config(family: str, vocab_size: int, **overrides):
-    """A tiny random config of one model family (hidden 64, 8 layers)."""
-    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+# per model type: what a tiny config needs beyond `common` (small sliding windows, so that held-out prompts run
+# past them; soft-capping; MoE sizes) -- the architectures the bundled runtime is tested on
+TINY_EXTRAS = {
+    "llama": {},
+    "mistral": dict(sliding_window=8),
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=4, attention_bias=True),
+    "qwen3": {},
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
+    "gemma3_text": dict(sliding_window=8, final_logit_softcapping=30.0, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2
+                        + ["sliding_attention", "full_attention"]),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),  # its defaults lie outside tiny vocabularies
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"] * 4),
+    "olmo2": {},
+}
 
+
+def tiny_config(family: str, vocab_size: int, **overrides):
+    """A tiny random config of one model type of `TINY_EXTRAS` (hidden 64, 8 layers)."""
+    from transformers import AutoConfig
+
+    if family not in TINY_EXTRAS:
+        raise ValueError(f"unknown tiny family {family!r}")
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
+    common.update(TINY_EXTRAS[family])
     common.update(overrides)
-    if family == "llama":
-        return LlamaConfig(**common)
-    if family == "qwen3":
-        return Qwen3Config(**common)
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                              decoder_sparse_step=1, mlp_only_layers=[])
-    raise ValueError(f"unknown tiny family {family!r}")
+    return AutoConfig.for_model(family, **common)
 
 
 def make_tiny_target(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:

@@ -1,7 +1,7 @@
 """Whether the bundled runtime can run a loaded target: asked once per loaded model, the answer reused.
 
-`runtime_refusal(target)` builds `serving.target_runner.TargetRunner` on the loaded target (cheap: no KV cache, no
-forward) the first time it is asked about that model and returns None when the runtime runs it, or the one-line
+`runtime_refusal(target)` builds the runtime's target runner (`serving.module_runner.make_runner`: the fused Llama
+path, or the module path with its load-time probe of a few tokens) on the loaded target the first time it is asked about that model and returns None when the runtime runs it, or the one-line
 reason (the `UnsupportedTargetError` message, which names the model type and why) when the runtime refuses the
 architecture. Later questions about the same model get the recorded answer. Evaluation uses it to write the target's
 continuations with Hugging Face `generate` instead of the runtime and to leave out the live / predicted-vs-live
@@ -17,7 +17,7 @@ import weakref
 from typing import Any
 
 from speculators.errors import UnsupportedTargetError
-from speculators.serving.target_runner import TargetRunner
+from speculators.serving.module_runner import make_runner
 
 _ANSWERS: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()  # model -> refusal or None
 
@@ -29,7 +29,7 @@ def runtime_refusal(target: Any) -> str | None:
     if model in _ANSWERS:
         return _ANSWERS[model]
     try:
-        TargetRunner(model)
+        make_runner(model)
         reason = None
     except UnsupportedTargetError as exc:
         reason = str(exc)

@@ -32,7 +32,7 @@ from speculators.config import TreeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.serving.batching import BatchRunner
 from speculators.serving.drafters import depth_tree
-from speculators.serving.target_runner import Segment, TargetRunner
+from speculators.serving.target_runner import RunnerBase, Segment
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 
@@ -95,7 +95,7 @@ def _interleaved(fns: dict[Any, Callable[[], Any]], device: torch.device | str, 
     return {k: min(v) for k, v in runs.items() if v}
 
 
-def measure_forward(runner: TargetRunner, batch_sizes: list[int], nodes: list[int], context_len: int,
+def measure_forward(runner: RunnerBase, batch_sizes: list[int], nodes: list[int], context_len: int,
                     budget: Budget, repeats: int = 5, capture: bool = False) -> dict[int, dict[int, float]]:
     """seconds[B][n] of one target forward over B sequences x n new tokens (see the module docstring)."""
     table: dict[int, dict[int, float]] = {}
@@ -149,7 +149,7 @@ def _largest_fitting(fns: dict[int, Callable[[], Any]], device: torch.device | s
     return ok
 
 
-def measure_prefill(runner: TargetRunner, lengths: list[int], budget: Budget, repeats: int = 5
+def measure_prefill(runner: RunnerBase, lengths: list[int], budget: Budget, repeats: int = 5
                     ) -> dict[str, dict[int, float]]:
     """{"plain": seconds by prompt length, "tapped": the same with the drafter's features captured}."""
     cache = runner.new_cache(max(lengths) + 1)
@@ -164,7 +164,7 @@ def measure_prefill(runner: TargetRunner, lengths: list[int], budget: Budget, re
             "tapped": {n: t for (c, n), t in times.items() if c}}
 
 
-def _random_features(runner: TargetRunner, drafter: Any, n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def _random_features(runner: RunnerBase, drafter: Any, n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Features of n positions shaped as the target hands them to `drafter` (random values)."""
     request = drafter.required_features()
     hidden = int(runner.embed.weight.shape[1])
@@ -188,7 +188,7 @@ class DrafterCosts:
     tree: dict = field(default_factory=dict)  # the tree kind's settings (TreeConfig fields)
 
 
-def measure_drafter(drafter: Any, runner: TargetRunner, kinds: dict[str, TreeConfig], context_len: int,
+def measure_drafter(drafter: Any, runner: RunnerBase, kinds: dict[str, TreeConfig], context_len: int,
                     budget: Budget, repeats: int = 5, absorb_sizes: tuple[int, ...] = (1, 2, 4, 8)
                     ) -> DrafterCosts:
     """Proposing at every depth 1..tree.depth of each tree kind (greedy, on a state that absorbed `context_len`

@@ -5,7 +5,7 @@
     out.token_ids, out.text, out.stats.tau, out.stats.per_position_acceptance, out.stats.target_calls
 
 Per request (batch 1 here; batching.py runs several in lockstep), one code path on CPU (fp32) and CUDA (bf16):
-1. Prefill: the prompt minus its last token goes through `TargetRunner` into the static KV cache (a shared
+1. Prefill: the prompt minus its last token goes through the target runner (`module_runner.make_runner`) into the static KV cache (a shared
    prefix with the previous request is reused, features included); the drafter absorbs those positions.
 2. Each cycle: the root is the last committed token (not yet in the cache). The drafter proposes a tree
    (depth chosen by `AdaptiveDepth`; the root alone = plain decoding; at T > 0 with a drafter that samples its own
@@ -80,7 +80,8 @@ from speculators.serving.requests import (
     take_committed,
 )
 from speculators.serving.target_rows import TargetRows, TokenLogprob, first_child_chain
-from speculators.serving.target_runner import ForwardOutput, Segment, TargetRunner
+from speculators.serving.module_runner import make_runner
+from speculators.serving.target_runner import ForwardOutput, Segment
 from speculators.serving.verify import verify_tree_lazy
 from speculators.target import eos_token_ids, load_target
 
@@ -129,7 +130,7 @@ class Engine:
         self.info = info or DrafterInfo(getattr(self.drafter, "name", type(self.drafter).__name__),
                                         getattr(self.drafter, "family", getattr(self.drafter, "name", "?")))
         self.speculative = not isinstance(self.drafter, NoDrafter)
-        self.runner = TargetRunner(target.model, self.drafter.required_features())
+        self.runner = make_runner(target.model, self.drafter.required_features())
         self.set_tree(tree or default_tree(self.drafter, self.runner.device), adaptive)
         limit = int(getattr(self.target.config, "max_position_embeddings", 0) or DEFAULT_MAX_LEN)
         self.max_len = int(max_len or min(limit, DEFAULT_MAX_LEN))

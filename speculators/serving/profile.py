@@ -39,7 +39,7 @@ from speculators.serving.oracle import Acceptance, Costs, load_acceptance, predi
 from speculators.serving.profile_check import check_against_bench
 from speculators.serving.profile_report import build_report, write_report
 from speculators.serving.shapes import random_drafter, random_target
-from speculators.serving.target_runner import TargetRunner
+from speculators.serving.module_runner import make_runner
 from speculators.target import load_target, resolve_device, resolve_dtype
 
 PROFILE_FORMAT = "speculators.profile/v1"
@@ -161,14 +161,14 @@ def measure_costs(loaded: Any, drafters: dict[str, tuple[Any, str]], primary: st
                   nodes: list[int], context_len: int, budget_s: float, max_depth: int) -> tuple[Costs, dict]:
     """Every measurement of the profile inside the time budget; (costs, extras: prefill, trees, skipped)."""
     start, skipped = time.perf_counter(), []
-    runner = TargetRunner(loaded.model)
+    runner = make_runner(loaded.model)
     forward = measure.measure_forward(runner, sorted(set(batch_sizes)), sorted(set(nodes)), context_len,
                                       _phase(start, budget_s, "forward", skipped))
     if 1 not in forward:
         raise SpeculatorsError(f"not even one sequence of {max(nodes)} tokens fits on {loaded.device}; lower "
                                f"--nodes / --context-len")
     costs = Costs(forward=forward)
-    tapped = TargetRunner(loaded.model, drafters[primary][0].required_features())
+    tapped = make_runner(loaded.model, drafters[primary][0].required_features())
     prefill = measure.measure_prefill(tapped, list(PREFILL_LENGTHS), _phase(start, budget_s, "prefill", skipped))
     trees = {}
     for family, (drafter, _) in drafters.items():

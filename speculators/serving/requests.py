@@ -23,7 +23,7 @@ from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.kv_cache import StaticKVCache
 from speculators.serving.target_rows import TokenLogprob
-from speculators.serving.target_runner import Segment, TargetRunner
+from speculators.serving.target_runner import RunnerBase, Segment
 
 NO_LOGIT_ROWS = torch.empty(0, dtype=torch.long)  # forward without the output head (TargetRows makes the rows needed)
 
@@ -106,7 +106,7 @@ class Slot:
     prefix_ids: list[int] = field(default_factory=list)
     prefix_features: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def prefill(self, runner: TargetRunner, prompt_ids: list[int], *, reuse_prefix: bool, capture: bool
+    def prefill(self, runner: RunnerBase, prompt_ids: list[int], *, reuse_prefix: bool, capture: bool
                 ) -> tuple[dict[str, torch.Tensor], int]:
         """Put the prompt minus its last token into the cache (reusing the prefix it shares with what the slot
         holds, when `reuse_prefix`); return the features of those positions and the reused length."""

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculators.errors import SpeculatorsError
+from speculators.errors import SpeculatorsError, UnsupportedTargetError
 from speculators.models.base import FeatureRequest
 from speculators.models.fused import rope_heads_last
 from speculators.models.layers import apply_rope
@@ -132,7 +132,76 @@ def _default_apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-class TargetRunner:
+class RunnerBase:
+    """What every target runner offers the engine: the features it captures, a cache of the right shape, and
+    `forward` / `forward_batch` over new tokens (a prompt chunk, a chain, or a tree with its ancestor mask).
+    Subclasses set `model`, `layers`, `embed`, `num_kv_heads`, `head_dim`, `vocab_size`, `device`, `dtype` and
+    implement `forward_batch` and `logits`."""
+
+    model: Any
+    layers: list[Any]
+    embed: Any
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def forward_batch(self, segments: list[Segment], capture: bool = True) -> list[ForwardOutput]:
+        raise NotImplementedError
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def set_features(self, features: FeatureRequest | None) -> None:
+        taps = tuple(features.tap_layer_ids or ()) if features else ()
+        bad = [i for i in taps if not 0 <= i < len(self.layers)]
+        if bad:
+            raise SpeculatorsError(f"speculator asks for taps entering layers {bad}, but the target has "
+                                   f"{len(self.layers)} layers; it was trained for another target")
+        self.tap_layers = taps
+        self.want_last_hidden = bool(features and features.last_hidden)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def new_cache(self, max_len: int) -> StaticKVCache:
+        return StaticKVCache(self.num_layers, self.num_kv_heads, self.head_dim, max_len, self.device, self.dtype)
+
+    def forward(self, cache: StaticKVCache, input_ids: torch.Tensor, depths: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None,
+                capture: bool = True) -> ForwardOutput:
+        """Run T new tokens placed at cache slots [cache.length, cache.length + T).
+
+        input_ids [T]; depths [T] (None = a chain: 0..T-1); tree_mask [T, T] bool (None = causal chain):
+        mask[i, j] = token j is token i or one of its ancestors. logit_rows [R] (None = every row; an empty tensor
+        skips the output head: `logits(out.hidden[rows])` computes any rows later).
+        Does NOT advance cache.length: the caller commits what it keeps.
+        """
+        return self.forward_batch([Segment(cache, input_ids, depths, tree_mask, logit_rows)], capture)[0]
+
+    def _plan(self, seg: Segment, offset: int) -> _Plan:
+        """Where a segment's rows go (from `offset` in the stacked block), its positions and its attention mask
+        (None when plain causal or full)."""
+        start = seg.cache.length
+        n = int(seg.input_ids.shape[0])
+        dev = self.device
+        chain = seg.depths is None
+        depths = torch.arange(n, device=dev) if chain else seg.depths.to(dev)  # [T_s]
+        positions = start + depths  # [T_s]
+        if not chain:
+            mask = prefix_tree_mask(start, positions, seg.tree_mask.to(dev))  # [1, 1, T_s, S] bool
+        elif n > 1 and start > 0:
+            mask = prefix_tree_mask(start, positions, None)
+        else:
+            mask = None  # one query token sees everything, or a causal prompt from slot 0
+        return _Plan(cache=seg.cache, input_ids=seg.input_ids.to(dev), positions=positions, start=start,
+                     rows=slice(offset, offset + n), mask=mask, causal=chain and start == 0 and n > 1,
+                     logit_rows=seg.logit_rows)
+
+
+class TargetRunner(RunnerBase):
     """Runs a loaded Hugging Face causal LM over new tokens with a `StaticKVCache`."""
 
     def __init__(self, model: Any, features: FeatureRequest | None = None) -> None:
@@ -141,12 +210,12 @@ class TargetRunner:
         cfg = text_config(hf.config)
         model_type = getattr(cfg, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise SpeculatorsError(
+            raise UnsupportedTargetError(
                 f"the bundled runtime cannot run target model type {model_type!r} (supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}); serve this target with vLLM instead")
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
             if getattr(cfg, key, None):
-                raise SpeculatorsError(f"the bundled runtime does not implement {key} (target {model_type})")
+                raise UnsupportedTargetError(f"the bundled runtime does not implement {key} (target {model_type})")
         decoder = hf.get_decoder()
         self.embed = decoder.embed_tokens
         self.layers = list(decoder.layers)
@@ -249,34 +318,6 @@ class TargetRunner:
             win = getattr(cfg, "sliding_window", None)
         return int(win) if win else None
 
-    def set_features(self, features: FeatureRequest | None) -> None:
-        taps = tuple(features.tap_layer_ids or ()) if features else ()
-        bad = [i for i in taps if not 0 <= i < len(self.layers)]
-        if bad:
-            raise SpeculatorsError(f"speculator asks for taps entering layers {bad}, but the target has "
-                                   f"{len(self.layers)} layers; it was trained for another target")
-        self.tap_layers = taps
-        self.want_last_hidden = bool(features and features.last_hidden)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def new_cache(self, max_len: int) -> StaticKVCache:
-        return StaticKVCache(self.num_layers, self.num_kv_heads, self.head_dim, max_len, self.device, self.dtype)
-
-    def forward(self, cache: StaticKVCache, input_ids: torch.Tensor, depths: torch.Tensor | None = None,
-                tree_mask: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None,
-                capture: bool = True) -> ForwardOutput:
-        """Run T new tokens placed at cache slots [cache.length, cache.length + T).
-
-        input_ids [T]; depths [T] (None = a chain: 0..T-1); tree_mask [T, T] bool (None = causal chain):
-        mask[i, j] = token j is token i or one of its ancestors. logit_rows [R] (None = every row; an empty tensor
-        skips the output head: `logits(out.hidden[rows])` computes any rows later).
-        Does NOT advance cache.length: the caller commits what it keeps.
-        """
-        return self.forward_batch([Segment(cache, input_ids, depths, tree_mask, logit_rows)], capture)[0]
-
     @torch.no_grad()
     def forward_batch(self, segments: list[Segment], capture: bool = True) -> list[ForwardOutput]:
         """`forward` for several sequences (each with its own cache) in ONE pass: their tokens are stacked into
@@ -324,25 +365,6 @@ class TargetRunner:
         logits = self.logits(last[torch.cat(picks)])  # [sum R_s, V]
         return list(logits.split([int(x.shape[0]) for x in picks]))
 
-    def _plan(self, seg: Segment, offset: int) -> _Plan:
-        """Where a segment's rows go (from `offset` in the stacked block), its positions and its attention mask
-        (None when plain causal or full)."""
-        start = seg.cache.length
-        n = int(seg.input_ids.shape[0])
-        dev = self.device
-        chain = seg.depths is None
-        depths = torch.arange(n, device=dev) if chain else seg.depths.to(dev)  # [T_s]
-        positions = start + depths  # [T_s]
-        if not chain:
-            mask = self._mask(start, positions, seg.tree_mask.to(dev))  # [1, 1, T_s, S] bool
-        elif n > 1 and start > 0:
-            mask = self._mask(start, positions, None)
-        else:
-            mask = None  # one query token sees everything, or a causal prompt from slot 0
-        return _Plan(cache=seg.cache, input_ids=seg.input_ids.to(dev), positions=positions, start=start,
-                     rows=slice(offset, offset + n), mask=mask, causal=chain and start == 0 and n > 1,
-                     logit_rows=seg.logit_rows)
-
     def _attend(self, i: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One segment's attention in layer i: q [1, Hq, T_s, D]; k, v [Hkv, T_s, D] are written to its cache
         first. -> [1, Hq, T_s, D]"""
@@ -353,7 +375,7 @@ class TargetRunner:
         win = self.windows[i]
         if win is not None and plan.start + n > win:
             if win not in plan.window_masks:
-                plan.window_masks[win] = self._window_mask(plan.start, plan.positions, plan.mask, win)
+                plan.window_masks[win] = window_mask(plan.start, plan.positions, plan.mask, win)
             mask, causal = plan.window_masks[win], False
         return F.scaled_dot_product_attention(
             q, keys[None], values[None], attn_mask=mask, is_causal=causal, scale=self.scaling,
@@ -371,18 +393,21 @@ class TargetRunner:
             return torch.mm(head.weight, rows.t()).t()
         return head(rows)
 
-    def _mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
-        """[1, 1, T, start + T] bool: the committed prefix, then the tree's ancestor mask (causal if None)."""
-        n = positions.shape[0]
-        if tree_mask is None:
-            tree_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
-        prefix = torch.ones(n, start, dtype=torch.bool, device=positions.device)
-        return torch.cat([prefix, tree_mask], dim=1)[None, None]
 
-    def _window_mask(self, start: int, positions: torch.Tensor, mask: torch.Tensor | None, window: int
-                     ) -> torch.Tensor:
-        """`mask` restricted to keys with position > query position - window (HF sliding-window semantics)."""
-        base = mask if mask is not None else self._mask(start, positions, None)
-        key_pos = torch.cat([torch.arange(start, device=positions.device), positions])  # [S]
-        near = key_pos[None, :] > positions[:, None] - window  # [T, S]
-        return base & near[None, None]
+def prefix_tree_mask(start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """[1, 1, T, start + T] bool (True = attend): the committed prefix, then the tree's ancestor mask (causal if
+    None), for T new tokens at `positions` [T] placed at cache slots [start, start + T)."""
+    n = positions.shape[0]
+    if tree_mask is None:
+        tree_mask = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()
+    prefix = torch.ones(n, start, dtype=torch.bool, device=positions.device)
+    return torch.cat([prefix, tree_mask], dim=1)[None, None]
+
+
+def window_mask(start: int, positions: torch.Tensor, mask: torch.Tensor | None, window: int) -> torch.Tensor:
+    """`mask` (None = causal) restricted to keys with position > query position - window (HF sliding-window
+    semantics). -> [1, 1, T, start + T] bool"""
+    base = mask if mask is not None else prefix_tree_mask(start, positions, None)
+    key_pos = torch.cat([torch.arange(start, device=positions.device), positions])  # [S]
+    near = key_pos[None, :] > positions[:, None] - window  # [T, S]
+    return base & near[None, None]

@@ -27,7 +27,7 @@ from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError, UnsupportedTargetError
 from speculators.evaluate import acceptance, runtime_support
 from speculators.evaluate.teacher import continuations, encode_row, teacher_pass
-from speculators.serving.target_runner import TargetRunner
+from speculators.serving.module_runner import make_runner
 from speculators.target import load_target
 from tests.conftest import HOUSE_TARGET
 
@@ -55,19 +55,19 @@ def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _runner_refusal(model: torch.nn.Module) -> str:
     with pytest.raises(UnsupportedTargetError) as err:
-        TargetRunner(model)
+        make_runner(model)
     return str(err.value)
 
 
 def _count_runners(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the runners `runtime_support` builds (each still the real TargetRunner)."""
+    """Count the runners `runtime_support` builds (each still the real runner)."""
     built: list[int] = []
 
-    def counting(*args: object, **kwargs: object) -> TargetRunner:
+    def counting(*args: object, **kwargs: object) -> object:
         built.append(1)
-        return TargetRunner(*args, **kwargs)
+        return make_runner(*args, **kwargs)
 
-    monkeypatch.setattr(runtime_support, "TargetRunner", counting)
+    monkeypatch.setattr(runtime_support, "make_runner", counting)
     return built
 
 
@@ -98,7 +98,7 @@ def test_only_unsupported_target_errors_are_an_answer(monkeypatch: pytest.Monkey
     def failing(*args: object, **kwargs: object) -> None:
         raise error
 
-    monkeypatch.setattr(runtime_support, "TargetRunner", failing)
+    monkeypatch.setattr(runtime_support, "make_runner", failing)
     with pytest.raises(type(error), match=str(error)):
         runtime_support.runtime_refusal(SimpleNamespace(model=torch.nn.Linear(2, 2)))
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from speculators.core.trees import ancestor_mask, depths_of
+
 FAMILIES = ("eagle3", "medusa", "mtp")
 
 
@@ -79,6 +81,45 @@ def make_speculator_dir(target_dir: str | Path, family: str, out: str | Path, *,
     write_pairing(out, pairing_record(target=fp, family=family, layer_ids=list(taps) if taps else None,
                                       draft_dir=out))
     return out
+
+
+def check_runner_against_hf(runner, model: torch.nn.Module, taps: tuple[int, ...], atol: float = 1e-4) -> None:
+    """`runner` (built on `model` with `taps` and the last hidden state requested) gives the HF forward's logits,
+    taps and last hidden state over a prompt chunk, a tree with decoys after a KV commit, a chain after a gathered
+    commit and a single token (20 random tokens; fp32)."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (20,), generator=g)
+    with torch.no_grad():
+        ref = model(ids[None], output_hidden_states=True)
+    logits, hidden = ref.logits[0], ref.hidden_states  # [20, V]; hidden[k] enters layer k
+    cache = runner.new_cache(64)
+    # prompt chunk from slot 0
+    out = runner.forward(cache, ids[:10])
+    torch.testing.assert_close(out.logits, logits[:10], atol=atol, rtol=0)
+    torch.testing.assert_close(out.features["taps"], torch.cat([hidden[t][0, :10] for t in taps], -1),
+                               atol=atol, rtol=0)
+    torch.testing.assert_close(out.features["last_hidden"], hidden[-1][0, :10], atol=atol, rtol=0)
+    cache.commit(list(range(10)))
+    # a tree rooted at ids[10]: path 0 -> 1 -> 3 -> 4 carries ids[10..13]; nodes 2, 5 are decoys
+    tokens = torch.stack([ids[10], ids[11], torch.tensor(7 % vocab), ids[12], ids[13], torch.tensor(9 % vocab)])
+    parents = torch.tensor([-1, 0, 0, 1, 3, 2])
+    tree = runner.forward(cache, tokens, depths_of(parents), ancestor_mask(parents))
+    torch.testing.assert_close(tree.logits[[0, 1, 3, 4]], logits[10:14], atol=atol, rtol=0)
+    # the output head run later on some rows of `hidden` (what TargetRows does) gives the same logits
+    torch.testing.assert_close(runner.logits(tree.hidden[[4, 1]]), tree.logits[[4, 1]], atol=1e-6, rtol=0)
+    torch.testing.assert_close(runner.logits(tree.hidden[[3]]), logits[12:13], atol=atol, rtol=0)
+    assert runner.logits(tree.hidden[:0]).shape == (0, vocab)
+    torch.testing.assert_close(tree.features["taps"][[0, 1, 3, 4]],
+                               torch.cat([hidden[t][0, 10:14] for t in taps], -1), atol=atol, rtol=0)
+    cache.commit([0, 1, 3, 4])
+    assert cache.length == 14
+    # a chain after the commit, and a single token: both see exactly the committed path
+    chain = runner.forward(cache, ids[14:18])
+    torch.testing.assert_close(chain.logits, logits[14:18], atol=atol, rtol=0)
+    cache.commit([0, 1, 2, 3])
+    one = runner.forward(cache, ids[18:19], logit_rows=torch.tensor([0]))
+    torch.testing.assert_close(one.logits, logits[18:19], atol=atol, rtol=0)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -10,9 +10,10 @@ from transformers import AutoModelForCausalLM
 from speculators.core.trees import ancestor_mask, depths_of
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest
+from speculators.serving.module_runner import make_runner
 from speculators.serving.target_runner import Segment, TargetRunner
 from tests.conftest import tiny_config
-from tests.unit.serving.runtime_helpers import single_thread  # noqa: F401
+from tests.unit.serving.runtime_helpers import check_runner_against_hf, single_thread  # noqa: F401
 
 ATOL = 1e-4
 VOCAB = 300
@@ -35,39 +36,7 @@ def _mistral(window: int) -> torch.nn.Module:
 
 
 def _check_against_hf(model: torch.nn.Module, taps: tuple[int, ...] = (1, 2)) -> None:
-    runner = TargetRunner(model, FeatureRequest(tap_layer_ids=taps, last_hidden=True))
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (20,), generator=g)
-    with torch.no_grad():
-        ref = model(ids[None], output_hidden_states=True)
-    logits, hidden = ref.logits[0], ref.hidden_states  # [20, V]; hidden[k] enters layer k
-    cache = runner.new_cache(64)
-    # prompt chunk from slot 0
-    out = runner.forward(cache, ids[:10])
-    torch.testing.assert_close(out.logits, logits[:10], atol=ATOL, rtol=0)
-    torch.testing.assert_close(out.features["taps"], torch.cat([hidden[t][0, :10] for t in taps], -1),
-                               atol=ATOL, rtol=0)
-    torch.testing.assert_close(out.features["last_hidden"], hidden[-1][0, :10], atol=ATOL, rtol=0)
-    cache.commit(list(range(10)))
-    # a tree rooted at ids[10]: path 0 -> 1 -> 3 -> 4 carries ids[10..13]; nodes 2, 5 are decoys
-    tokens = torch.stack([ids[10], ids[11], torch.tensor(7), ids[12], ids[13], torch.tensor(9)])
-    parents = torch.tensor([-1, 0, 0, 1, 3, 2])
-    tree = runner.forward(cache, tokens, depths_of(parents), ancestor_mask(parents))
-    torch.testing.assert_close(tree.logits[[0, 1, 3, 4]], logits[10:14], atol=ATOL, rtol=0)
-    # the output head run later on some rows of `hidden` (what TargetRows does) gives the same logits
-    torch.testing.assert_close(runner.logits(tree.hidden[[4, 1]]), tree.logits[[4, 1]], atol=1e-6, rtol=0)
-    torch.testing.assert_close(runner.logits(tree.hidden[[3]]), logits[12:13], atol=ATOL, rtol=0)
-    assert runner.logits(tree.hidden[:0]).shape == (0, VOCAB)
-    torch.testing.assert_close(tree.features["taps"][[0, 1, 3, 4]],
-                               torch.cat([hidden[t][0, 10:14] for t in taps], -1), atol=ATOL, rtol=0)
-    cache.commit([0, 1, 3, 4])
-    assert cache.length == 14
-    # a chain after the commit, and a single token: both see exactly the committed path
-    chain = runner.forward(cache, ids[14:18])
-    torch.testing.assert_close(chain.logits, logits[14:18], atol=ATOL, rtol=0)
-    cache.commit([0, 1, 2, 3])
-    one = runner.forward(cache, ids[18:19], logit_rows=torch.tensor([0]))
-    torch.testing.assert_close(one.logits, logits[18:19], atol=ATOL, rtol=0)
+    check_runner_against_hf(TargetRunner(model, FeatureRequest(tap_layer_ids=taps, last_hidden=True)), model, taps)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
@@ -137,12 +106,13 @@ def test_adapters_and_moe_keep_the_module_path() -> None:
     assert TargetRunner(lora, None).fused is None
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_forward_batch_equals_one_forward_per_sequence(family: str) -> None:
+@pytest.mark.parametrize("family, path", [("llama", "fused"), ("qwen3", "fused"), ("gemma3_text", "modules"),
+                                          ("llama", "modules")])
+def test_forward_batch_equals_one_forward_per_sequence(family: str, path: str) -> None:
     """Three sequences in one pass — a prompt from slot 0, a tree after a prefix, one token — give each the
     logits, features and cache entries of its own forward."""
     model = _model(family)
-    runner = TargetRunner(model, FeatureRequest(tap_layer_ids=(1, 2), last_hidden=True))
+    runner = make_runner(model, FeatureRequest(tap_layer_ids=(1, 2), last_hidden=True), path=path)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (30,), generator=g)
     parents = torch.tensor([-1, 0, 0, 1, 3, 2])
