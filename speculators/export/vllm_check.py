@@ -148,7 +148,8 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
                     if drafting in ("argmax", "sampled") else [])
     env = server_env(python, recipe.vllm.threads)
     spec_env, sampling_note = sampling_env(python, env) if temperature > 0 else (env, None)
-    args = server_args(recipe.vllm.port, max_model_len=recipe.vllm.max_model_len)
+    positions = int(getattr(target.config, "max_position_embeddings", 0) or recipe.vllm.max_model_len)
+    args = server_args(recipe.vllm.port, max_model_len=min(recipe.vllm.max_model_len, positions))  # vLLM refuses more
     plain_cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", verifier_name(recipe), *args]
     with VllmServer(plain_cmd, port=recipe.vllm.port, env=env, log=out_dir / "vllm-plain.log") as server:
         plain, _ = _vllm_outputs(server, rows, prompts, k, counted=False)
