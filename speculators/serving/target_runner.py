@@ -20,8 +20,9 @@ for every matrix product and attention runs per sequence.
 
 Same code on CPU (fp32) and CUDA (bf16); rows of a multi-node tree round differently from a one-token forward in
 bf16 (what that means for greedy equality: engine.py). Not here: sampling, verification, KV commits (kv_cache.py), scheduling
-several requests (batching.py), CUDA graphs, families with other layer structures (Gemma-style norms, MLA,
-soft-capping): those fail with one line naming the model type.
+several requests (batching.py), CUDA graphs, families with other layer structures (Gemma-style norms, soft-capping,
+fused q/k/v, sinks): those run through their own modules (module_runner.py, which `make_runner` picks for them).
+Also here: `RunnerBase` (what every runner offers the engine) and the boolean masks both runners build.
 """
 
 from __future__ import annotations
