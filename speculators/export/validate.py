@@ -202,8 +202,8 @@ def _eagle3_expected_shapes(config: dict, layer: dict, vd: int, target_h: int) -
         if layer["model_type"] == "qwen3":
             expected[p + "self_attn.q_norm.weight"] = [hd]
             expected[p + "self_attn.k_norm.weight"] = [hd]
-        if layer.get("attention_bias"):
-            for proj, rows in (("q_proj", heads * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)):
+        if layer.get("attention_bias"):  # vLLM's LlamaDecoderLayer: bias_o_proj = attention_bias (o_proj too)
+            for proj, rows in (("q_proj", heads * hd), ("k_proj", kv * hd), ("v_proj", kv * hd), ("o_proj", h)):
                 expected[p + f"self_attn.{proj}.bias"] = [rows]
     if config.get("norm_before_fc"):
         expected["input_norm.weight"] = [3 * target_h]

@@ -150,3 +150,20 @@ def test_d2t_with_the_full_vocab_is_refused(tiny_llama: Path, tmp_path: Path) ->
 def test_pairing_shapes_are_cross_checked(good_exports: dict[str, Path], tmp_path: Path) -> None:
     d = _broken(good_exports["eagle3"], tmp_path, _set("eagle_aux_hidden_state_layer_ids", [2, 4, 9]))
     _one(validate_vllm_export(d), "out of range for a 8-layer target")
+
+
+def test_attention_bias_exports_carry_every_projection_bias(tmp_path: Path) -> None:
+    """A target with attention biases (gpt-oss) gives a draft layer with q/k/v AND o_proj biases, as vLLM's Llama
+    layer builds them (bias_o_proj = attention_bias): the export validates; without o_proj.bias it does not."""
+    from tests.conftest import make_tiny_target
+
+    target = make_tiny_target(tmp_path / "gpt-oss", "gpt_oss")
+    (tmp_path / "run").mkdir()
+    recipe = make_run(tmp_path / "run", target, "eagle3", steps=(10,), num_steps=2, draft_vocab_size=512,
+                      extra=("export.checkpoint=latest",))
+    export_stage.run(recipe)
+    good = recipe.paths.export
+    assert json.loads((good / "config.json").read_text())["transformer_layer_config"]["attention_bias"] is True
+    assert validate_vllm_export(good) == []
+    d = _broken(good, tmp_path, tensors=lambda s: {k: v for k, v in s.items() if k != "layers.0.self_attn.o_proj.bias"})
+    _one(validate_vllm_export(d), "layers.0.self_attn.o_proj.bias")
