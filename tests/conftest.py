@@ -47,18 +47,26 @@ TINY_EXTRAS = {
                     layer_types=["sliding_attention", "full_attention"] * 4),
     "olmo2": {},
 }
+# architectures the bundled runtime refuses (a hybrid of gated delta-net linear attention and full attention)
+REFUSED_EXTRAS = {
+    "qwen3_next": dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+                       mlp_only_layers=[]),
+}
 
 
 def tiny_config(family: str, vocab_size: int, **overrides):
-    """A tiny random config of one model type of `TINY_EXTRAS` (hidden 64, 8 layers)."""
+    """A tiny random config of one model type of `TINY_EXTRAS` or `REFUSED_EXTRAS` (hidden 64, 8 layers)."""
     from transformers import AutoConfig
 
-    if family not in TINY_EXTRAS:
+    extras = {**TINY_EXTRAS, **REFUSED_EXTRAS}.get(family)
+    if extras is None:
         raise ValueError(f"unknown tiny family {family!r}")
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
-    common.update(TINY_EXTRAS[family])
+    common.update(extras)
     common.update(overrides)
     return AutoConfig.for_model(family, **common)
 
@@ -99,6 +107,13 @@ def tiny_qwen3(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory) -> Path:
     return make_tiny_target(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(tmp_path_factory) -> Path:
+    """A tiny random hybrid linear-attention target (3 gated delta-net layers per full-attention layer): one the
+    bundled runtime refuses."""
+    return make_tiny_target(tmp_path_factory.mktemp("tiny-qwen3-next"), "qwen3_next")
 
 
 @pytest.fixture(params=["llama", "qwen3", "qwen3_moe"])

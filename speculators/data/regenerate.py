@@ -12,7 +12,8 @@ Backends (`data.regenerate.backend`):
 - `engine` (default): in-process on the bundled runtime — up to `concurrency` requests sharing each target forward
   (continuous batching) and n-gram or speculator drafting (`serving/batch_generate.py`); the first
   `crosscheck_rows` rows also run through HF `generate` (batches of `batch_size`, as `local` runs), timed and
-  compared side by side (the manifest's `generation.crosscheck`);
+  compared side by side (the manifest's `generation.crosscheck`); a target the runtime cannot run
+  (`serving.runtime_support.runtime_refusal`) is regenerated as `local` runs, with one log line saying why;
 - `local`: batched in-process `model.generate` (left padding) on the target's device;
 - `openai`: any OpenAI-compatible server (vLLM, SGLang, `speculators serve`) at `data.regenerate.endpoint`, through
   the `openai` client (regen_openai.py; the endpoint and the model are checked before the first row).
@@ -53,6 +54,7 @@ from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore
 from speculators.data.schemas import Conversation, RowError, copy_id
 from speculators.errors import SpeculatorsError
 from speculators.serving.batch_generate import EngineGenerator, crosscheck
+from speculators.serving.runtime_support import runtime_refusal
 from speculators.target import fingerprint_target, load_target, load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,10 @@ class LocalBackend:
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
         self.engine: Any = None
         self.crosscheck: dict | None = None
-        if recipe.data.regenerate.backend == "engine":
+        refusal = runtime_refusal(self.target) if recipe.data.regenerate.backend == "engine" else None
+        if refusal:
+            log.info("regeneration by HF generate instead of the bundled runtime: %s", refusal)
+        elif recipe.data.regenerate.backend == "engine":
             rg = recipe.data.regenerate
             self.engine = EngineGenerator(self.target, rg.drafter, rg.concurrency)
 

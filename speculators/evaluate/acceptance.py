@@ -50,7 +50,7 @@ from speculators.core.pairing import check_pairing, draft_revision, read_pairing
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
-from speculators.evaluate import runtime_support
+from speculators.serving import runtime_support
 from speculators.evaluate.agreement import serving_agreement
 from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
 from speculators.evaluate.drafts import draft_logits

@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
-from speculators.evaluate import runtime_support
+from speculators.serving import runtime_support
 from speculators.serving.batch_generate import EngineGenerator, crosscheck
 from speculators.target import cache_kwarg, eos_token_ids, forward_with_taps
 

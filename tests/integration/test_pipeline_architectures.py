@@ -1,6 +1,7 @@
 """Targets beyond the Llama family through the whole pipeline: tiny random Gemma 3 (sliding windows of 8, final
-soft-capping, scaled embeddings) and Phi-3 (fused q/k/v and gate/up) targets on the house tokenizer go through the
-real CLI — prepare -> capture -> train (EAGLE-3, a few steps) -> evaluate (with the runtime's live columns) ->
+soft-capping, scaled embeddings), Phi-3 (fused q/k/v and gate/up), gpt-oss (attention sinks, biases, MoE, alternating
+windows: an EAGLE-3 draft with attention biases) and OLMo 2 (post-norms, full-width q/k norms) targets on the house
+tokenizer go through the real CLI — prepare -> capture -> train (EAGLE-3, a few steps) -> evaluate (with the runtime's live columns) ->
 export — and the TRAINED export then drafts in the bundled runtime losslessly: token-for-token HF greedy at T = 0
 and the exact target law of the first two tokens under sampling (chi-square).
 
@@ -37,7 +38,7 @@ def _overrides(run_dir: Path, target: Path, rows: Path) -> list[str]:
             "evaluate.live_rows_per_cohort=1", "evaluate.temperatures=[0.0]"]
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "phi3", "gpt_oss", "olmo2"])
 def test_pipeline_and_runtime_on_the_trained_export(arch: str, tmp_path: Path) -> None:
     target = make_tiny_target(tmp_path / arch, arch, seed=1)
     run_dir = tmp_path / "run"

@@ -206,3 +206,20 @@ def test_regenerate_disabled_is_a_clear_error(tmp_path, tiny_llama):
     r = recipe(tmp_path / "run", tiny_llama, write_rows(tmp_path / "rows.jsonl", 2))
     with pytest.raises(SpeculatorsError, match="regeneration is disabled"):
         regenerate.run(r)
+
+
+def test_engine_backend_on_a_target_the_runtime_refuses_regenerates_by_hf_generate(tmp_path, tiny_qwen3_next, caplog):
+    """A linear-attention target: `backend: engine` writes the same rows as `backend: local` (HF generate), with one
+    log line naming why, instead of stopping."""
+    local = _regen_recipe(tmp_path, tiny_qwen3_next, "local", backend="local")
+    engine = _regen_recipe(tmp_path, tiny_qwen3_next, "engine", backend="engine")
+    for r in (local, engine):
+        r.target.dtype = "float32"
+        prepare.run(r)
+    regenerate.run(local)
+    with caplog.at_level("INFO", logger="speculators.data.regenerate"):
+        regenerate.run(engine)
+    lines = [r.getMessage() for r in caplog.records if "instead of the bundled runtime" in r.getMessage()]
+    assert len(lines) == 1 and "'qwen3_next'" in lines[0] and "no self-attention" in lines[0]
+    assert _rows(engine.paths.regenerated) == _rows(local.paths.regenerated)
+    assert "engine" not in json.loads((engine.paths.regenerated / "manifest.json").read_text())["generation"]

@@ -20,37 +20,17 @@ from typing import Any
 import pytest
 import torch
 from evalexport_helpers import make_recipe, make_run, small_workloads
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3NextConfig
 
 from speculators.core.checkpoints import read_pointer
 from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError, UnsupportedTargetError
-from speculators.evaluate import acceptance, runtime_support
+from speculators.evaluate import acceptance
+from speculators.serving import runtime_support
 from speculators.evaluate.teacher import continuations, encode_row, teacher_pass
 from speculators.serving.module_runner import make_runner
 from speculators.target import load_target
-from tests.conftest import HOUSE_TARGET
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random hybrid linear-attention target (3 gated delta-net layers per full-attention layer)."""
-    path = tmp_path_factory.mktemp("tiny-qwen3-next")
-    tok = AutoTokenizer.from_pretrained(HOUSE_TARGET)
-    cfg = Qwen3NextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                          rms_norm_eps=1e-5, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                          linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
-                          num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                          decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
-    cfg.eos_token_id = [tok.convert_tokens_to_ids("<|end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
-    cfg.pad_token_id = tok.pad_token_id
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def _runner_refusal(model: torch.nn.Module) -> str:
