@@ -238,7 +238,8 @@ def serve(
 @app.command(help="Speculative vs plain decoding vs Hugging Face generate (and assisted decoding), as ratios.")
 @_user_errors
 def bench(
-    target: Annotated[str, typer.Option()] = "data/targets/stdlib-lm",
+    target: Annotated[str | None, typer.Option(help="default: the target the first speculator's pairing.json "
+                                                    "names, else the house target")] = None,
     speculator: Annotated[list[str] | None, typer.Option(help="speculator dirs (repeatable); n-gram is "
                                                                  "always included")] = None,
     workloads: Annotated[str, typer.Option(help="glob of workload files")] = "data/workloads/*.jsonl",

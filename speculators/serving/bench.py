@@ -50,6 +50,7 @@ from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.serving.batching import generate_batch
+from speculators.serving.drafters import paired_target
 from speculators.serving.engine import Engine
 from speculators.serving.verify_expect import expected_accepted
 from speculators.target import load_target
@@ -212,7 +213,15 @@ def bench_rows(engine: Any, workloads: str, rows_per_cohort: int) -> list[tuple[
             for r in load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)]
 
 
-def bench_command(*, target: str, speculators: list[str], workloads: str, rows_per_cohort: int,
+def bench_target(target: str | None, speculators: list[str]) -> TargetConfig:
+    """The target to bench: `target` when given, else the one the first speculator's pairing.json names (the house
+    target when there is no speculator)."""
+    if target:
+        return TargetConfig(name_or_path=target)
+    return paired_target(speculators[0] if speculators else None)
+
+
+def bench_command(*, target: str | None, speculators: list[str], workloads: str, rows_per_cohort: int,
                   temperatures: list[float], device: str, dtype: str, out: Path | None, seed: int,
                   ngram_graft: int = 0, batch: int = 0, tree: TreeConfig | None = None,
                   include_hf: bool = True, compare_verify: bool = False) -> dict:
@@ -227,7 +236,7 @@ def bench_command(*, target: str, speculators: list[str], workloads: str, rows_p
     if not temperatures or any(t < 0 for t in temperatures):
         raise SpeculatorsError(f"--temperatures must be non-negative numbers, got {temperatures}")
     threads = torch.get_num_threads()  # set by the caller (`speculators bench --threads`); every method shares it
-    loaded = load_target(TargetConfig(name_or_path=target, device=device, dtype=dtype))
+    loaded = load_target(dataclasses.replace(bench_target(target, speculators), device=device, dtype=dtype))
     methods = [Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
                Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
     for path in speculators:
