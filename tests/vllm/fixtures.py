@@ -102,14 +102,15 @@ def export_of(tmp_path_factory) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def vllm_server(vllm_python: Path, tmp_path_factory) -> Callable[..., object]:
-    """vllm_server(command_prefix, name, env=None) -> a context manager yielding a started VllmServer; the command
-    gets the suite's engine flags (loopback port, eager, float32, max len 1024) appended."""
+    """vllm_server(command_prefix, name, env=None, dtype="float32") -> a context manager yielding a started
+    VllmServer; the command gets the suite's engine flags (loopback port, eager, `dtype`, max len 1024) appended."""
     logs = tmp_path_factory.mktemp("vllm-logs")
 
     @contextmanager
-    def start(prefix: list[str], name: str, env: dict[str, str] | None = None) -> Iterator[VllmServer]:
+    def start(prefix: list[str], name: str, env: dict[str, str] | None = None,
+              dtype: str = "float32") -> Iterator[VllmServer]:
         port = free_port()
-        server = VllmServer([*prefix, *server_args(port)], port=port,
+        server = VllmServer([*prefix, *server_args(port, dtype=dtype)], port=port,
                             env={**server_env(vllm_python), **(env or {})}, log=logs / f"{name}.log")
         with server:
             yield server

