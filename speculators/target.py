@@ -191,16 +191,25 @@ def base_model(model: Any) -> Any:
     return get() if callable(get) and hasattr(model, "peft_config") else model
 
 
-def decoder_layers(model: Any) -> Any:
+def decoder(model: Any) -> Any:
+    """The decoder stack (the module holding `.layers`): `get_decoder()`, or the `.model` below it where
+    `get_decoder()` returns the causal LM itself (Llama 4 text models in transformers 5.25)."""
     dec = base_model(model).get_decoder()
-    layers = getattr(dec, "layers", None)
+    inner = getattr(dec, "model", None)
+    if getattr(dec, "layers", None) is None and inner is not None and getattr(inner, "layers", None) is not None:
+        return inner
+    return dec
+
+
+def decoder_layers(model: Any) -> Any:
+    layers = getattr(decoder(model), "layers", None)
     if layers is None:
         raise SpeculatorsError(f"cannot find decoder layers in {type(base_model(model)).__name__}")
     return layers
 
 
 def final_norm(model: Any) -> Any:
-    dec = base_model(model).get_decoder()
+    dec = decoder(model)
     for name in ("norm", "final_layernorm", "ln_f"):
         if hasattr(dec, name):
             return getattr(dec, name)
@@ -233,6 +242,10 @@ def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
                                f"(valid: 0..{num_layers - 1}; default {default_tap_layers(num_layers)})")
     if len(set(layer_ids)) != len(layer_ids):
         raise SpeculatorsError(f"layer ids {layer_ids} contain duplicates")
+    if list(layer_ids) != sorted(layer_ids):
+        raise SpeculatorsError(f"layer ids {layer_ids} must be increasing ({sorted(layer_ids)}): vLLM sorts the tap "
+                               f"layers and concatenates them in layer order, so features captured in another "
+                               f"order would reach the served draft shuffled")
     return list(layer_ids)
 
 

@@ -1,7 +1,7 @@
 """Shared test fixtures: tiny random targets built from config (never a download) and the house target.
 
 - `make_tiny_target(path, family)` saves a tiny random causal LM of one model type of `TINY_EXTRAS` (Llama,
-  Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3, Phi-3, gpt-oss, OLMo 2; 8 layers so EAGLE-3 taps 2, N//2, N-3 are
+  Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3, Phi-3, gpt-oss, OLMo 2, Llama 4; 8 layers so EAGLE-3 taps 2, N//2, N-3 are
   distinct) with the house tokenizer to a directory and returns its path.
 - `house_target` is the embedded default target in data/targets/stdlib-lm (integration tests).
 """
@@ -46,6 +46,8 @@ TINY_EXTRAS = {
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                     layer_types=["sliding_attention", "full_attention"] * 4),
     "olmo2": {},
+    "llama4_text": dict(intermediate_size_mlp=128, num_local_experts=2, attention_chunk_size=8, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2),  # chunked attention (3 of 4 layers), MoE, no-RoPE layers
 }
 # architectures the bundled runtime refuses (a hybrid of gated delta-net linear attention and full attention)
 REFUSED_EXTRAS = {

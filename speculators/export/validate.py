@@ -265,6 +265,9 @@ def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: l
                         f"layers (load crash otherwise)")
     elif len(set(aux)) != 3:
         problems.append(f"eagle_aux_hidden_state_layer_ids {aux} contains duplicates")
+    elif aux != sorted(aux):
+        problems.append(f"eagle_aux_hidden_state_layer_ids {aux} are not increasing: vLLM sorts them and feeds fc "
+                        f"the taps in layer order, not the order this fc was trained on")
 
     bad_prefix = sorted(k for k in t.info if k.startswith("model."))
     if bad_prefix:

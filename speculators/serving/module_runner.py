@@ -4,8 +4,8 @@
 decoder (`model.get_decoder()`) with
 - `position_ids` = committed length + depth of each new token,
 - an explicit additive 4D attention mask (the committed prefix + the tree's ancestor mask; HF's mask builders
-  return a 4D mask as is), replaced per layer by its sliding-window restriction through a forward pre-hook on the
-  layer's `self_attn` where a window is shorter than the context,
+  return a 4D mask as is), replaced per layer by its sliding-window or attention-chunk restriction through a
+  forward pre-hook on the layer's `self_attn` where the context reaches past it,
 - a `CacheWriter` as the model's cache: each attention module's `cache.update(k, v, layer_idx)` writes the new
   keys/values into the runtime's `StaticKVCache` at the forward's first slot and reads back slots [0, end).
 Everything else — embeddings (and their scaling), fused q/k/v, q/k norms, RoPE variants (per layer type, partial,
@@ -49,6 +49,7 @@ from speculators.target import (
     TapRecorder,
     base_model,
     cache_kwarg,
+    decoder,
     decoder_layers,
     input_embeddings,
     output_head,
@@ -89,24 +90,44 @@ def _heads_dim(states: torch.Tensor) -> tuple[int, int]:
     return int(states.shape[1]), int(states.shape[3])  # [B, H, T, D] -> (H, D)
 
 
-def layer_windows(layers: list[Any], cfg: Any) -> list[int | None]:
-    """The sliding window of each decoder layer (None = full attention), as the model's attention reads it: the
-    attention module's own `sliding_window` where it has one (Qwen2, Qwen3-MoE, Gemma 3, gpt-oss), else the
-    config's `sliding_window` for the layers `layer_types` marks sliding, or for every layer when the config has
-    no layer types (Mistral, Phi-3)."""
+Restriction = tuple[str, int]  # ("sliding", window) | ("chunked", chunk size)
+
+
+def layer_restrictions(layers: list[Any], cfg: Any) -> list[Restriction | None]:
+    """What narrows each decoder layer's attention beyond the causal / tree mask (None = nothing), as the model's
+    attention reads it: a sliding window — the attention module's own `sliding_window` where it has one (Qwen2,
+    Qwen3-MoE, Gemma 3, gpt-oss), else the config's for the layers `layer_types` marks sliding, or for every layer
+    when the config has no layer types (Mistral, Phi-3) — or, for the layers `layer_types` marks
+    "chunked_attention" (Llama 4), the config's `attention_chunk_size`."""
     win = getattr(cfg, "sliding_window", None)
+    chunk = getattr(cfg, "attention_chunk_size", None)
     types = getattr(cfg, "layer_types", None)
-    out: list[int | None] = []
+    out: list[Restriction | None] = []
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
+        if types is not None and types[i] == "chunked_attention":
+            out.append(("chunked", int(chunk)) if chunk else None)
+            continue
         if attn is not None and hasattr(attn, "sliding_window"):
             w = attn.sliding_window
         elif types is not None:
             w = win if types[i] == "sliding_attention" else None
         else:
             w = win
-        out.append(int(w) if w else None)
+        out.append(("sliding", int(w)) if w else None)
     return out
+
+
+def restricted_mask(start: int, positions: torch.Tensor, mask: torch.Tensor, restriction: Restriction
+                    ) -> torch.Tensor:
+    """`mask` [1, 1, T, S] bool narrowed by a layer's restriction: keys within the sliding window (HF semantics:
+    key position > query position - window), or in the query's own chunk (position // chunk size equal)."""
+    kind, size = restriction
+    if kind == "sliding":
+        return window_mask(start, positions, mask, size)
+    key_pos = torch.cat([torch.arange(start, device=positions.device), positions])  # [S]
+    same = (key_pos[None, :] // size) == (positions[:, None] // size)  # [T, S]
+    return mask & same[None, None]
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,7 +145,7 @@ class ModuleTargetRunner(RunnerBase):
         self.model_type = str(getattr(cfg, "model_type", "?"))
         try:
             self.layers = list(decoder_layers(model))
-            self.decoder = hf.get_decoder()
+            self.decoder = decoder(model)
         except (SpeculatorsError, AttributeError) as exc:
             raise self._unsupported(f"no decoder layers found ({exc})") from None
         mixers = [i for i, layer in enumerate(self.layers) if getattr(layer, "self_attn", None) is None]
@@ -136,7 +157,7 @@ class ModuleTargetRunner(RunnerBase):
         if self.lm_head is None:
             raise self._unsupported("no output head found")
         self.cache_kw = cache_kwarg(self.decoder)
-        self.windows = layer_windows(self.layers, cfg)
+        self.restrictions = layer_restrictions(self.layers, cfg)
         self.softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
         self.logit_scale = float(getattr(cfg, "logit_scale", None) or 1.0)  # Cohere-style: logits * scale
         self.logits_divisor = float(getattr(cfg, "logits_scaling", None) or 1.0)  # Granite-style: logits / s
@@ -175,14 +196,14 @@ class ModuleTargetRunner(RunnerBase):
         """ids, positions [T]; mask [1, 1, T, S] bool -> final-norm hidden [T, H], taps [T, n_taps * H] | None."""
         start, n = writer.start, int(ids.shape[0])
         full = additive(mask, self.dtype)  # [1, 1, T, S]
-        per_window: dict[int, torch.Tensor] = {}
+        narrowed: dict[Restriction, torch.Tensor] = {}
         want_taps = capture and bool(self.tap_layers)
         with ExitStack() as stack:
-            for i, win in enumerate(self.windows):
-                if win is not None and start + n > win:
-                    if win not in per_window:
-                        per_window[win] = additive(window_mask(start, positions, mask, win), self.dtype)
-                    stack.enter_context(_masked(self.layers[i].self_attn, per_window[win]))
+            for i, r in enumerate(self.restrictions):
+                if r is not None and start + n > r[1]:  # else every key is inside the window / the first chunk
+                    if r not in narrowed:
+                        narrowed[r] = additive(restricted_mask(start, positions, mask, r), self.dtype)
+                    stack.enter_context(_masked(self.layers[i].self_attn, narrowed[r]))
             recorder = stack.enter_context(TapRecorder(self.model, list(self.tap_layers))) if want_taps else None
             out = self.decoder(input_ids=ids[None], attention_mask=full, position_ids=positions[None],
                                use_cache=True, **{self.cache_kw: writer})

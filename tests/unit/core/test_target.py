@@ -42,6 +42,23 @@ def test_layer_ids_validated(tiny_llama: Path) -> None:
         TapRecorder(target.model, [2, 8])
     with pytest.raises(SpeculatorsError, match="duplicates"):
         validate_layer_ids([2, 2], 8)
+    with pytest.raises(SpeculatorsError, match=r"must be increasing \(\[2, 4, 5\]\): vLLM sorts"):
+        validate_layer_ids([5, 2, 4], 8)
+
+
+def test_a_causal_lm_whose_get_decoder_is_itself_still_exposes_its_layers() -> None:
+    """Llama 4 text models: `get_decoder()` returns the causal LM; capture and the runtime find `.model.layers`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from speculators.serving.module_runner import make_runner
+    from speculators.target import decoder_layers, final_norm
+
+    cfg = AutoConfig.for_model("llama4_text", vocab_size=300, hidden_size=64, intermediate_size=128,
+                               intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, num_local_experts=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert len(decoder_layers(model)) == 4 and final_norm(model) is model.model.norm
+    make_runner(model)  # its load-time probe: tree-masked forward = the model's own
 
 
 def test_fingerprint_stable_and_sensitive(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:

@@ -74,6 +74,7 @@ EAGLE3_BREAKS = {
     "missing d2t": (None, lambda s: {k: v for k, v in s.items() if k != "d2t"}, "d2t is missing"),
     "model. prefix": (None, lambda s: {"model." + k: v for k, v in s.items()}, "'model.' prefix"),
     "4 aux layers": (_four_aux, _fc_four, "has 4 ids"),
+    "unsorted aux layers": (lambda c: c["eagle_aux_hidden_state_layer_ids"].reverse(), None, "are not increasing"),
     "lm_head rows": (_set("draft_vocab_size", 256), None, "lm_head.weight has shape [512, 64], expected [256, 64]"),
     "d2t out of range": (None, lambda s: {**s, "d2t": s["d2t"] + 8000}, "outside the target vocab"),
     "d2t dtype": (None, lambda s: {**s, "d2t": s["d2t"].int()}, "d2t must be int64"),

@@ -15,12 +15,13 @@ from speculators.errors import SpeculatorsError, UnsupportedTargetError
 from speculators.models.base import FeatureRequest
 from speculators.serving import module_runner
 from speculators.serving.module_runner import ModuleTargetRunner, TargetRunner, make_runner
+from tests import architectures
 from tests.conftest import TINY_EXTRAS, tiny_config
 from tests.unit.serving.runtime_helpers import check_runner_against_hf, single_thread  # noqa: F401
 
 VOCAB = 300
 TAPS = (0, 2, 4, 5)
-WINDOWED = ("mistral", "qwen2", "gemma3_text", "gpt_oss")
+WINDOWED = ("mistral", "qwen2", "gemma3_text", "gpt_oss", "llama4_text")
 
 
 def _model(model_type: str, **overrides) -> torch.nn.Module:
@@ -47,22 +48,26 @@ def test_auto_keeps_the_fused_path_for_the_llama_family(model_type: str) -> None
         make_runner(model, path="fast")
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "phi3", "gpt_oss", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "phi3", "gpt_oss", "olmo2", "llama4_text"])
 def test_auto_takes_the_module_path_elsewhere(model_type: str) -> None:
     assert type(make_runner(_model(model_type))) is ModuleTargetRunner
 
 
-def test_windows_are_read_per_layer() -> None:
+def test_windows_and_chunks_are_read_per_layer() -> None:
+    s, c = ("sliding", 8), ("chunked", 8)
     gemma = _model("gemma3_text")
-    assert module_runner.layer_windows(list(gemma.model.layers), gemma.config) == [8, 8, None, 8, 8, None, 8, None]
+    assert module_runner.layer_restrictions(list(gemma.model.layers), gemma.config) == [s, s, None, s, s, None, s,
+                                                                                        None]
     mistral = _model("mistral")
-    assert module_runner.layer_windows(list(mistral.model.layers), mistral.config) == [8] * 8
+    assert module_runner.layer_restrictions(list(mistral.model.layers), mistral.config) == [s] * 8
+    llama4 = _model("llama4_text")
+    assert module_runner.layer_restrictions(list(llama4.model.layers), llama4.config) == [c, c, c, None] * 2
 
 
 @pytest.mark.parametrize("model_type", WINDOWED)
 def test_without_the_window_masks_the_forward_differs(model_type: str, monkeypatch) -> None:
     """BROKEN on purpose: every layer attends to the whole context. The parity check must catch it, i.e. the 20-token
-    check really runs past the 8-token windows."""
+    check really runs past the 8-token windows / chunks."""
     model = _model(model_type)
     runner = _runner(model)  # built (and probed) before the break
     monkeypatch.setattr(module_runner, "_masked", lambda attn, mask: contextlib.nullcontext())
@@ -86,6 +91,7 @@ def test_the_probe_refuses_a_cache_that_is_not_read(monkeypatch) -> None:
         ModuleTargetRunner(_model("phi3"), None)
 
 
+ARCH_REFUSED = {"deepseek_v3": "its keys/values have several shapes", "qwen3_next": r"decoder layers \[0, 1, 2, 4"}
 REFUSED = {  # model type -> (config, what the one line must say)
     "lfm2": (dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"]),
@@ -109,3 +115,20 @@ def test_architectures_it_cannot_run_are_refused_in_one_line(model_type: str) ->
     with pytest.raises(UnsupportedTargetError, match=f"cannot run target model type '{model_type}': {why}") as err:
         make_runner(model)
     assert "\n" not in str(err.value) and "vLLM" in str(err.value)
+
+
+@pytest.mark.parametrize("model_type", architectures.ARCHITECTURES)
+def test_vllm_suite_architectures_run_or_are_refused(model_type: str) -> None:
+    """The tiny targets of the tap / vLLM suites (tests/architectures.py: Granite's multipliers, ERNIE, Apertus,
+    MiniMax-M2, Gemma 4's per-layer inputs, ...): the runtime matches HF, or refuses in one line what it cannot run."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import HOUSE_TARGET
+
+    model = architectures.tiny_model(model_type, AutoTokenizer.from_pretrained(HOUSE_TARGET))
+    features = FeatureRequest(tap_layer_ids=(2, 4, 5), last_hidden=True)
+    if model_type in ARCH_REFUSED:
+        with pytest.raises(UnsupportedTargetError, match=f"'{model_type}': {ARCH_REFUSED[model_type]}"):
+            make_runner(model, features)
+        return
+    check_runner_against_hf(make_runner(model, features), model, (2, 4, 5))
