@@ -17,7 +17,9 @@ separators after the end-of-turn token, and every non-assistant message. Three m
    before it is unchanged.
 In methods 2 and 3 the turn ends at the first end-of-turn token at or after its start. End-of-turn tokens are
 the tokenizer's EOS plus the terminator the template writes after an assistant message (found by rendering a
-probe conversation). A token that straddles the start of a turn counts as an assistant token.
+probe conversation); for a turn that other messages follow, also the token the template writes there if it
+differs (gpt-oss's harmony format ends earlier turns with <|end|> and the last with <|return|>, and <|end|> also
+closes the reasoning channel inside the last turn, so it must not end the last turn). A token that straddles the start of a turn counts as an assistant token.
 Raw `prompt`/`completion` rows skip the template: prompt tokens (+ BOS if the tokenizer adds one), completion
 tokens and EOS; the mask covers completion + EOS.
 
@@ -64,6 +66,9 @@ class ChatEncoder:
         self.markers = has_generation_markers(self.template)
         self.special_texts = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
         self.terminators = set(eos_token_ids(tokenizer)) | {int(i) for i in extra_eos_ids or [] if i is not None}
+        # what ends an assistant turn that other messages follow: the same, plus the token the template writes
+        # there when it differs from the last turn's (gpt-oss's harmony format: <|end|> there, <|return|> last)
+        self.mid_terminators = set(self.terminators)
         self._probed = False
 
     # ---- helpers -----------------------------------------------------------------------------------------------
@@ -86,25 +91,35 @@ class ChatEncoder:
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
     def _probe_terminator(self) -> None:
-        """Learn the token the template writes right after an assistant message (e.g. <|im_end|>, <|eot_id|>)."""
+        """Learn the token the template writes right after an assistant message (e.g. <|im_end|>, <|eot_id|>): after
+        the last message of a one-turn probe (`terminators`), and after the first answer of a two-turn probe
+        (`mid_terminators`; templates that end the last turn differently, like gpt-oss's, differ there)."""
         if self._probed:
             return
         self._probed = True
-        msgs = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ANSWER}]
+        turn = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ANSWER}]
+        last = self._special_after_answer(turn, first=False)
+        if last is not None:
+            self.terminators.add(last)
+            self.mid_terminators.add(last)
+        mid = self._special_after_answer(turn + turn, first=True)
+        if mid is not None:
+            self.mid_terminators.add(mid)
+
+    def _special_after_answer(self, msgs: list[dict], first: bool) -> int | None:
+        """The first special token the template renders after the first (or last) probe answer of `msgs`."""
         try:
             text = self.render(msgs, None, False)
         except RowEncodeError:
-            return
-        end = text.rfind(_PROBE_ANSWER)
+            return None
+        end = text.find(_PROBE_ANSWER) if first else text.rfind(_PROBE_ANSWER)
         if end < 0:
-            return
+            return None
         end += len(_PROBE_ANSWER)
         ids, offsets = self._tokenize(text)
         special = set(self.tok.all_special_ids)
-        for tid, (s, _e) in zip(ids, offsets, strict=True):
-            if s >= end and tid in special:
-                self.terminators.add(int(tid))
-                return
+        return next((int(tid) for tid, (s, _e) in zip(ids, offsets, strict=True) if s >= end and tid in special),
+                    None)
 
     def _check_special_text(self, conv: Conversation) -> None:
         texts = [m.get("content") or "" for m in conv.messages or []] + [conv.prompt or "", conv.completion or ""]
@@ -183,7 +198,8 @@ class ChatEncoder:
             t0 = next((t for t in range(cursor, len(ids)) if offsets[t][1] > start_char), None)
             if t0 is None:
                 raise RowEncodeError(f"assistant turn {i} renders no tokens")
-            t1 = next((t for t in range(t0, len(ids)) if ids[t] in self.terminators), None)
+            enders = self.terminators if i == len(conv.messages) - 1 else self.mid_terminators
+            t1 = next((t for t in range(t0, len(ids)) if ids[t] in enders), None)
             if t1 is None:
                 raise RowEncodeError(f"assistant turn {i} has no end-of-turn token after it in the rendered "
                                      "template; add {% generation %} markers to the template")

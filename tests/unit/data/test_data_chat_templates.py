@@ -426,3 +426,33 @@ def test_special_token_text_inside_content_is_rejected():
     tok = make_tokenizer(QWEN25, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], eos="<|im_end|>")
     with pytest.raises(RowEncodeError, match="special token text"):
         ChatEncoder(tok).encode(conv(u("Hi"), a("Hello<|im_end|> fake")))
+
+
+# gpt-oss's harmony layout, reduced to what decides the mask: every earlier assistant turn ends with <|end|>, the
+# last one with <|return|> (the tokenizer's EOS), and the last turn's reasoning channel is closed by <|end|> INSIDE it
+HARMONY = r"""{%- for message in messages %}
+    {%- if message.role == 'assistant' %}
+        {%- if loop.last and message.reasoning_content is defined %}
+            {{- '<|start|>assistant<|channel|>analysis<|message|>' + message.reasoning_content + '<|end|>' }}
+        {%- endif %}
+        {{- '<|start|>assistant<|channel|>final<|message|>' + message.content }}
+        {{- '<|return|>' if loop.last else '<|end|>' }}
+    {%- else %}
+        {{- '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"""
+
+
+def test_harmony_earlier_turns_end_at_end_the_last_at_return():
+    """Earlier turns end at <|end|>, the last one (reasoning and all) at <|return|>: neither the previous rule (one
+    terminator, learned from a one-turn probe) nor treating <|end|> as a terminator everywhere gets both right."""
+    tok = make_tokenizer(HARMONY, ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"],
+                         eos="<|return|>")
+    c = conv(u("Hi"), a("Hello"), u("Why?"), a("Because", reasoning_content="think"))
+    check(tok, c, [
+        ("<|start|>user<|message|>Hi<|end|><|start|>assistant", 0),
+        ("<|channel|>final<|message|>Hello<|end|>", 1),
+        ("<|start|>user<|message|>Why?<|end|><|start|>assistant", 0),
+        ("<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Because<|return|>", 1),
+    ], method="prefix")
