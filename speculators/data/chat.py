@@ -19,7 +19,8 @@ In methods 2 and 3 the turn ends at the first end-of-turn token at or after its 
 the tokenizer's EOS plus the terminator the template writes after an assistant message (found by rendering a
 probe conversation); for a turn that other messages follow, also the token the template writes there if it
 differs (gpt-oss's harmony format ends earlier turns with <|end|> and the last with <|return|>, and <|end|> also
-closes the reasoning channel inside the last turn, so it must not end the last turn). A token that straddles the start of a turn counts as an assistant token.
+closes the reasoning channel inside the last turn, so it must not end the last turn). A token that straddles the
+start of a turn counts as an assistant token.
 Raw `prompt`/`completion` rows skip the template: prompt tokens (+ BOS if the tokenizer adds one), completion
 tokens and EOS; the mask covers completion + EOS.
 

@@ -236,7 +236,8 @@ def bench_command(*, target: str | None, speculators: list[str], workloads: str,
     if not temperatures or any(t < 0 for t in temperatures):
         raise SpeculatorsError(f"--temperatures must be non-negative numbers, got {temperatures}")
     threads = torch.get_num_threads()  # set by the caller (`speculators bench --threads`); every method shares it
-    loaded = load_target(dataclasses.replace(bench_target(target, speculators), device=device, dtype=dtype))
+    target_cfg = bench_target(target, speculators)
+    loaded = load_target(dataclasses.replace(target_cfg, device=device, dtype=dtype))
     methods = [Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
                Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
     for path in speculators:
@@ -251,7 +252,7 @@ def bench_command(*, target: str | None, speculators: list[str], workloads: str,
         methods += [Method("hf", "hf"), Method("hf-assisted", "hf-assisted")]
     rows = bench_rows(methods[0].engine, workloads, rows_per_cohort)
     report: dict[str, Any] = {
-        "target": target, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
+        "target": target_cfg.name_or_path, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
         "threads": threads, "machine": platform.processor() or platform.machine(),
         "rows_per_cohort": rows_per_cohort, "rows": len(rows), "workloads": workloads, "seed": seed,
         "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "batch": batch, "results": {},

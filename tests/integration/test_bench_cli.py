@@ -1,4 +1,4 @@
-"""`speculators bench` on the house target prints its table and writes JSON + Markdown, with every cohort of
+"""`speculators bench` on the house target (the one the speculator's pairing.json names: no --target) prints its table and writes JSON + Markdown, with every cohort of
 methods (plain, n-gram, a speculator, HF generate, HF assisted, and each runtime method batched) at T=0 and T=1,
 and at T=1 only the verifier comparisons (`--compare-verify`: sampled chain token-wise / block, sampled tree
 token-wise / traversal); at T=0 every runtime method, batched or not, reproduces plain decoding token for token."""
@@ -18,13 +18,13 @@ pytestmark = pytest.mark.integration
 def test_bench_table_and_report(house_target, tmp_path) -> None:
     spec = make_speculator_dir(house_target, "eagle3", tmp_path / "eagle3")
     out = tmp_path / "bench"
-    proc = cli("bench", "--target", str(house_target), "--speculator", str(spec), "--workloads",
+    proc = cli("bench", "--speculator", str(spec), "--workloads",  # the target: the one spec's pairing.json names
                "data/workloads/code-completion.jsonl", "--rows-per-cohort", "2", "--temperatures", "0,1", "--device", "cpu",
                "--batch", "2", "--compare-verify", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| cohort | method | tok/s | × plain | × HF generate | tau |" in proc.stdout
     report = json.loads((out / "bench.json").read_text())
-    assert (out / "bench.md").read_text().startswith("# speculators bench")
+    assert (out / "bench.md").read_text().startswith(f"# speculators bench — {house_target} on cpu")
     runtime = ("plain", "ngram", "eagle3:eagle3", "eagle3+ngram:eagle3")  # + the graft row
     batched = tuple(f"{m}@batch2" for m in runtime)
     methods = {*runtime, *batched, "hf", "hf-assisted"}
@@ -56,7 +56,7 @@ def test_bench_bad_inputs_fail_with_one_line(house_target) -> None:
 
 def test_bench_fixed_depth_chains_without_hf(house_target, tmp_path) -> None:
     spec = make_speculator_dir(house_target, "eagle3", tmp_path / "eagle3")
-    proc = cli("bench", "--target", str(house_target), "--speculator", str(spec), "--workloads",
+    proc = cli("bench", "--speculator", str(spec), "--workloads",  # the target: the one spec's pairing.json names
                "data/workloads/short-output.jsonl", "--rows-per-cohort", "1", "--temperatures", "0", "--device", "cpu",
                "--tree", "chain", "--depth", "2", "--no-adaptive", "--ngram-graft", "0", "--no-hf",
                "--out", str(tmp_path / "bench"))
