@@ -1,4 +1,5 @@
-"""`speculators bench` on the house target (the one the speculator's pairing.json names: no --target) prints its table and writes JSON + Markdown, with every cohort of
+"""`speculators bench` on the house target (the one the speculator's pairing.json names: no --target) prints its
+table and writes JSON + Markdown, with every cohort of
 methods (plain, n-gram, a speculator, HF generate, HF assisted, and each runtime method batched) at T=0 and T=1,
 and at T=1 only the verifier comparisons (`--compare-verify`: sampled chain token-wise / block, sampled tree
 token-wise / traversal); at T=0 every runtime method, batched or not, reproduces plain decoding token for token."""
