@@ -161,7 +161,8 @@ def generate(
     seed: Annotated[int | None, typer.Option()] = None,
     device: Annotated[str, typer.Option()] = "auto",
     dtype: Annotated[str, typer.Option()] = "auto",
-    tree: Annotated[str | None, typer.Option(help="dynamic | static | chain | sampled (default: the drafter's own)")] = None,
+    tree: Annotated[str | None, typer.Option(help="dynamic | static | chain | sampled | best_first (default: "
+                                                  "the drafter's own)")] = None,
     depth: Annotated[int | None, typer.Option()] = None,
     topk: Annotated[int | None, typer.Option()] = None,
     budget: Annotated[int | None, typer.Option()] = None,
@@ -254,7 +255,7 @@ def bench(
     batch: Annotated[int, typer.Option(help="also run every runtime method on all rows with this many requests "
                                             "sharing each target forward (0: no such rows)")] = 0,
     tree: Annotated[str | None, typer.Option(help="the speculators' tree kind: dynamic | static | chain | sampled "
-                                                  "(default: each one's own)")] = None,
+                                                  "| best_first (default: each one's own)")] = None,
     depth: Annotated[int | None, typer.Option(help="the speculators' (maximum) draft depth")] = None,
     topk: Annotated[int | None, typer.Option()] = None,
     budget: Annotated[int | None, typer.Option(help="draft nodes per tree")] = None,
@@ -308,8 +309,10 @@ def _tree_config(kind: str | None, depth: int | None, topk: int | None, budget: 
     if all(v is None for v in (kind, depth, topk, budget, adaptive)):
         return None
 
-    if kind is not None and kind not in ("dynamic", "static", "chain", "sampled"):
-        raise SpeculatorsError(f"--tree must be dynamic, static, chain or sampled, got {kind!r}")
+    from speculators.models.drafting import TREE_KINDS
+
+    if kind is not None and kind not in TREE_KINDS:
+        raise SpeculatorsError(f"--tree must be one of {', '.join(TREE_KINDS)}, got {kind!r}")
     if any(v is not None and v < 1 for v in (depth, topk, budget)):
         raise SpeculatorsError(f"--depth must be >= 1 (and --topk, --budget too), got depth={depth}, topk={topk}, "
                                f"budget={budget}")

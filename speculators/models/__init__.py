@@ -1,4 +1,4 @@
-"""Speculator families behind one interface (`base.Speculator`).
+"""Speculator families (EAGLE-3, Medusa, MTP, DFlash) behind one interface (`base.Speculator`).
 
 `SPECULATORS` is the one dict family name -> class; it is filled lazily so `import speculators` stays light.
 """
@@ -11,7 +11,7 @@ from typing import Any
 from speculators.errors import SpeculatorsError
 
 _FAMILY_MODULES = {"eagle3": "speculators.models.eagle3", "medusa": "speculators.models.medusa",
-                   "mtp": "speculators.models.mtp"}
+                   "mtp": "speculators.models.mtp", "dflash": "speculators.models.dflash"}
 FAMILIES: tuple[str, ...] = tuple(_FAMILY_MODULES)  # the family names, without importing any family
 
 

@@ -1,4 +1,4 @@
-"""The Speculator interface: the one contract every family (EAGLE-3, Medusa, MTP) implements.
+"""The Speculator interface: the one contract every family (EAGLE-3, Medusa, MTP, DFlash) implements.
 
 The trainer, the evaluator and the runtime only talk to this interface; they never branch on a family's name.
 
@@ -6,7 +6,8 @@ Alignment convention shared by every family (and by the loss, the metrics and th
     step k (k = 0..K-1) of the speculator, evaluated at sequence position t, predicts token t+2+k,
     i.e. its target is the TEACHER distribution at position t+1+k (the target's next-token law there).
     It counts toward the loss iff token t+2+k exists and is an assistant token (loss_mask[t+2+k] == 1).
-EAGLE-3 step k = the k-th training-time-test step; Medusa step k = head k; MTP step k = the k-th recursive step.
+EAGLE-3 step k = the k-th training-time-test step; Medusa step k = head k; MTP step k = the k-th recursive step;
+DFlash step k = mask slot k+1 of the block anchored at token t+1.
 
 Runtime protocol (batch 1, called by `speculators.serving.engine`):
     state = spec.new_state(max_len, device)           # the drafter's own per-request state (its KV cache ...)
@@ -123,6 +124,11 @@ class Speculator(nn.Module, ABC):
         ("taps" [B, T, n*H] and/or "last_hidden" [B, T, H], float). With "head_rows" (`step_rows`: K long tensors
         [N_k] of flat positions b*T+t) step k's logits are those rows only, [N_k, Vd] (`select_rows`): training
         computes the head, the most expensive part of a step, only where its loss counts."""
+
+    def train_rows(self, loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+        """The "head_rows" a training step computes and scores (the loss masks [B, T]): every position where a step
+        counts (`step_rows`); a family may sample a subset (DFlash's anchors). Evaluation always scores them all."""
+        return step_rows(loss_mask, attention_mask, self.num_steps)
 
     # ---- runtime ------------------------------------------------------------------------------------------------
     # proposes sampled chains / trees (TreeConfig kind "chain" / "sampled") that carry the draft law they were drawn

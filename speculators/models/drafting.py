@@ -9,6 +9,14 @@ What it does:
     candidate first) and the best `budget` form the tree (ancestor-closed by construction). Frontier nodes that can
     no longer place a child inside the budget are not expanded.
   * "static": Medusa-style choices (paths of ranks); a node's children are the given ranks of its own draft law.
+  * "best_first": DDTree (arXiv 2604.12989) for path-independent steppers (`PathIndependentStepper`: the law at
+    depth d is the same for every node there, e.g. Medusa heads or a DFlash block). Take the top-min(budget, Vd)
+    log-probs of each depth's law; a node is a path of ranks (r1, ..., rd), scored by the sum of its log-probs (a
+    product of marginals). A best-first heap starts from (depth 1, rank 0); each pop adds the node and pushes its next
+    sibling (rank + 1, same parent) and its first child (depth + 1, rank 0); it stops at `budget` nodes. Scores only
+    decrease along both moves, so the tree is exactly the top-`budget` ancestor-closed prefixes (ties: shallower,
+    then lower rank, then earlier parent). Nodes are in the order chosen, so the first m nodes are the best-first
+    tree of budget m. No draft forward: the laws are read once per depth. Other steppers are refused.
   * "chain": one child per node; greedy (argmax) at T=0, sampled from the draft law at T>0.
   * "sampled": a chain (the spine) whose node at each level also gets siblings: at T>0 the level's `width` children
     are drawn one after another without replacement from the spine node's draft law and the first draw is continued
@@ -18,7 +26,7 @@ What it does:
   drawn from: `logits_to_probs` on the draft logits mapped to the target vocab, -inf outside the draft vocab, with
   the request's SamplingParams; rows of leaves are zero) and are verified as sequences — chains by "block", sampled
   trees by "traversal" — or token-wise ("iid" / "without_replacement") when `TreeConfig.verify` is "token"; top-k
-  trees -> "deterministic".
+  trees (dynamic, static, best_first: no draft_probs) -> "deterministic".
 - Tree tokens are TARGET ids (draft ids mapped through `draft_to_target`); top-k siblings are distinct.
 - `medusa_choices_from_accuracy` (greedy expected-acceptance maximisation from per-head top-k accuracy under a
   node budget) and `default_choices` (the same on a typical accuracy profile) for static trees.
@@ -26,7 +34,9 @@ What it does:
 A stepper is anything with `max_depth`, `room`, `root_logits() -> [Vd]` (the law of the root's children) and
 `step(nodes, tokens, parents, depth) -> [F, Vd]`: run the F nodes `nodes` (builder-chosen ids; parents are earlier
 ids or -1 for the root; `tokens` their target ids; all at `depth` >= 1) in ONE batched draft forward and return the
-laws of their children. Not here: the models themselves, KV caches, verification.
+laws of their children. `MarginalStepper` is the stepper of drafters whose laws are per depth ([K, Vd], one per
+depth, whatever the path: Medusa, DFlash); it is path-independent (`depth_logits(d)`). Not here: the models
+themselves, KV caches, verification.
 """
 
 from __future__ import annotations
@@ -34,20 +44,23 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
 from speculators.core.sampling import SamplingParams, logits_to_probs, sample, sample_without_replacement
-from speculators.core.trees import DraftTree
+from speculators.core.trees import SAMPLED_MODES, DraftTree
 from speculators.errors import SpeculatorsError
 
 if TYPE_CHECKING:
     from speculators.config import TreeConfig
 
-__all__ = ["Stepper", "propose_tree", "build_chain", "build_dynamic_tree", "build_static_tree", "build_sampled_tree",
-           "sampled_tree_widths", "root_only", "tree_verify_mode", "to_target_logits", "medusa_choices_from_accuracy", "default_topk_accuracy",
-           "default_choices"]
+__all__ = ["Stepper", "PathIndependentStepper", "MarginalStepper", "TREE_KINDS", "propose_tree", "build_chain",
+           "build_dynamic_tree", "build_static_tree", "build_sampled_tree", "build_best_first_tree",
+           "sampled_tree_widths", "root_only", "tree_verify_mode", "to_target_logits", "medusa_choices_from_accuracy",
+           "default_topk_accuracy", "default_choices"]
+
+TREE_KINDS = ("dynamic", "static", "chain", "sampled", "best_first")  # what `propose_tree` builds (TreeConfig.kind)
 
 
 class Stepper(Protocol):
@@ -59,6 +72,36 @@ class Stepper(Protocol):
     def root_logits(self) -> torch.Tensor: ...
 
     def step(self, nodes: list[int], tokens: torch.Tensor, parents: list[int], depth: int) -> torch.Tensor: ...
+
+
+class PathIndependentStepper(Stepper, Protocol):
+    """A stepper whose law at each depth does not depend on the path there (what "best_first" trees need)."""
+
+    path_independent: bool  # True
+
+    def depth_logits(self, depth: int) -> torch.Tensor: ...  # [Vd] the law of every node at `depth` (>= 1)
+
+
+class MarginalStepper:
+    """Drafting view of per-depth laws at one root (Medusa heads, a DFlash block): every node at depth d gets law
+    d + 1 for its children, whatever its path."""
+
+    room = 1 << 30
+    path_independent: ClassVar[bool] = True
+
+    def __init__(self, head_logits: torch.Tensor, choices: list[list[int]] | None = None) -> None:
+        self.head_logits = head_logits  # [K, Vd]; row d-1 = the law of the tokens at depth d
+        self.max_depth = int(head_logits.shape[0])
+        self.choices = choices  # static trees: the drafter's own choices (None: the defaults)
+
+    def root_logits(self) -> torch.Tensor:  # [Vd]
+        return self.head_logits[0]
+
+    def depth_logits(self, depth: int) -> torch.Tensor:  # [Vd]
+        return self.head_logits[depth - 1]
+
+    def step(self, nodes: list[int], tokens: torch.Tensor, parents: list[int], depth: int) -> torch.Tensor:
+        return self.head_logits[depth].expand(len(nodes), -1)  # [F, Vd]
 
 
 def tree_verify_mode(kind: str, sampling: SamplingParams, verify: str = "sequence") -> str:
@@ -105,7 +148,9 @@ def propose_tree(stepper: Stepper, root_token: int, cfg: TreeConfig, sampling: S
     if cfg.kind == "static":
         choices = cfg.choices or getattr(stepper, "choices", None) or default_choices(depth, budget)
         return build_static_tree(stepper, root_token, choices, depth, budget, d2t, mode)
-    raise SpeculatorsError(f"unknown tree kind {cfg.kind!r}; use dynamic, static, chain or sampled")
+    if cfg.kind == "best_first":
+        return build_best_first_tree(stepper, root_token, depth, budget, d2t, mode)
+    raise SpeculatorsError(f"unknown tree kind {cfg.kind!r}; use one of {', '.join(TREE_KINDS)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -269,6 +314,48 @@ def _select(root_token: int, tok: list[int], parent: list[int], score: list[floa
     index = {c: i + 1 for i, c in enumerate(chosen)}
     tokens = [int(root_token)] + [tok[c] for c in chosen]
     parents = [-1] + [0 if parent[c] == -1 else index[parent[c]] for c in chosen]
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+                     mode=mode)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# best-first (DDTree) trees
+
+
+def build_best_first_tree(stepper: PathIndependentStepper, root_token: int, depth: int, budget: int,
+                          d2t: torch.Tensor, mode: str) -> DraftTree:
+    """DDTree best-first tree (see the module docstring): the `budget` best prefixes of depth <= `depth` by product
+    of the stepper's per-depth laws, in the order chosen. Verified "greedy" (T=0) or "deterministic"; no draft_probs."""
+    if not getattr(stepper, "path_independent", False):
+        others = ", ".join(k for k in TREE_KINDS if k != "best_first")
+        raise SpeculatorsError(f"best_first trees need a drafter whose law at each depth ignores the path (Medusa, "
+                               f"DFlash); {type(stepper).__name__} is not: use one of {others}")
+    if mode in SAMPLED_MODES:
+        raise SpeculatorsError(f"best_first trees are top-k trees (no draft_probs): verify mode {mode!r} cannot apply")
+    depth = min(int(depth), int(stepper.max_depth))
+    if depth < 1 or budget < 1:
+        return DraftTree.root_only(int(root_token), mode)
+    laws = torch.stack([stepper.depth_logits(d) for d in range(1, depth + 1)])  # [D, Vd]
+    lp, ids = torch.topk(torch.log_softmax(laws.float(), dim=-1), min(budget, laws.shape[-1]), dim=-1)  # [D, k]
+    logp, tok, k = lp.tolist(), d2t[ids].tolist(), lp.shape[-1]
+    tokens, parents = [int(root_token)], [-1]
+    heap: list[tuple[float, int, int, int, float]] = []  # (-score, depth, rank, parent node, parent's score)
+
+    def push(d: int, r: int, parent: int, base: float) -> None:
+        score = base + logp[d - 1][r]
+        if score > -math.inf:  # a token the draft cannot produce (or a non-finite law) starts no node
+            heapq.heappush(heap, (-score, d, r, parent, base))
+
+    push(1, 0, 0, 0.0)
+    while heap and len(tokens) <= budget:
+        neg, d, r, parent, base = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(tok[d - 1][r])
+        parents.append(parent)
+        if r + 1 < k:
+            push(d, r + 1, parent, base)
+        if d < depth:
+            push(d + 1, 0, node, -neg)
     return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
                      mode=mode)
 

@@ -104,8 +104,8 @@ def family_of(config: dict) -> str:
     native = config.get("speculators_native") or {}
     family = native.get("family")
     if family is None:
-        if config.get("speculators_model_type") == "eagle3":
-            family = "eagle3"
+        if config.get("speculators_model_type") in ("eagle3", "dflash"):  # the speculators format's families
+            family = str(config["speculators_model_type"])
         elif config.get("model_type") == "medusa":
             family = "medusa"
         elif config.get("mtp_layout"):

@@ -6,8 +6,10 @@ Architecture (reference medusa-mtp-tree-verify.md §1, vllm-speculators.md §2.6
 - head h = `blocks.{h}.layers.{l}` ResBlocks x <- x + SiLU(Linear(x)) with DISTINCT weights per layer (bias on;
   weight and bias zero-initialised, so an untrained head is the identity), then its own `lm_heads.{h}` [V, H]
   (initialised from the target lm_head, trainable, always saved).
-Runtime: the heads read the last absorbed hidden state; trees are static choices (default: derived from measured
-per-head top-k accuracy via `set_choices_from_accuracy`, else a typical profile), dynamic top-k or chains.
+Runtime: the heads read the last absorbed hidden state, and every node at depth d gets head d's law whatever its
+path (`drafting.MarginalStepper`); trees are static choices (default: derived from measured per-head top-k accuracy
+via `set_choices_from_accuracy`, else a typical profile), dynamic top-k, best-first (DDTree) trees, chains or
+sampled trees.
 
 Not here: loss, file I/O, tree policies (drafting.py). No reduced draft vocab (vLLM's truncated_vocab_size).
 """
@@ -24,7 +26,7 @@ from torch import nn
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, Speculator, TargetWeights, select_rows
-from speculators.models.drafting import medusa_choices_from_accuracy, propose_tree, root_only
+from speculators.models.drafting import MarginalStepper, medusa_choices_from_accuracy, propose_tree, root_only
 from speculators.models.layers import check_full_vocab, dtype_name, native_options, target_dims, verifier_info
 
 if TYPE_CHECKING:
@@ -51,23 +53,6 @@ class MedusaState:
     length: int = 0  # committed positions absorbed
     last_hidden: torch.Tensor | None = None  # [H] target post-norm hidden at position length-1
     last_token: int | None = None
-
-
-class MedusaStepper:
-    """Drafting view of the heads at one root: every node at depth d gets head d's law (heads ignore the path)."""
-
-    room = 1 << 30
-
-    def __init__(self, head_logits: torch.Tensor, choices: list[list[int]] | None) -> None:
-        self.head_logits = head_logits  # [K, V]
-        self.max_depth = int(head_logits.shape[0])
-        self.choices = choices
-
-    def root_logits(self) -> torch.Tensor:
-        return self.head_logits[0]
-
-    def step(self, nodes: list[int], tokens: torch.Tensor, parents: list[int], depth: int) -> torch.Tensor:
-        return self.head_logits[depth].expand(len(nodes), -1)  # [F, V]
 
 
 class MedusaSpeculator(Speculator):
@@ -217,7 +202,7 @@ class MedusaSpeculator(Speculator):
                              f"{state.last_token}; absorb the committed tokens first")
         p = next(self.parameters())
         logits = torch.stack(self.heads(state.last_hidden.to(device=p.device, dtype=p.dtype)))  # [K, V]
-        return propose_tree(MedusaStepper(logits, self.choices), int(root_token), tree, sampling, generator,
+        return propose_tree(MarginalStepper(logits, self.choices), int(root_token), tree, sampling, generator,
                             self.draft_to_target, self._vocab_size)
 
 

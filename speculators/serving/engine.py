@@ -56,6 +56,7 @@ from speculators.core.sampling import SamplingParams, logits_to_probs
 from speculators.core.trees import DraftTree, ancestor_mask
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
+from speculators.models.drafting import TREE_KINDS
 from speculators.serving.adaptive import AcceptanceMemory, AdaptiveDepth, CostModel
 from speculators.serving.calibration import SAMPLED_KINDS, calibrate_drafting, calibrate_verification
 from speculators.serving.drafters import (
@@ -171,8 +172,8 @@ class Engine:
         if tree.depth < 1 or tree.budget < 1 or tree.topk < 1:
             raise SpeculatorsError(f"tree depth, topk and budget must be >= 1, got depth={tree.depth}, "
                                    f"topk={tree.topk}, budget={tree.budget}")
-        if tree.kind not in ("dynamic", "static", "chain", "sampled"):
-            raise SpeculatorsError(f"tree kind must be dynamic, static, chain or sampled, got {tree.kind!r}")
+        if tree.kind not in TREE_KINDS:
+            raise SpeculatorsError(f"tree kind must be one of {', '.join(TREE_KINDS)}, got {tree.kind!r}")
         if tree.verify not in ("sequence", "token"):
             raise SpeculatorsError(f"tree verify must be sequence or token, got {tree.verify!r}")
         self.tree = tree

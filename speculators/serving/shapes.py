@@ -100,7 +100,8 @@ def random_drafter(target: Any, family: str, num_steps: int, draft_vocab_size: i
     """(a family's head with random weights for `target`, prepared for drafting; how it computes)."""
     vocab = int(target.vocab_size)
     dvocab = min(int(draft_vocab_size), vocab) if family == "eagle3" else None
-    cfg = SpeculatorConfig(family=family, num_steps=num_steps, draft_vocab_size=dvocab)
+    # a shape has no tokenizer, hence no special ids: DFlash's mask slots embed token 0
+    cfg = SpeculatorConfig(family=family, num_steps=num_steps, draft_vocab_size=dvocab, mask_token_id=0)
     d2t = torch.zeros(dvocab, dtype=torch.long) if dvocab is not None and dvocab < vocab else None
     torch.manual_seed(seed)
     # built on the CPU as a loaded speculator is (an 8B shape's Medusa heads: 2.7B float32 parameters, ~11 GB of

@@ -47,7 +47,6 @@ from speculators.core.atomic import write_text_atomic
 from speculators.core.checkpoints import step_name
 from speculators.errors import SpeculatorsError
 from speculators.models import SPECULATORS
-from speculators.models.base import step_rows
 from speculators.recipes import to_dict
 from speculators.train import checkpoint as ck
 from speculators.train.accelerator import (
@@ -331,7 +330,7 @@ def _micro_step(s: _Session, batch: dict) -> tuple[Any, bool, float | None]:
     t, device, grad_norm = s.recipe.train, s.acc.device, None
     inputs, teacher = s.features(batch, device)
     loss_mask, attention_mask = batch["loss_mask"].to(device), batch["attention_mask"].to(device)
-    inputs["head_rows"] = rows = step_rows(loss_mask, attention_mask, len(s.weights))  # the head only where it counts
+    inputs["head_rows"] = rows = s.spec.train_rows(loss_mask, attention_mask)  # the head only where it counts
     with s.acc.accumulate(s.model):
         sync = s.acc.sync_gradients
         if sync:

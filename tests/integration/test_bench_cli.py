@@ -68,6 +68,6 @@ def test_bench_fixed_depth_chains_without_hf(house_target, tmp_path) -> None:
     assert set(report["results"]["0.0"]["all"]) == {"plain", "ngram", "eagle3:eagle3"}
     entry = report["results"]["0.0"]["all"]["eagle3:eagle3"]
     assert entry["vs_hf"] is None and entry["mismatched_rows"] == 0
-    assert "--tree must be dynamic, static, chain or sampled" in error_line(cli("bench", "--target", str(house_target),
-                                                                       "--tree", "forest", "--device", "cpu"))
+    assert "--tree must be one of dynamic, static, chain, sampled, best_first" in error_line(
+        cli("bench", "--target", str(house_target), "--tree", "forest", "--device", "cpu"))
     assert "--depth must be >= 1" in error_line(cli("bench", "--target", str(house_target), "--depth", "0"))

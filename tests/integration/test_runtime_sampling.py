@@ -2,14 +2,15 @@
 generated tokens equals the exact target probabilities (computed by direct forward passes with the same
 temperature / top-k / top-p operator), by Pearson chi-square with family-wise alpha 1e-6 (Bonferroni).
 
-Covered: n-gram drafts (deterministic trees), a random EAGLE-3 sampled chain (block verification with the draft's
-probabilities) and sampled tree (traversal verification), a random Medusa top-k tree and a random EAGLE-3 top-k tree
-with a prompt-lookup graft; a near-target drafter (the house target itself at another temperature: ratios p/q on
-both sides of 1, deep acceptance) drafting sampled trees and chains verified by traversal / block verification and
-token-wise ("without_replacement" / "iid": the bench's comparison rows); each under temperature, top-k and top-p; the Medusa case once more with 8 requests
-sharing each target forward (batching.py). Negative controls run through the SAME test and must be rejected: an
-engine that accepts every drafted token the target can produce (lossy "typical"-style acceptance) and one that
-verifies against the unfiltered target rows.
+Covered: n-gram drafts (deterministic trees), a random DFlash block (its per-slot laws) as a sampled chain (block
+verification) and as a top-k tree, a random EAGLE-3 sampled chain (block verification with the draft's
+probabilities) and sampled tree (traversal verification), a random Medusa top-k tree and best-first (DDTree) tree, a
+random EAGLE-3 top-k tree with a prompt-lookup graft; a near-target drafter (the house target itself at another
+temperature: ratios p/q on both sides of 1, deep acceptance) drafting sampled trees and chains verified by traversal
+/ block verification and token-wise ("without_replacement" / "iid": the bench's comparison rows); each under
+temperature, top-k and top-p; the Medusa case once more with 8 requests sharing each target forward (batching.py).
+Negative controls run through the SAME test and must be rejected: an engine that accepts every drafted token the
+target can produce (lossy "typical"-style acceptance) and one that verifies against the unfiltered target rows.
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ CASES = [  # (drafter, tree, sampling)
     ("near-target", TreeConfig(kind="sampled", depth=3, topk=2, budget=6, adaptive=False),
      dict(temperature=0.8, top_k=0, top_p=0.95)),
     ("near-target", TreeConfig(kind="chain", depth=3, adaptive=False), dict(temperature=1.0, top_k=30)),
+    ("dflash", TreeConfig(kind="chain", depth=3, adaptive=False), dict(temperature=1.0, top_p=0.9)),
+    ("dflash", TreeConfig(kind="dynamic", depth=2, topk=3, budget=5, adaptive=False), dict(temperature=0.8)),
     ("near-target", TreeConfig(kind="chain", depth=3, adaptive=False, verify="token"), dict(temperature=1.0)),
     ("near-target", TreeConfig(kind="sampled", depth=2, topk=3, budget=5, adaptive=False, verify="token"),
      dict(temperature=1.0, top_p=0.9)),
+    ("medusa", TreeConfig(kind="best_first", depth=3, topk=2, budget=6, adaptive=False),
+     dict(temperature=0.9, top_k=20, top_p=0.9)),
 ]
 NUM_TESTS = len(CASES) + 3  # Bonferroni over every chi-square this module runs (controls, batched case included)
 BATCHED_CASE = 3  # also run with 8 requests sharing each target forward (batching.py)
@@ -77,7 +82,7 @@ def _chi_square(engine: Engine, house_target, prompt: list[int], sampling: dict,
 @pytest.fixture(scope="module")
 def spec_dirs(house_target, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("sampling-specs")
-    return {f: str(make_speculator_dir(house_target, f, root / f, seed=11)) for f in ("eagle3", "medusa")}
+    return {f: str(make_speculator_dir(house_target, f, root / f, seed=11)) for f in ("eagle3", "medusa", "dflash")}
 
 
 class _TargetStepper:

@@ -21,7 +21,7 @@ def _overrides(run_dir: Path, rows: Path, trackers: str) -> list[str]:
             f"train.trackers={trackers}"]
 
 
-@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp", "dflash"])
 def test_family_trains_through_the_cli(family: str, tmp_path: Path, house_target: Path) -> None:
     rows = write_rows(tmp_path / "rows.jsonl", 48)
     run_dir = tmp_path / "run"

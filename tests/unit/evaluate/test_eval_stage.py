@@ -80,7 +80,7 @@ def test_evaluate_is_resumable_and_notices_new_checkpoints(tmp_path: Path, tiny_
     assert acceptance.run(recipe, force=True, progress=False)["evaluated"] == 2
 
 
-@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp", "dflash"])
 def test_every_family_goes_through_the_same_evaluator(tmp_path: Path, tiny_llama: Path, family: str) -> None:
     recipe = make_run(tmp_path, tiny_llama, family, steps=(10,), num_steps=2)
     acceptance.run(recipe, progress=False)

@@ -56,6 +56,7 @@ CASES = {
     "eagle3-full-vocab": dict(family="eagle3"),  # draft vocab = target vocab: no d2t / t2d (vLLM >= 0.30)
     "medusa": dict(family="medusa"),
     "mtp": dict(family="mtp"),
+    "dflash": dict(family="dflash"),
 }
 
 
@@ -101,6 +102,18 @@ def test_golden_files_encode_the_vllm_rules() -> None:
     mt = json.loads((GOLDEN / "medusa" / "tensors.json").read_text())
     assert set(mt) == {f"blocks.{h}.layers.0.{w}" for h in range(3) for w in ("weight", "bias")} | {
         f"lm_heads.{h}.weight" for h in range(3)}
+    d = json.loads((GOLDEN / "dflash" / "config.json").read_text())
+    assert "model_type" not in d and d["speculators_model_type"] == "dflash"
+    assert d["speculators_config"]["algorithm"] == "dflash" and d["architectures"] == ["DFlashDraftModel"]
+    assert d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == d["block_size"] - 1 == 3
+    assert d["aux_hidden_state_layer_ids"] == [2, 4, 5] and isinstance(d["mask_token_id"], int)
+    assert d["sliding_window_non_causal"] is True and d["sample_from_anchor"] is False  # bidirectional blocks
+    assert d["transformer_layer_config"]["model_type"] == "qwen3"
+    assert set(d["transformer_layer_config"]["layer_types"]) == {"full_attention"}
+    dt = json.loads((GOLDEN / "dflash" / "tensors.json").read_text())
+    assert dt["fc.weight"] == ["BF16", [64, 192]] and dt["hidden_norm.weight"] == ["BF16", [64]]
+    assert dt["layers.0.self_attn.k_norm.weight"] == ["BF16", [16]]
+    assert not {"embed_tokens.weight", "lm_head.weight", "d2t", "mask_hidden"} & set(dt)  # vLLM shares the target's
     n = json.loads((GOLDEN / "mtp" / "config.json").read_text())
     assert n["mtp_layout"] == "deepseek" and "vLLM cannot serve" in n["speculators_native"]["export"]["vllm"]
 

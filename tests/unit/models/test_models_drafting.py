@@ -1,8 +1,11 @@
-"""Runtime drafting: tree validity, EAGLE-2 selection, chains vs the training path, d2t, draft KV isolation."""
+"""Runtime drafting: tree validity, EAGLE-2 selection, best-first (DDTree) selection, chains vs the training path,
+d2t, draft KV isolation."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import typing
 
 import pytest
 import torch
@@ -18,9 +21,14 @@ from models_helpers import (
 from speculators.config import TreeConfig
 from speculators.core.sampling import SamplingParams, logits_to_probs
 from speculators.core.trees import depths_of
+from speculators.errors import SpeculatorsError
 from speculators.models.drafting import (
+    TREE_KINDS,
+    MarginalStepper,
+    build_best_first_tree,
     build_dynamic_tree,
     build_sampled_tree,
+    propose_tree,
     sampled_tree_widths,
     to_target_logits,
     tree_verify_mode,
@@ -155,6 +163,92 @@ def test_dynamic_tree_skips_levels_that_cannot_enter_the_budget():
     stepper = _FakeStepper(seed=1)
     build_dynamic_tree(stepper, 0, 8, 4, 3, torch.arange(40), "greedy")
     assert sum(stepper.calls) < 7 * 4
+
+
+def _reference_best_first(laws, depth, budget):
+    """Brute force: every prefix (draft ids) of depth <= `depth`, scored by the sum of its per-depth log-probs (the
+    product of marginals); -> (the best `budget` finite ones, the score of every prefix)."""
+    lp = torch.log_softmax(laws.float(), -1).tolist()  # the builder's precision: identical sums
+    prefixes = [p for d in range(1, depth + 1) for p in itertools.product(range(laws.shape[-1]), repeat=d)]
+    score = {p: sum(lp[d][t] for d, t in enumerate(p)) for p in prefixes}
+    finite = [p for p in prefixes if score[p] > -math.inf]
+    return sorted(finite, key=lambda p: -score[p])[:budget], score
+
+
+@pytest.mark.parametrize("depth,budget,vd", [(1, 4, 6), (3, 5, 6), (4, 12, 5), (4, 40, 4), (5, 3, 7), (3, 200, 4)])
+def test_best_first_tree_is_the_top_budget_prefixes(depth, budget, vd):
+    """best_first = the `budget` best prefixes by product of the per-depth marginals (brute force), as target ids of a
+    reduced vocab; ancestor-closed with distinct siblings, nodes in score order, so the first m nodes are the tree of
+    budget m (what `prune_tree` keeps)."""
+    _, kept = reduced_vocab(VOCAB, vd, seed=vd)
+    draft_of = {t: i for i, t in enumerate(kept.tolist())}
+    cfg = TreeConfig(kind="best_first", depth=depth, budget=budget)
+    for seed in range(4):
+        laws = torch.randn(depth + 2, vd, generator=torch.Generator().manual_seed(seed)) * 2  # [K, Vd]
+        tree = build_best_first_tree(MarginalStepper(laws), 7, depth, budget, kept, "deterministic")
+        best, score = _reference_best_first(laws, depth, budget)
+        assert _paths(tree) == {tuple(kept[list(p)].tolist()) for p in best}
+        assert tree.size - 1 == min(budget, len(score)) and tree.mode == "deterministic" and tree.draft_probs is None
+        _check_tree(tree, cfg, set(kept.tolist()))
+        toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+        path = [()]
+        for i in range(1, tree.size):
+            path.append(path[parents[i]] + (draft_of[toks[i]],))
+        scores = [score[p] for p in path[1:]]
+        assert scores == sorted(scores, reverse=True)
+        half = build_best_first_tree(MarginalStepper(laws), 7, depth, max(1, budget // 2), kept, "deterministic")
+        assert half.tokens.tolist() == toks[: half.size] and half.parents.tolist() == parents[: half.size]
+
+
+def test_best_first_tree_skips_tokens_the_draft_cannot_produce():
+    """-inf entries (outside a filtered law) and non-finite laws start no node; the stepper's depth caps the tree."""
+    laws = torch.full((2, 6), float("-inf"))  # [K, Vd]
+    laws[0, 1], laws[0, 4], laws[1, 2] = 0.0, 1.0, 0.0
+    tree = build_best_first_tree(MarginalStepper(laws), 5, 4, 20, torch.arange(6) + 10, "greedy")
+    assert tree.tokens.tolist() == [5, 14, 12, 11, 12] and tree.parents.tolist() == [-1, 0, 1, 0, 3]
+    laws[1] = float("nan")  # an overflowed law: its depth holds nothing
+    d2t = torch.arange(6)
+    assert build_best_first_tree(MarginalStepper(laws), 5, 4, 20, d2t, "greedy").tokens.tolist() == [5, 4, 1]
+    assert build_best_first_tree(MarginalStepper(laws[1:]), 5, 4, 20, d2t, "greedy").size == 1
+
+
+def test_best_first_verify_modes_and_refusals():
+    """Verified "greedy" at T=0 and "deterministic" at T>0 (either `verify` setting), never with draft_probs; a
+    stepper that drafts each node from its path is refused in one line, and so is a sampled verify mode."""
+    laws = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))  # [K, V]
+    for sampling, verify, mode in ((GREEDY, "sequence", "greedy"), (WARM, "sequence", "deterministic"),
+                                   (WARM, "token", "deterministic")):
+        assert tree_verify_mode("best_first", sampling, verify) == mode
+        cfg = TreeConfig(kind="best_first", depth=3, budget=8, verify=verify)
+        tree = propose_tree(MarginalStepper(laws), 7, cfg, sampling, torch.Generator().manual_seed(0),
+                            torch.arange(VOCAB), VOCAB)
+        assert tree.mode == mode and tree.draft_probs is None and tree.size == 9
+        target = torch.softmax(torch.randn(tree.size, VOCAB), -1)  # [N, V]
+        verify_tree(tree.tokens, tree.parents, target, None, mode=mode, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(SpeculatorsError, match="path") as err:
+        build_best_first_tree(_FakeStepper(), 0, 3, 8, torch.arange(40), "deterministic")
+    assert "\n" not in str(err.value)
+    with pytest.raises(SpeculatorsError, match="draft_probs"):
+        build_best_first_tree(MarginalStepper(laws), 0, 3, 8, torch.arange(VOCAB), "block")
+    assert TREE_KINDS == typing.get_args(typing.get_type_hints(TreeConfig)["kind"])
+
+
+@pytest.mark.parametrize("family", ["eagle3", "mtp", "medusa", "dflash"])
+def test_best_first_trees_of_the_speculators(family):
+    """Medusa's heads and DFlash's block give every node at a depth the same law: their best_first trees are valid
+    top-k trees; EAGLE-3 and MTP draft each node from its path and are refused in one line."""
+    model, state, seq, _ = _absorbed(family)
+    cfg = TreeConfig(kind="best_first", depth=3, budget=10)
+    if family in ("eagle3", "mtp"):
+        with pytest.raises(SpeculatorsError, match="best_first") as err:
+            model.propose(state, int(seq[0, -1]), cfg, GREEDY, None)
+        assert "\n" not in str(err.value)
+        return
+    for sampling, mode in ((GREEDY, "greedy"), (WARM, "deterministic")):
+        tree = model.propose(state, int(seq[0, -1]), cfg, sampling, torch.Generator().manual_seed(0))
+        assert tree.mode == mode and tree.draft_probs is None and int(tree.tokens[0]) == int(seq[0, -1])
+        assert tree.size - 1 == cfg.budget
+        _check_tree(tree, cfg)
 
 
 @pytest.mark.parametrize("family", ["eagle3", "mtp", "medusa"])

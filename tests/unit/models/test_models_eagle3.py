@@ -199,7 +199,7 @@ def test_equivalence_test_catches_a_training_attention_that_forgets_ancestors(mo
     assert not torch.allclose(run[2], bad[2][0, 4], atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp", "dflash"])
 def test_weights_of_another_model_are_refused_with_one_line(family):
     import dataclasses
 

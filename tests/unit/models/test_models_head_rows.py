@@ -35,7 +35,7 @@ def _batch(target, layer_ids, masks: str = "random"):
     return {"input_ids": ids, "attention_mask": attention, **feats}, loss_mask, logits
 
 
-@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp", "dflash"])
 @pytest.mark.parametrize(("sparse", "masks"), [(False, "random"), (True, "random"), (True, "answers")])
 def test_head_rows_give_the_full_logits_loss_and_gradients(family: str, sparse: bool, masks: str) -> None:
     d2t, _ = reduced_vocab(VOCAB, 120) if family == "eagle3" else (None, None)
@@ -97,7 +97,7 @@ def test_a_wrong_row_changes_the_loss() -> None:
     assert abs(float(right.loss) - float(wrong.loss)) > 1e-4
 
 
-@pytest.mark.parametrize("family", ["eagle3", "medusa"])
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "dflash"])
 def test_a_batch_where_nothing_counts(family: str) -> None:
     """No assistant token: every step has no rows, the loss is 0 and backward still runs."""
     model, _, target = build(family, num_steps=3)
@@ -112,7 +112,7 @@ def test_a_batch_where_nothing_counts(family: str) -> None:
     assert float(out.loss.detach()) == 0.0 and out.counted.tolist() == [0, 0, 0]
 
 
-@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp", "dflash"])
 @pytest.mark.parametrize(("prompt_len", "depth"), [(9, 2), (1, 3), (15, 3)])
 def test_evaluation_drafts_only_where_it_scores(family: str, prompt_len: int, depth: int) -> None:
     """`evaluate.drafts.draft_logits` (the head only at t = P-2 .. T-3 and steps < depth) gives the full forward's

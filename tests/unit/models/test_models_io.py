@@ -27,7 +27,7 @@ from speculators.models.io import (
 )
 
 
-@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp", "dflash"])
 def test_roundtrip_is_bit_exact(tmp_path, family):
     d2t = reduced_vocab(VOCAB, 60)[0] if family == "eagle3" else None
     model, _, target = build(family, draft_arch="qwen3", num_steps=2, d2t=d2t)
@@ -161,7 +161,7 @@ def test_every_family_on_a_saved_tiny_target(tiny_target_any, tmp_path):
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_any), device="cpu", dtype="float32"))
     weights = target_weights(loaded.model)
     ids = torch.randint(0, loaded.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-    for family in ("eagle3", "medusa", "mtp"):
+    for family in ("eagle3", "medusa", "mtp", "dflash"):
         spec = SPECULATORS[family].from_target(loaded.model.config, SpeculatorConfig(family=family, num_steps=2),
                                                weights)
         req = spec.required_features()

@@ -14,7 +14,7 @@ import torch
 
 from speculators.core.trees import ancestor_mask, depths_of
 
-FAMILIES = ("eagle3", "medusa", "mtp")
+FAMILIES = ("eagle3", "medusa", "mtp", "dflash")
 
 
 @functools.lru_cache(maxsize=8)

@@ -20,10 +20,10 @@ def _params(i: int, **kw) -> SamplingParams:
 @pytest.fixture(scope="module")
 def spec_dirs(tiny_llama, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("batch-specs")
-    return {f: str(make_speculator_dir(tiny_llama, f, root / f, seed=3)) for f in ("eagle3", "medusa", "mtp")}
+    return {f: str(make_speculator_dir(tiny_llama, f, root / f, seed=3)) for f in ("eagle3", "medusa", "mtp", "dflash")}
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "eagle3", "medusa", "mtp", "dflash"])
 def test_batched_greedy_equals_alone(tiny_llama, spec_dirs, drafter: str) -> None:
     engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), spec_dirs.get(drafter, drafter), max_len=128)
     stops = [None, None, ["\n"], None, None]

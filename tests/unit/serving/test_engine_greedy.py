@@ -1,12 +1,13 @@
 """Engine at temperature 0: token-for-token equal to Hugging Face greedy decoding for every drafter and tree
-shape (random speculators included: parity must hold for ANY draft), EOS / stop / length truncation, streaming
-and prefix reuse."""
+shape (random speculators included: parity must hold for ANY draft; best-first trees for the drafters whose law at a
+depth ignores the path), EOS / stop / length truncation, streaming and prefix reuse."""
 
 from __future__ import annotations
 
 import pytest
 
 from speculators.config import TreeConfig
+from speculators.errors import SpeculatorsError
 from speculators.serving import Engine, SamplingParams
 from tests.unit.serving.runtime_helpers import FAMILIES, hf_greedy, loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
@@ -19,8 +20,15 @@ TREES = {
     "chain": TreeConfig(kind="chain", depth=4, topk=1, budget=4, adaptive=False),
     "dynamic": TreeConfig(kind="dynamic", depth=3, topk=3, budget=8, adaptive=False),
     "static": TreeConfig(kind="static", depth=3, topk=3, budget=6, adaptive=False),
+    "best_first": TreeConfig(kind="best_first", depth=3, topk=3, budget=8, adaptive=False),
 }
 MAX_NEW = 24
+PATH_DEPENDENT = ("eagle3", "mtp")  # draft each node from its path: no best_first trees (refused)
+
+
+def cases(drafters: list[str]) -> list[tuple[str, str]]:
+    """(drafter, tree) pairs: every tree kind for every drafter that drafts it."""
+    return [(d, t) for d in drafters for t in TREES if not (t == "best_first" and d in PATH_DEPENDENT)]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +42,7 @@ def references(tiny_llama) -> list[list[int]]:
     return [hf_greedy(tiny_llama, p, MAX_NEW) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("drafter", ["none", "ngram", *FAMILIES])
+@pytest.mark.parametrize("drafter,tree", cases(["none", "ngram", *FAMILIES]))
 def test_greedy_parity_with_hf_generate(tiny_llama, spec_dirs, references, drafter: str, tree: str) -> None:
     speculator = spec_dirs.get(drafter, drafter)
     engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), speculator, tree=TREES[tree])
@@ -49,8 +56,7 @@ def test_greedy_parity_with_hf_generate(tiny_llama, spec_dirs, references, draft
             assert stats.target_calls == len(out.token_ids) and stats.acceptance.drafted_tokens == 0
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("drafter", FAMILIES)
+@pytest.mark.parametrize("drafter,tree", cases(list(FAMILIES)))
 def test_greedy_parity_with_an_ngram_graft(tiny_llama, spec_dirs, references, drafter: str, tree: str,
                                            monkeypatch) -> None:
     from speculators.serving import graft
@@ -65,6 +71,13 @@ def test_greedy_parity_with_an_ngram_graft(tiny_llama, spec_dirs, references, dr
         out = engine.generate(prompt, SamplingParams(max_new_tokens=MAX_NEW))
         assert out.token_ids == ref, f"{drafter}+ngram/{tree} diverged on prompt {prompt}"
     assert max(grown) > 0  # the repetitive prompts got grafted nodes
+
+
+@pytest.mark.parametrize("drafter", [f for f in FAMILIES if f in PATH_DEPENDENT])
+def test_best_first_is_refused_for_path_dependent_drafters(tiny_llama, spec_dirs, drafter: str) -> None:
+    engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), spec_dirs[drafter], tree=TREES["best_first"])
+    with pytest.raises(SpeculatorsError, match="best_first"):
+        engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=MAX_NEW))
 
 
 def test_ngram_accepts_on_repetitive_output(tiny_llama, references) -> None:

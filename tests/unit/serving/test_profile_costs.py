@@ -51,7 +51,7 @@ def test_forward_grid_and_budget(tiny) -> None:
     assert spent.skipped == ["target forward at batch 1: time budget", "target forward at batch 2: time budget"]
 
 
-@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp"])
+@pytest.mark.parametrize("family", ["eagle3", "medusa", "mtp", "dflash"])
 def test_every_familys_random_head_is_timed_per_depth(tiny, family: str) -> None:
     drafter, precision = random_drafter(tiny, family, 3, draft_vocab_size=1000)
     runner = TargetRunner(tiny.model, drafter.required_features())

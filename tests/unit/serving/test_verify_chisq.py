@@ -1,8 +1,8 @@
 """Large-sample checks of the real, torch.Generator-backed verifier against exact probabilities.
 
 Synthetic target/draft tables (Dirichlet rows per context, peaked and flat, some top-k/top-p filtered by
-the runtime's own sampling operator), V = 8..16, trees from the exact tests. For every configuration the
-speculative loop is run n times with verify_tree; Pearson chi-square tests compare
+the runtime's own sampling operator), V = 8..16, trees from the exact tests and the runtime's best-first builder.
+For every configuration the speculative loop is run n times with verify_tree; Pearson chi-square tests compare
   (1) the first committed token with p(.),
   (2) the joint of the first two committed tokens with p(y1) p(y2 | y1),
   (3) the accepted-length histogram of the first step with its exact law (enumeration, verify_harness).
@@ -281,6 +281,12 @@ FLAT = dict(alpha_p=3.0, alpha_q=3.0)
 # (name, mode, tables, spec)
 CONFIGS = [
     ("det-topk-peaked", "deterministic", DirichletTables(12, 101, **PEAKED), DraftSpec("topk", DEEP_WIDE)),
+    (  # the runtime's best-first (DDTree) builder on per-depth draft laws
+        "det-best-first-peaked",
+        "deterministic",
+        DirichletTables(10, 113, **PEAKED, q_mix=0.5),
+        DraftSpec("best_first", DEEP_WIDE),
+    ),
     (
         "det-topk-flat-filtered",
         "deterministic",
@@ -332,6 +338,7 @@ BROKEN = [
     ("b-no-zeroing-det", "det-topk-peaked", core("deterministic", ops=lambda b: NoResidualOps(TorchRowOps()))),
     ("b-no-residual-iid", "iid-tree-peaked", core("iid", ops=lambda b: NoResidualOps(TorchRowOps()))),
     ("c-per-path", "det-topk-peaked", core("deterministic", verify=per_path_verify)),
+    ("c-per-path-best-first", "det-best-first-peaked", core("deterministic", verify=per_path_verify)),
     ("d-reused-coin", "iid-chain-flat", core("iid", rng=ReusedCoinsTorch)),
     ("e-unfiltered-residual", "det-topk-flat-filtered", core("deterministic", ops=unfiltered_residual)),
     ("f-sample-and-match", "iid-tree-peaked", api("deterministic")),

@@ -56,6 +56,11 @@ def wor(parents: tuple[int, ...]) -> DraftSpec:
     return DraftSpec("wor", parents)
 
 
+def best_first(parents: tuple[int, ...]) -> DraftSpec:
+    """The runtime's best-first (DDTree) tree with the node count and depth of `parents`."""
+    return DraftSpec("best_first", parents)
+
+
 # fixed children with duplicate siblings (nodes 1, 2) and a child under the duplicate (node 5)
 FIXED_DUPLICATES = DraftSpec("fixed", (-1, 0, 0, 0, 1, 2), (0, 1, 1, 2, 0, 2))
 
@@ -70,6 +75,11 @@ LOSSLESS_CASES = [
     ("deterministic", 3, 7, "generic", FIXED_DUPLICATES),
     ("deterministic", 4, 8, "onehot", topk(DEEP_WIDE)),
     ("deterministic", 3, 9, "generic", iid(SMALL)),  # sampled drafts verified by the delta rule
+    ("deterministic", 4, 101, "generic", best_first(DEEP_WIDE)),  # the runtime's best-first builder
+    ("deterministic", 3, 102, "depth_only", best_first(BUSHY)),  # the draft's laws really are per depth
+    ("deterministic", 4, 103, "p_zero", best_first(WIDE_DEEP)),
+    ("deterministic", 5, 104, "filtered", best_first(DEEP_WIDE)),
+    ("deterministic", 3, 105, "q_onehot", best_first(LONG_CHAIN)),  # one finite token per depth: a chain
     ("iid", 3, 11, "generic", iid(CHAIN)),
     ("iid", 3, 12, "generic", iid(WIDE)),  # duplicate siblings are drawn often
     ("iid", 4, 13, "p_zero", iid(SMALL)),
@@ -85,6 +95,7 @@ LOSSLESS_CASES = [
     ("without_replacement", 5, 26, "filtered", wor((-1, 0, 0))),
     ("greedy", 4, 31, "onehot", topk(DEEP_WIDE)),
     ("greedy", 3, 32, "onehot", FIXED_DUPLICATES),
+    ("greedy", 4, 33, "onehot", best_first(DEEP_WIDE)),
     ("block", 3, 71, "generic", iid(CHAIN)),
     ("block", 4, 72, "p_zero", iid(CHAIN)),
     ("block", 4, 73, "disjoint", iid(CHAIN)),
@@ -155,7 +166,7 @@ def test_greedy_commits_the_argmax_path(seed: int) -> None:
     ctx: tuple[int, ...] = ()
     for _ in range(N_TOKENS):
         ctx += (REF_OPS.argmax(tables.p(ctx)),)
-    for spec in (topk(DEEP_WIDE), FIXED_DUPLICATES, topk(CHAIN)):
+    for spec in (topk(DEEP_WIDE), FIXED_DUPLICATES, topk(CHAIN), best_first(DEEP_WIDE)):
         assert LoopLaw(tables, spec, "greedy").first_tokens(N_TOKENS) == {ctx: 1}
 
 

@@ -5,7 +5,8 @@
   draws) and add up the exact probability of every result. Fed to the real `walk_tree`, this turns the
   production decision code into a probability-propagating verifier.
 - Toy target/draft tables keyed by the full context, tree drafters (top-k, fixed tokens, i.i.d., without
-  replacement), one speculative step, and the exact law of the first n tokens of the generation loop.
+  replacement, the runtime's best-first builder), one speculative step, and the exact law of the first n tokens of
+  the generation loop.
 Broken verifiers (negative controls) and the literal block-verification reference live in verify_controls.py.
 """
 
@@ -19,6 +20,10 @@ from fractions import Fraction
 from functools import partial
 from typing import Any, Protocol
 
+import torch
+
+from speculators.core.trees import depths_of
+from speculators.models.drafting import MarginalStepper, build_best_first_tree
 from speculators.serving.verify import Tree, walk_tree
 
 Row = tuple  # a probability row: tuple of Fraction or float, one entry per token
@@ -233,6 +238,8 @@ class DraftSpec:
     iid: every node is drawn independently from q at its parent.
     wor: siblings are drawn one after another without replacement from q at their parent
          (a sibling whose law has no mass left is dropped with its subtree).
+    best_first: the runtime's `build_best_first_tree` (DDTree) over a path-independent draft whose law at depth d is
+         q at the context followed by d - 1 zeros; `parents` only sets the budget (its node count) and the depth.
     """
 
     kind: str
@@ -249,6 +256,8 @@ class Draft:
 
 def draft_tree(spec: DraftSpec, tables: Tables, ctx: Ctx, rng: Any) -> Draft:
     root = ctx[-1] if ctx else 0
+    if spec.kind == "best_first":
+        return best_first_draft(spec, tables, ctx, root)
     tokens, parents, contexts = [root], [-1], [ctx]
     new_index: dict[int, int] = {0: 0}
     sibling_law: dict[int, Row | None] = {}  # wor: remaining law at each parent (new index)
@@ -278,6 +287,19 @@ def draft_tree(spec: DraftSpec, tables: Tables, ctx: Ctx, rng: Any) -> Draft:
         parents.append(parent)
         contexts.append(contexts[parent] + (token,))
     return Draft(tuple(tokens), tuple(parents), tuple(contexts))
+
+
+def best_first_draft(spec: DraftSpec, tables: Tables, ctx: Ctx, root: int) -> Draft:
+    """The runtime's best-first tree on the per-depth laws q(ctx + (0,) * (d - 1)), d = 1..depth (see DraftSpec)."""
+    depth = int(depths_of(torch.tensor(spec.parents)).max())
+    laws = torch.tensor([[float(x) for x in tables.q(ctx + (0,) * d)] for d in range(depth)]).log()  # [D, V]
+    tree = build_best_first_tree(MarginalStepper(laws), root, depth, len(spec.parents) - 1,
+                                 torch.arange(tables.vocab), "deterministic")
+    tokens, parents = tuple(tree.tokens.tolist()), tuple(tree.parents.tolist())
+    contexts = [ctx]
+    for i in range(1, len(tokens)):
+        contexts.append(contexts[parents[i]] + (tokens[i],))
+    return Draft(tokens, parents, tuple(contexts))
 
 
 # ------------------------------------------------------------------------------------------------
