@@ -26,7 +26,7 @@ def test_profile_of_a_shape_with_random_heads(tmp_path) -> None:
     assert report["format"] == "speculators.profile/v1" and report["shape"]["hidden_size"] == 128
     assert set(report["target_forward_ms"]) == {"1", "2"}
     assert set(report["target_forward_ms"]["1"]) == {"1", "2", "4", "8"}
-    assert set(report["drafters"]) == {"eagle3", "medusa", "mtp"}  # a literal acceptance: every family
+    assert set(report["drafters"]) == {"eagle3", "medusa", "mtp", "dflash"}  # a literal acceptance: every family
     for family, rows in report["predictions"].items():
         assert [r["batch"] for r in rows] == [1, 2]
         for r in rows:
