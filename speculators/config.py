@@ -193,6 +193,9 @@ class EvaluateConfig:
     serving_chain_depth: int | None = None
     select_best: bool = True  # choose checkpoints/best by held-out simulated tau
     select_temperature: float = 0.0  # best = highest mean-over-cohorts simulated tau at this temperature
+    # trained speculators of other runs (a checkpoint or export dir, or a checkpoints/best pointer) scored on the
+    # same rows and shown side by side in eval/report.md; an entry that does not exist yet is reported missing
+    baselines: list[str] = field(default_factory=list)
 
 
 @dataclass

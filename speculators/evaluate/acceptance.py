@@ -15,6 +15,9 @@ writes eval/<step>/{report.json, report.md, per_position.png, tau.png}, eval/sel
 eval/selection.png and `checkpoints/best` (atomic); with W&B among `train.trackers`, the report (per-cohort tau,
 the plots, the checkpoint choice) also goes to the training run's W&B run.
 
+`evaluate.baselines` (speculators of other runs, `baselines.py`) are scored in the same pass on the same rows and
+continuations, cached in eval/baselines.json and shown side by side with the best checkpoint in eval/report.md.
+
 A target the bundled runtime cannot run (`runtime_support.runtime_refusal`: its `UnsupportedTargetError` message,
 asked once) is still evaluated: the continuations are written by HF `generate`, the live / predicted-vs-live part is
 skipped, one log line says why, and the reports and selection.json record the reason (`runtime_unavailable`, shown
@@ -50,7 +53,7 @@ from speculators.core.pairing import check_pairing, draft_revision, read_pairing
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
-from speculators.serving import runtime_support
+from speculators.evaluate import baselines as baseline_runs
 from speculators.evaluate.agreement import serving_agreement
 from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
 from speculators.evaluate.drafts import draft_logits
@@ -67,6 +70,7 @@ from speculators.evaluate.tally import CeilingTally, SpeculatorTally
 from speculators.evaluate.teacher import EvalSequence, continuations, crosscheck_record, teacher_pass
 from speculators.models.io import load_speculator, target_weights
 from speculators.recipes import to_dict
+from speculators.serving import runtime_support
 from speculators.serving.ngram import ngram_propose
 from speculators.target import fingerprint_target, load_target
 from speculators.train.tracking import log_evaluation, wandb_options
@@ -198,6 +202,13 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
     refusal, backend = _runtime_plan(recipe, target)
     key = eval_key(fp, rows, recipe, backend)
 
+    baselines = baseline_runs.resolve(recipe)
+    for b in baselines:
+        if b.path is not None:
+            check_pairing(read_pairing(b.path), fp, allow_revision_mismatch=recipe.serve.allow_revision_mismatch)
+    cache = baseline_runs.read_cache(eval_dir)
+    stale = [] if not baselines else baseline_runs.stale(baselines, cache, key)
+
     reports: dict[str, dict] = {}
     todo = []
     for c in ckpts:
@@ -206,13 +217,13 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
             todo.append(c)
         else:
             reports[c.name] = rep
-    if todo:
+    if todo or stale:
         weights = target_weights(target.model)
         specs = {}
-        for c in todo:
-            spec = load_speculator(c, weights)
+        for name, path in [*((c.name, c) for c in todo), *((b.spec_name, b.path) for b in stale)]:
+            spec = load_speculator(path, weights)
             spec.to(target.device).float().eval()
-            specs[c.name] = spec
+            specs[name] = spec
         seqs = continuations(target, rows, ev.temperatures, recipe.seed, fp["revision"] + fp["content_hash"],
                              eval_dir / "continuations.json", backend, ev.crosscheck_rows, progress)
         spec_sums, block_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress,
@@ -233,10 +244,15 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
                 "live": None, "live_rows_per_cohort": None, "loss": checkpoint_loss(c),
                 "continuation_backend": backend, "runtime_unavailable": refusal,
             }
+        for b in stale:
+            cache[b.label] = baseline_runs.cache_entry(b, key, depths[b.spec_name], spec_sums[b.spec_name])
         del specs
     best = choose_best(reports, ev.select_temperature)
     todo_names = _live_step(recipe, target, fp, rows, reports[best], {c.name for c in todo}, refusal, force, progress)
-    selection = _write_outputs(recipe, reports, best, todo_names)
+    if baselines:
+        eval_dir.mkdir(parents=True, exist_ok=True)
+        baseline_runs.write_cache(eval_dir, cache, baselines)
+    selection = _write_outputs(recipe, reports, best, todo_names, baseline_runs.record(baselines, cache))
     if "wandb" in recipe.train.trackers:  # the report joins the training run in W&B (when training had one)
         eval_dir = recipe.paths.eval
         log_evaluation(recipe.paths.logs, wandb_options(recipe.train), selection,
@@ -295,7 +311,8 @@ def _live(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], best: 
                              progress)
 
 
-def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed: set[str]) -> dict:
+def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed: set[str],
+                   baselines: list[dict]) -> dict:
     eval_dir = recipe.paths.eval
     eval_dir.mkdir(parents=True, exist_ok=True)
     for name in sorted(changed):
@@ -306,6 +323,7 @@ def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed:
     selection["recipe"] = to_dict(recipe.evaluate)
     selection["continuation_backend"] = reports[best].get("continuation_backend", recipe.evaluate.continuation_backend)
     selection["runtime_unavailable"] = reports[best].get("runtime_unavailable")
+    selection["baselines"] = baselines
     write_overview(eval_dir, selection, reports)
     if recipe.evaluate.select_best:
         write_pointer(recipe.paths.checkpoints, "best", recipe.paths.checkpoints / best)
@@ -370,6 +388,11 @@ def is_complete(recipe: Recipe) -> bool:
             return False
     unavailable = selection.get("runtime_unavailable")  # the runtime cannot run the target: no live part, HF's tokens
     if recipe.evaluate.live and selection.get("live") is None and not unavailable:
+        return False
+    try:
+        if not baseline_runs.matches(selection.get("baselines"), baseline_runs.resolve(recipe)):
+            return False
+    except SpeculatorsError:
         return False
     backend = selection.get("continuation_backend") or recipe.evaluate.continuation_backend
     if backend != recipe.evaluate.continuation_backend and not (unavailable and backend == "local"):

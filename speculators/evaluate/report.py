@@ -9,8 +9,8 @@ Per checkpoint, `write_checkpoint_report(dir, report)` writes into `eval/<step>/
                       target the bundled runtime cannot run, one line saying so and why instead of the live parts
   per_position.png    per-position acceptance a_k per cohort (speculator solid, n-gram dashed), one panel per T
   tau.png             simulated tau per cohort, speculator vs n-gram (and live when measured), one panel per T
-`write_overview(eval_dir, selection, reports)` writes `eval/report.md` (checkpoint table + the chosen one, and the
-runtime's refusal line when there is one) and `eval/selection.png` (mean tau per checkpoint, with the recorded loss
+`write_overview(eval_dir, selection, reports)` writes `eval/report.md` (checkpoint table + the chosen one, the
+runtime's refusal line when there is one, and the chosen one side by side with `evaluate.baselines`) and `eval/selection.png` (mean tau per checkpoint, with the recorded loss
 for reference).
 
 This module formats numbers; it computes none (they come from `speculators.metrics` via `alpha.py`).
@@ -261,7 +261,39 @@ def render_overview(selection: dict, reports: dict[str, dict]) -> str:
         for c, v in summary["tau"].items():
             lines.append(f"| {c} | {_fmt(v)} | {_fmt(summary['ngram_tau'].get(c))} |")
         lines.append(f"| **mean** | **{_fmt(summary['mean_tau'])}** | {_fmt(summary['ngram_mean_tau'])} |")
+    lines += _side_by_side(selection)
     return "\n".join(lines)
+
+
+def _side_by_side(selection: dict) -> list[str]:
+    """The best checkpoint next to `evaluate.baselines` (same rows, same continuations), per temperature and cohort:
+    simulated tau at every position / at a server's cycle starts, each at its own depth."""
+    baselines = selection.get("baselines") or []
+    if not baselines:
+        return []
+    present = [b for b in baselines if not b.get("missing")]
+    lines = ["", "## Side by side with the baselines (same rows, same target continuations)", "",
+             "tau at every position / at cycle starts, each speculator at its own depth (min(evaluate.depth, K)).", ""]
+    lines += [f"- baseline `{b['label']}`: not evaluated, the path does not exist (yet); run its recipe, then evaluate "
+              f"again" for b in baselines if b.get("missing")]
+    if not present:
+        return lines
+    head = ["cohort", f"{selection['best']} (this run)", *(f"`{b['label']}` ({b['family']}, depth "
+                                                           f"{b['speculator_depth']})" for b in present), "n-gram"]
+    for t in sorted(selection.get("summary", {}), key=float):
+        mine = selection["summary"][t]
+        theirs = [b["temperatures"].get(t) or {} for b in present]
+        lines += ["", f"### T = {t}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for c in mine["tau"]:
+            cells = [f"{_fmt(mine['tau'][c])} / {_fmt(mine['cycle_tau'].get(c))}",
+                     *(f"{_fmt(b.get('tau', {}).get(c))} / {_fmt(b.get('cycle_tau', {}).get(c))}" for b in theirs),
+                     _fmt(mine["ngram_tau"].get(c))]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        cells = [f"{_fmt(mine['mean_tau'])} / {_fmt(mine['cycle_mean_tau'])}",
+                 *(f"{_fmt(b.get('mean_tau'))} / {_fmt(b.get('cycle_mean_tau'))}" for b in theirs),
+                 _fmt(mine["ngram_mean_tau"])]
+        lines.append("| **mean** | " + " | ".join(f"**{x}**" for x in cells) + " |")
+    return lines
 
 
 def plot_selection(selection: dict, path: Path) -> None:

@@ -81,7 +81,10 @@ def selection_record(reports: dict[str, dict], best: str, temperature: float, ch
     summary = {t: {"tau": {c: s["simulated_tau"] for c, s in e["speculator"]["cohorts"].items()},
                    "mean_tau": e["speculator"]["mean_tau"],
                    "ngram_tau": {c: s["simulated_tau"] for c, s in e["ngram"]["cohorts"].items()},
-                   "ngram_mean_tau": e["ngram"]["mean_tau"]}
+                   "ngram_mean_tau": e["ngram"]["mean_tau"],
+                   "cycle_tau": {c: s["tau"] for c, s in
+                                 ((e["speculator"].get("cycle_starts") or {}).get("cohorts") or {}).items()},
+                   "cycle_mean_tau": (e["speculator"].get("cycle_starts") or {}).get("mean_tau")}
                for t, e in best_rep["temperatures"].items()}
     return {
         "format": SELECTION_FORMAT,

@@ -9,7 +9,8 @@
    kind) and absorbing, and whole runtime steps, from which the per-cycle overhead follows.
 4. With a per-position acceptance (`acceptance`: an evaluation report, an export dir, an eval dir or a list), the
    oracle (oracle.py) predicts tokens/s and speedup per batch size for every chain depth and tree depth, picks the
-   best per batch size, and derives the vLLM batch-size schedule (`export/launch.py`'s format).
+   best per batch size, and derives the vLLM batch-size schedule (`export/launch.py`'s format; a family
+   with a fixed vLLM k, DFlash or Medusa, gets that k or plain).
 5. With `check_rows` (real target + real speculator only), the same rows run through `speculators bench`'s own
    code (plain decoding and fixed-depth chains, adaptive off) and the predicted speedup is printed next to the
    measured one (profile_check.py).
@@ -35,11 +36,11 @@ from speculators.serving.adaptive import CostModel
 from speculators.serving.drafters import default_tree, load_drafter
 from speculators.serving.engine import Engine
 from speculators.serving.model_free import NoDrafter
+from speculators.serving.module_runner import make_runner
 from speculators.serving.oracle import Acceptance, Costs, load_acceptance, predict, schedule
 from speculators.serving.profile_check import check_against_bench
 from speculators.serving.profile_report import build_report, write_report
 from speculators.serving.shapes import random_drafter, random_target
-from speculators.serving.module_runner import make_runner
 from speculators.target import load_target, resolve_device, resolve_dtype
 
 PROFILE_FORMAT = "speculators.profile/v1"
@@ -183,6 +184,14 @@ def measure_costs(loaded: Any, drafters: dict[str, tuple[Any, str]], primary: st
                    "seconds": round(time.perf_counter() - start, 1)}
 
 
+def vllm_schedule(prediction: list[dict], drafter: Any) -> list[dict]:
+    """The vLLM batch-size schedule of one family's prediction: the fastest chain k per bucket, except for a family
+    whose vLLM proposer drafts a fixed k (`VLLM_FIXED_K`: DFlash's block, Medusa's heads), which gets its own k or
+    plain (k = 0) per bucket, as `export/vllm.plan_launch` writes it."""
+    fixed = [int(drafter.num_steps)] if getattr(drafter, "VLLM_FIXED_K", False) else None
+    return schedule(prediction, fixed)
+
+
 def profile_command(*, target: str | None, shape: str | None, speculator: str | None, acceptance: str | None,
                     families: list[str], device: str, dtype: str, batch_sizes: list[int] | None,
                     nodes: list[int] | None, context_len: int, budget_s: float, max_depth: int, temperature: float,
@@ -212,7 +221,8 @@ def profile_command(*, target: str | None, shape: str | None, speculator: str | 
     report = build_report(
         loaded=loaded, name=target or f"shape:{shape}", device=device_name(str(loaded.device)),
         context_len=context_len, drafters=drafters, costs=costs, extras=extras, acceptance=acc,
-        predictions=predictions, schedules={f: schedule(p) for f, p in predictions.items()}, check=check,
+        predictions=predictions, schedules={f: vllm_schedule(p, drafters[f][0]) for f, p in predictions.items()},
+        check=check,
         budget_s=budget_s)
     report["format"] = PROFILE_FORMAT
     return report, write_report(report, out)

@@ -39,11 +39,10 @@ from speculators.export import stage as export_stage
 from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, spec_counters
 from speculators.metrics import ChainCounts
 from speculators.models import SPECULATORS
-from speculators.models.base import step_rows
 from speculators.models.io import load_speculator, target_weights
-from speculators.target import fingerprint_target, forward_with_taps, load_target, saved_eos_token_ids
-from speculators.train.loss import TeacherShape, VocabMap, dense_teacher, speculator_loss
+from speculators.target import fingerprint_target, load_target, saved_eos_token_ids
 from tests.architectures import save_tiny_target
+from tests.vllm.fitting import fit_to_greedy
 from tests.vllm.fixtures import REPO
 
 pytestmark = pytest.mark.vllm
@@ -98,32 +97,6 @@ def _rows() -> list[WorkloadRow]:
                         messages=[{"role": "user", "content": m}]) for i, m in enumerate(MESSAGES)]
 
 
-def _fit(spec, loaded, sequences: list[list[int]], steps: int = 150) -> dict:
-    """`steps` Adam steps of the training loss (`train.loss.speculator_loss`) against the target's law sharpened to
-    ~its greedy token on `sequences`. Returns the last per-step accuracy."""
-    t = max(map(len, sequences))
-    ids = torch.zeros(len(sequences), t, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(sequences):
-        ids[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(s)] = 1
-    out = forward_with_taps(loaded.model, ids, mask, list(spec.layer_ids))
-    vocab = VocabMap.build(spec.draft_to_target, loaded.vocab_size)
-    teacher = dense_teacher(out.logits, vocab, TeacherShape(temperature=0.01))
-    rows = step_rows(mask, mask, spec.num_steps)
-    batch = {"input_ids": ids, "attention_mask": mask, "taps": out.taps, "head_rows": rows}
-    opt = torch.optim.Adam([p for p in spec.parameters() if p.requires_grad], lr=1e-2)
-    spec.train()
-    for _ in range(steps):
-        res = speculator_loss(spec.forward_train(batch), teacher, mask, mask, [1.0] * spec.num_steps, vocab,
-                              rows=rows)
-        opt.zero_grad()
-        res.loss.backward()
-        opt.step()
-    spec.eval()
-    return {"accuracy": (res.correct.float() / res.counted.clamp_min(1)).tolist()}
-
-
 def _fitted_export(root: Path, target: Path) -> tuple[Path, list[list[int]], list]:
     """A run dir holding one fitted EAGLE-3 checkpoint of `target` (written as the train stage writes them), exported
     by the real export stage. Returns (export dir, prompt ids, per-row predictions for the export as loaded back)."""
@@ -144,7 +117,8 @@ def _fitted_export(root: Path, target: Path) -> tuple[Path, list[list[int]], lis
     torch.manual_seed(0)
     spec = SPECULATORS["eagle3"].from_target(loaded.model.config, recipe.speculator, target_weights(loaded.model),
                                              d2t=draft_ids - torch.arange(DRAFT_VOCAB))
-    fit = _fit(spec, loaded, sequences[:-1])  # the last prompt is held out: its drafts are mostly rejected
+    fit = fit_to_greedy(spec, loaded, sequences[:-1], lr=1e-2)  # the last prompt is held out: its drafts are
+    # mostly rejected
     fp = fingerprint_target(recipe.target, tokenizer=loaded.tokenizer, model_config=loaded.model.config).to_dict()
     save_checkpoint(recipe, spec, 10, fp, fit=fit)
     export_stage.run(recipe)

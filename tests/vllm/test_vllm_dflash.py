@@ -50,11 +50,10 @@ from speculators.export.vllm_consumer import (
 )
 from speculators.metrics import ChainCounts
 from speculators.models import SPECULATORS
-from speculators.models.base import step_rows
 from speculators.models.io import target_weights
 from speculators.recipes import load_recipe
-from speculators.target import fingerprint_target, forward_with_taps, load_target
-from speculators.train.loss import TeacherShape, VocabMap, dense_teacher, speculator_loss
+from speculators.target import fingerprint_target, load_target
+from tests.vllm.fitting import fit_to_greedy
 from tests.vllm.fixtures import CPU_FIXES, REPO, cli, free_port, write_recipe
 
 pytestmark = pytest.mark.vllm
@@ -80,34 +79,6 @@ def _workloads(path: Path) -> Path:
     return path
 
 
-def _fit(spec, loaded, prompts: list[list[int]], sequences: list[list[int]], steps: int = 150) -> dict:
-    """`steps` Adam steps of the training loss (`train.loss.speculator_loss`, every step weighted 1) against the
-    target's law sharpened to ~its greedy token, on the continuations of `sequences` after their `prompts` (the
-    anchors vLLM drafts from). Returns the last per-step accuracy."""
-    t = max(map(len, sequences))
-    ids = torch.zeros(len(sequences), t, dtype=torch.long)
-    mask, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (p, s) in enumerate(zip(prompts, sequences, strict=True)):
-        ids[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(s)] = 1
-        loss_mask[i, len(p):len(s)] = 1
-    out = forward_with_taps(loaded.model, ids, mask, list(spec.layer_ids))
-    vocab = VocabMap.build(spec.draft_to_target, loaded.vocab_size)
-    teacher = dense_teacher(out.logits, vocab, TeacherShape(temperature=0.01))
-    rows = step_rows(loss_mask, mask, spec.num_steps)
-    batch = {"input_ids": ids, "attention_mask": mask, "taps": out.taps, "head_rows": rows}
-    opt = torch.optim.Adam([p for p in spec.parameters() if p.requires_grad], lr=3e-3)
-    spec.train()
-    for _ in range(steps):
-        res = speculator_loss(spec.forward_train(batch), teacher, loss_mask, mask, [1.0] * spec.num_steps, vocab,
-                              rows=rows)
-        opt.zero_grad()
-        res.loss.backward()
-        opt.step()
-    spec.eval()
-    return {"accuracy": (res.correct.float() / res.counted.clamp_min(1)).tolist()}
-
-
 def _fit_checkpoint(recipe_path: Path) -> None:
     """A 2-layer DFlash drafter fitted to the target's greedy continuation of the first workload row of each cohort
     (the others held out), saved as the train stage saves checkpoints (step 150). ~70 s on one core."""
@@ -127,7 +98,7 @@ def _fit_checkpoint(recipe_path: Path) -> None:
         for i, layer in enumerate(spec.layers):
             w = layer.self_attn.k_norm.weight
             w.copy_((0.8 + 0.8 * i) * (1 + 0.1 * torch.randn(w.shape)))
-    fit = _fit(spec, loaded, prompts, sequences)
+    fit = fit_to_greedy(spec, loaded, sequences, [len(p) for p in prompts], lr=3e-3)  # the continuations
     fp = fingerprint_target(recipe.target, tokenizer=loaded.tokenizer, model_config=loaded.model.config).to_dict()
     save_checkpoint(recipe, spec, 150, fp, fit=fit)
 

@@ -118,3 +118,43 @@ def test_a_corrupt_checkpoint_is_refused(tmp_path: Path, tiny_llama: Path) -> No
     (ck / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(SpeculatorsError, match="corrupt or truncated"):
         acceptance.run(recipe, progress=False)
+
+
+def test_baselines_are_scored_on_the_same_rows_side_by_side(tmp_path: Path, tiny_llama: Path,
+                                                           tiny_qwen3: Path) -> None:
+    """evaluate.baselines: another run's checkpoint is scored on this run's rows exactly as its own evaluation scores
+    it, shown next to the best checkpoint; a missing entry is reported and makes the stage incomplete once it exists;
+    a baseline paired with another target or a directory that holds no speculator is refused in one line."""
+    for name in ("eagle", "medusa", "later", "qwen"):
+        (tmp_path / name).mkdir()
+    other = make_run(tmp_path / "eagle", tiny_llama, "eagle3", steps=(10,), num_steps=2)
+    own = acceptance.run(other, progress=False)
+    later = tmp_path / "later" / "run" / "checkpoints" / "best"  # the pointer another run will write
+    recipe = make_run(tmp_path / "medusa", tiny_llama, "medusa", steps=(10,), num_steps=2,
+                      extra=(f"evaluate.baselines=['{other.paths.checkpoints / 'best'}', '{later}']",))
+    acceptance.run(recipe, progress=False)
+    sel = json.loads((recipe.paths.eval / "selection.json").read_text())
+    present, missing = sel["baselines"]
+    assert missing == {"label": str(later), "missing": True}
+    assert present["family"] == "eagle3" and present["path"].endswith("step-0000010")
+    theirs = json.loads((other.paths.eval / own["best"] / "report.json").read_text())["temperatures"]["0.0"]
+    assert present["temperatures"]["0.0"]["mean_tau"] == theirs["speculator"]["mean_tau"]  # the same rows, same code
+    assert present["temperatures"]["0.0"]["cycle_mean_tau"] == theirs["speculator"]["cycle_starts"]["mean_tau"]
+    md = (recipe.paths.eval / "report.md").read_text()
+    assert "## Side by side with the baselines" in md and "(eagle3, depth 2)" in md and "not evaluated" in md
+    assert acceptance.is_complete(recipe)
+    make_run(tmp_path / "later", tiny_llama, "eagle3", steps=(20,), num_steps=2)
+    (later.parent / "best").write_text("step-0000020\n")
+    assert not acceptance.is_complete(recipe)  # the missing baseline exists now
+    assert acceptance.run(recipe, progress=False)["evaluated"] == 0  # only the new baseline is scored
+    assert [b["missing"] for b in json.loads((recipe.paths.eval / "selection.json").read_text())["baselines"]] == \
+        [False, False]
+    assert acceptance.is_complete(recipe)
+
+    stranger = make_run(tmp_path / "qwen", tiny_qwen3, "eagle3", steps=(10,), num_steps=2)
+    for entry, error, match in ((stranger.paths.checkpoints / "step-0000010", PairingError, "target revision"),
+                                (tmp_path, SpeculatorsError, "is not a speculator directory")):
+        bad = make_recipe(tmp_path / "medusa", tiny_llama, "medusa", num_steps=2,
+                          extra=(f"evaluate.baselines=['{entry}']",))
+        with pytest.raises(error, match=match):
+            acceptance.run(bad, progress=False)

@@ -25,8 +25,8 @@ from speculators.core.checkpoints import read_pointer
 from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError, UnsupportedTargetError
 from speculators.evaluate import acceptance
-from speculators.serving import runtime_support
 from speculators.evaluate.teacher import continuations, encode_row, teacher_pass
+from speculators.serving import runtime_support
 from speculators.serving.module_runner import make_runner
 from speculators.target import load_target
 

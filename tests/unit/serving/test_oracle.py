@@ -165,3 +165,19 @@ def test_bad_acceptance_sources_fail_with_one_line(tmp_path, source: str, messag
     path = source if "," in source else str(tmp_path / (source + ("" if source == "missing-dir" else ".json")))
     with pytest.raises(SpeculatorsError, match=message):
         load_acceptance(path)
+
+
+def test_a_fixed_k_family_gets_its_own_k_or_plain_in_the_vllm_schedule() -> None:
+    """vLLM drafts DFlash's whole block and one token per Medusa head: their schedule may only say k = K or plain,
+    where a free-k family takes the fastest chain per bucket."""
+    from types import SimpleNamespace
+
+    from speculators.models import SPECULATORS
+    from speculators.serving.profile import vllm_schedule
+
+    pred = predict(_costs(per_token=0.004, batches=(1, 2, 8)), Acceptance("t", [0.9, 0.8, 0.6]), "eagle3")
+    free = vllm_schedule(pred, SimpleNamespace(num_steps=3, VLLM_FIXED_K=SPECULATORS["eagle3"].VLLM_FIXED_K))
+    assert [r["k"] for r in free] == [r["k"] for r in schedule(pred)] and {r["k"] for r in free} - {0, 3}
+    for family in ("dflash", "medusa"):
+        fixed = vllm_schedule(pred, SimpleNamespace(num_steps=3, VLLM_FIXED_K=SPECULATORS[family].VLLM_FIXED_K))
+        assert {r["k"] for r in fixed} <= {0, 3} and fixed[0]["k"] == 3, (family, fixed)
