@@ -10,8 +10,8 @@ Per checkpoint, `write_checkpoint_report(dir, report)` writes into `eval/<step>/
   per_position.png    per-position acceptance a_k per cohort (speculator solid, n-gram dashed), one panel per T
   tau.png             simulated tau per cohort, speculator vs n-gram (and live when measured), one panel per T
 `write_overview(eval_dir, selection, reports)` writes `eval/report.md` (checkpoint table + the chosen one, the
-runtime's refusal line when there is one, and the chosen one side by side with `evaluate.baselines`) and `eval/selection.png` (mean tau per checkpoint, with the recorded loss
-for reference).
+runtime's refusal line when there is one, and the chosen one side by side with `evaluate.baselines`) and
+`eval/selection.png` (mean tau per checkpoint, with the recorded loss for reference).
 
 This module formats numbers; it computes none (they come from `speculators.metrics` via `alpha.py`).
 """
