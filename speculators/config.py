@@ -187,6 +187,7 @@ class EvaluateConfig:
     # (evaluate/teacher.py); local = HF generate, one row at a time (how evaluation ran before; other T > 0 samples)
     continuation_backend: Literal["engine", "local"] = "engine"
     crosscheck_rows: int = 16  # engine: greedy rows also written by HF generate, timed and compared (0 = off)
+    concurrency: int = 64  # engine: rows sharing each target forward (each holds a KV cache sized by its row)
     live: bool = True  # also run the bundled runtime on the workloads
     live_rows_per_cohort: int = 8
     # chain depth of the predicted-vs-live(-vs-vLLM) comparison; None = export.speculative_tokens (vLLM's k)
@@ -244,6 +245,9 @@ class ServeConfig:
     max_concurrent_requests: int = field(default=4, metadata=_help(
         "requests running or waiting; more get 429 with Retry-After"))
     max_batch_size: int = field(default=4, metadata=_help("running requests that share each target forward"))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "tokens each running request's KV cache holds, prompt and output (unset: the model's context, at most "
+        "8192); the server refuses at start when max_batch_size such caches do not fit in memory"))
     max_request_bytes: int = field(default=4 * 1024 * 1024, metadata=_help(
         "largest request body accepted, in bytes (larger: 413 before the body is read)"))
     allow_revision_mismatch: bool = field(default=False, metadata=_help(
@@ -257,6 +261,8 @@ class ServeConfig:
         for name in ("max_new_tokens", "max_concurrent_requests", "max_batch_size", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise SpeculatorsError(f"serve.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise SpeculatorsError(f"serve.max_model_len must be >= 2 (or unset), got {self.max_model_len}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise SpeculatorsError(f"serve.max_prompt_tokens must be >= 1 (or unset), got {self.max_prompt_tokens}")
         if not 0 < self.port < 65536:

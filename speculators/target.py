@@ -364,7 +364,7 @@ def _file_sha256(path: Path, cache: dict) -> str:
     return digest
 
 
-def _dir_content_hash(directory: Path) -> str:
+def dir_content_hash(directory: Path) -> str:
     cache_path = _cache_file()
     try:
         cache = json.loads(cache_path.read_text())
@@ -424,13 +424,13 @@ def fingerprint_target(cfg: TargetConfig, tokenizer: Any | None = None, model_co
     """The pairing identity of the target described by `cfg` (cheap: file hashes are cached)."""
     check_target_location(cfg.name_or_path)
     directory, commit = _resolve_dir(cfg.name_or_path, cfg.revision)
-    base_hash = _dir_content_hash(directory)
+    base_hash = dir_content_hash(directory)
     content = base_hash
     adapter_rev = None
     if cfg.adapter:
         check_target_location(cfg.adapter, what="adapter")
         adir, acommit = _resolve_dir(cfg.adapter, cfg.adapter_revision)
-        a_hash = _dir_content_hash(adir)
+        a_hash = dir_content_hash(adir)
         adapter_rev = acommit or f"local:{a_hash[:16]}"
         content = hashlib.sha256((content + a_hash).encode()).hexdigest()
     if tokenizer is None:

@@ -86,7 +86,8 @@ class LocalBackend:
             log.info("regeneration by HF generate instead of the bundled runtime: %s", refusal)
         elif recipe.data.regenerate.backend == "engine":
             rg = recipe.data.regenerate
-            self.engine = EngineGenerator(self.target, rg.drafter, rg.concurrency)
+            # a request's prompt + budget stay within data.max_length (run_chunk), so the KV caches need no more
+            self.engine = EngineGenerator(self.target, rg.drafter, rg.concurrency, recipe.data.max_length)
 
     def prompt_ids(self, st: RowState) -> list[int]:
         if st.conv.is_chat:

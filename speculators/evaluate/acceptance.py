@@ -225,7 +225,8 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
             spec.to(target.device).float().eval()
             specs[name] = spec
         seqs = continuations(target, rows, ev.temperatures, recipe.seed, fp["revision"] + fp["content_hash"],
-                             eval_dir / "continuations.json", backend, ev.crosscheck_rows, progress)
+                             eval_dir / "continuations.json", backend, ev.crosscheck_rows, progress,
+                             ev.concurrency)
         spec_sums, block_sums, ngram_sums, depths = evaluate_sequences(specs, seqs, ev.depth, target.model, progress,
                                                                        recipe.capture.teacher_topk)
         for c in todo:
@@ -302,7 +303,7 @@ def _live(recipe: Recipe, target: Any, fp: dict, rows: list[WorkloadRow], best: 
     chosen = pick_rows(rows, ev.live_rows_per_cohort)
     seqs = continuations(target, chosen, ev.temperatures, recipe.seed, fp["revision"] + fp["content_hash"],
                          recipe.paths.eval / "continuations.json", ev.continuation_backend, ev.crosscheck_rows,
-                         progress)
+                         progress, ev.concurrency)
     spec_dir = recipe.paths.checkpoints / best
     spec = load_speculator(spec_dir, target_weights(target.model))
     spec.to(target.device).float().eval()

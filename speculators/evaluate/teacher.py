@@ -39,6 +39,7 @@ from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
 from speculators.serving import runtime_support
 from speculators.serving.batch_generate import EngineGenerator, crosscheck
+from speculators.serving.memory import work_max_len
 from speculators.target import cache_kwarg, eos_token_ids, forward_with_taps
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def _stop_ids(model: Any, tokenizer: Any) -> tuple[list[int], int | None]:
 
 def continuations(target: Any, rows: Sequence[WorkloadRow], temperatures: Sequence[float], seed: int,
                   target_revision: str, cache_path: Path | None, backend: str = "engine", crosscheck_rows: int = 0,
-                  progress: bool = True) -> dict[float, list[EvalSequence]]:
+                  progress: bool = True, concurrency: int = ENGINE_CONCURRENCY) -> dict[float, list[EvalSequence]]:
     """prompt + target continuation of every row at every temperature (cached; see module docstring). `target`
     is the loaded target (`speculators.target.LoadedTarget`); `engine` on a target the runtime cannot run writes
     them with HF `generate` (`local`) instead."""
@@ -163,7 +164,8 @@ def continuations(target: Any, rows: Sequence[WorkloadRow], temperatures: Sequen
     todo = [(float(t), r) for t in temperatures for r in rows if _entry_name(r, t) not in cache]
     bar = tqdm(total=len(todo), desc="target continuations", unit="row", disable=not progress or not todo)
     eos_ids, pad = _stop_ids(target.model, target.tokenizer)
-    engine = EngineGenerator(target, "ngram", ENGINE_CONCURRENCY) if backend == "engine" and todo else None
+    work_len = work_max_len([len(prompts[r.id]) for _, r in todo], [r.max_new_tokens for _, r in todo])
+    engine = EngineGenerator(target, "ngram", concurrency, work_len) if backend == "engine" and todo else None
 
     def hf(items: list[tuple[float, WorkloadRow]]) -> list[list[int]]:
         return [generate_continuation(target.model, prompts[r.id], r.max_new_tokens, t, row_seed(seed, r.id),

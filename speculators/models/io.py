@@ -45,11 +45,20 @@ _PROBES = 16
 # digests of frozen target tensors
 
 
+def probe_indices(numel: int, count: int) -> list[int]:
+    """`count` indices spread evenly over [0, numel) from the first to the last element, in exact integer arithmetic
+    (a float32 `linspace` rounds past the end of any tensor over 2^24 elements: a 49152 x 576 embedding)."""
+    n = min(count, numel)
+    if n <= 1:
+        return [0] * n
+    return [(i * (numel - 1)) // (n - 1) for i in range(n)]
+
+
 def tensor_digest(t: torch.Tensor) -> dict:
     """Identity of a (frozen target) tensor: sha256 of its float32 bytes, shape, L2 norm and 16 probe values."""
     f = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
     flat = f.reshape(-1)
-    idx = torch.linspace(0, max(flat.numel() - 1, 0), min(_PROBES, flat.numel())).long()
+    idx = probe_indices(flat.numel(), _PROBES)
     return {"shape": list(f.shape), "sha256": hashlib.sha256(f.numpy().tobytes()).hexdigest(),
             "norm": float(flat.double().norm()), "probe": [float(x) for x in flat[idx]]}
 

@@ -63,6 +63,7 @@ class BatchRunner:
     def __init__(self, engine: Engine, max_batch: int = 8) -> None:
         if max_batch < 1:
             raise SpeculatorsError(f"max_batch must be >= 1, got {max_batch}")
+        engine.check_slots(int(max_batch))  # every slot the batch may fill, refused before the first is allocated
         self.engine, self.max_batch = engine, int(max_batch)
         self.waiting: deque[Ticket] = deque()
         self.running: list[Ticket] = []

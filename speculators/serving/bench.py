@@ -49,9 +49,12 @@ from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
+from speculators.serving.batch_generate import TREE_ROOM
 from speculators.serving.batching import generate_batch
 from speculators.serving.drafters import paired_target
 from speculators.serving.engine import Engine
+from speculators.serving.memory import work_max_len
+from speculators.serving.requests import encode_prompt
 from speculators.serving.verify_expect import expected_accepted
 from speculators.target import load_target
 
@@ -113,13 +116,13 @@ def _paired_engine_class() -> type:
     return PairedEngine
 
 
-def _verify_methods(loaded: Any, path: str, name: str, tree: TreeConfig | None) -> list[Method]:
+def _verify_methods(loaded: Any, path: str, name: str, tree: TreeConfig | None, max_len: int) -> list[Method]:
     """The `compare_verify` rows of one speculator: fixed trees of the engine's default shape (or `tree`'s),
     adaptive off; the sequence-verified ones also measure the paired expectations."""
     out = []
     for suffix, kind, verify in VERIFY_ROWS:
         cls = _paired_engine_class() if verify == "sequence" else Engine
-        engine = cls.from_pretrained(loaded, path, ngram_graft=0, tree=tree)
+        engine = cls.from_pretrained(loaded, path, ngram_graft=0, tree=tree, max_len=max_len)
         engine.set_tree(dataclasses.replace(engine.tree, kind=kind, verify=verify), adaptive=False)
         out.append(Method(f"{name} {suffix}", "runtime", engine, sampled_only=True))
     return out
@@ -208,9 +211,10 @@ def _run_batched(methods: list[Method], rows: list[tuple[str, list[int], int]], 
 
 
 def bench_rows(engine: Any, workloads: str, rows_per_cohort: int) -> list[tuple[str, list[int], int]]:
-    """(cohort, prompt token ids, max_new_tokens) of the first `rows_per_cohort` rows of every cohort."""
-    return [(r.cohort, engine.encode(r.prompt if r.prompt is not None else r.messages), r.max_new_tokens)
-            for r in load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)]
+    """(cohort, prompt token ids, max_new_tokens) of the first `rows_per_cohort` rows of every cohort (`engine`: an
+    `Engine` or anything with its `tokenizer`)."""
+    return [(r.cohort, encode_prompt(engine.tokenizer, r.prompt if r.prompt is not None else r.messages),
+             r.max_new_tokens) for r in load_workloads([workloads], max_rows_per_cohort=rows_per_cohort)]
 
 
 def bench_target(target: str | None, speculators: list[str]) -> TargetConfig:
@@ -238,19 +242,21 @@ def bench_command(*, target: str | None, speculators: list[str], workloads: str,
     threads = torch.get_num_threads()  # set by the caller (`speculators bench --threads`); every method shares it
     target_cfg = bench_target(target, speculators)
     loaded = load_target(dataclasses.replace(target_cfg, device=device, dtype=dtype))
-    methods = [Method("plain", "runtime", Engine.from_pretrained(loaded, None)),
-               Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram"))]
+    rows = bench_rows(loaded, workloads, rows_per_cohort)
+    # every engine's KV caches hold the longest row and its draft trees, not the target's whole context
+    max_len = work_max_len([len(ids) for _, ids, _ in rows], [n for _, _, n in rows], TREE_ROOM)
+    methods = [Method("plain", "runtime", Engine.from_pretrained(loaded, None, max_len=max_len)),
+               Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram", max_len=max_len))]
     for path in speculators:
-        engine = Engine.from_pretrained(loaded, path, ngram_graft=0, tree=tree)  # the speculator alone
+        engine = Engine.from_pretrained(loaded, path, ngram_graft=0, tree=tree, max_len=max_len)  # the speculator
         methods.append(Method(f"{engine.info.family}:{Path(path).name}", "runtime", engine))
         if ngram_graft:  # the same speculator with prompt-lookup nodes grafted onto its trees
-            grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft, tree=tree)
+            grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft, tree=tree, max_len=max_len)
             methods.append(Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
         if compare_verify and any(t > 0 for t in temperatures):
-            methods += _verify_methods(loaded, path, f"{engine.info.family}:{Path(path).name}", tree)
+            methods += _verify_methods(loaded, path, f"{engine.info.family}:{Path(path).name}", tree, max_len)
     if include_hf:
         methods += [Method("hf", "hf"), Method("hf-assisted", "hf-assisted")]
-    rows = bench_rows(methods[0].engine, workloads, rows_per_cohort)
     report: dict[str, Any] = {
         "target": target_cfg.name_or_path, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
         "threads": threads, "machine": platform.processor() or platform.machine(),

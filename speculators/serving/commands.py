@@ -36,10 +36,11 @@ log = logging.getLogger(__name__)
 
 def _engine(target: str | None, speculator: str | None, device: str, dtype: str, allow_revision_mismatch: bool,
             tree: str | None = None, depth: int | None = None, topk: int | None = None,
-            budget: int | None = None, draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> Any:
+            budget: int | None = None, draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT,
+            max_len: int | None = None) -> Any:
     engine = Engine.from_pretrained(target, None if speculator in (None, "", "none") else speculator, device=device,
                                     dtype=dtype, allow_revision_mismatch=allow_revision_mismatch,
-                                    draft_dtype=draft_dtype, ngram_graft=ngram_graft)
+                                    draft_dtype=draft_dtype, ngram_graft=ngram_graft, max_len=max_len)
     for warning in engine.info.pairing_warnings:
         log.warning(warning)
     if engine.info.precision:
@@ -147,7 +148,7 @@ def serve_command(*, target: str | None, speculator: str | None, device: str, dt
             raise SpeculatorsError(f"--api-key-env {config.api_key_env}: that environment variable is unset or "
                                    f"empty; export it, or drop the option to serve without a key")
     engine = _engine(target, speculator, device, dtype, config.allow_revision_mismatch,
-                     ngram_graft=config.ngram_graft)
+                     ngram_graft=config.ngram_graft, max_len=config.max_model_len)
     app = create_app(engine, config, api_key=api_key)  # refuses settings that contradict the model's context
     svc = app.state.service
     if config.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

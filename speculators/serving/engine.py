@@ -69,6 +69,8 @@ from speculators.serving.drafters import (
     prune_tree,
 )
 from speculators.serving.kv_cache import StaticKVCache
+from speculators.serving.memory import check_fits
+from speculators.serving.module_runner import make_runner
 from speculators.serving.requests import (
     GenerateOutput,
     GenerationStats,
@@ -81,7 +83,6 @@ from speculators.serving.requests import (
     take_committed,
 )
 from speculators.serving.target_rows import TargetRows, TokenLogprob, first_child_chain
-from speculators.serving.module_runner import make_runner
 from speculators.serving.target_runner import ForwardOutput, Segment
 from speculators.serving.verify import verify_tree_lazy
 from speculators.target import eos_token_ids, load_target
@@ -135,6 +136,7 @@ class Engine:
         self.set_tree(tree or default_tree(self.drafter, self.runner.device), adaptive)
         limit = int(getattr(self.target.config, "max_position_embeddings", 0) or DEFAULT_MAX_LEN)
         self.max_len = int(max_len or min(limit, DEFAULT_MAX_LEN))
+        self.check_slots(1)
         self.slot = Slot(self.runner.new_cache(self.max_len))  # batch-1 requests run here
         self.eos_ids = set(eos_token_ids(getattr(target.model, "generation_config", None), self.tokenizer))
         self.prefix_caching = prefix_caching
@@ -194,6 +196,15 @@ class Engine:
     @property
     def cache(self) -> StaticKVCache:
         return self.slot.cache
+
+    def check_slots(self, count: int) -> None:
+        """Raise SpeculatorsError (one line) before allocating when `count` KV caches of this engine's length
+        (those already allocated included) would not fit in the device's available memory."""
+        per_slot = self.runner.cache_bytes(self.max_len)
+        held = per_slot if getattr(self, "slot", None) is not None else 0
+        check_fits(count * per_slot - held, self.device,
+                   f"{count} KV cache(s) of {self.max_len} tokens ({per_slot / 2**20:.0f} MiB each)",
+                   "lower the concurrency (requests sharing a forward) or the context length (max_len)")
 
     def new_slot(self) -> Slot:
         """Another KV cache of this engine's size (a batch runs each request in its own slot)."""

@@ -167,6 +167,10 @@ class RunnerBase:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def cache_bytes(self, max_len: int) -> int:
+        """Bytes of one `new_cache(max_len)` ([L, 2, Hkv, max_len, D] in the runner's dtype)."""
+        return self.num_layers * 2 * self.num_kv_heads * int(max_len) * self.head_dim * self.dtype.itemsize
+
     def new_cache(self, max_len: int) -> StaticKVCache:
         return StaticKVCache(self.num_layers, self.num_kv_heads, self.head_dim, max_len, self.device, self.dtype)
 

@@ -19,7 +19,9 @@ from safetensors.torch import load_file, save_file
 from speculators.errors import SpeculatorsError
 from speculators.models.base import TargetWeights
 from speculators.models.io import (
+    digests_match,
     load_speculator,
+    probe_indices,
     read_speculator_config,
     save_speculator,
     target_weights,
@@ -180,3 +182,26 @@ def test_every_family_on_a_saved_tiny_target(tiny_target_any, tmp_path):
         with torch.no_grad():
             got = again.forward_train(batch)
         assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize("shape", [(49152, 576), (128256, 4096), (151936, 4096), (5, 3), (1, 1)])
+def test_probe_indices_stay_inside_real_embeddings(shape):
+    """SmolLM2's, Llama-3.1-8B's and Qwen3-8B's embeddings are over 2^24 elements: float32 index arithmetic rounds
+    past their end. The probes must be in range, increasing, and hit the first and the last element."""
+    numel = shape[0] * shape[1]
+    idx = probe_indices(numel, 16)
+    assert len(idx) == min(16, numel)
+    assert idx[0] == 0 and idx[-1] == numel - 1
+    assert all(a < b for a, b in zip(idx, idx[1:], strict=False)) or numel == 1
+
+
+def test_digest_of_a_real_size_embedding():
+    """The digest of a 49152 x 576 tensor (SmolLM2-135M's tied embedding) probes its last element and tells a change
+    there from the original."""
+    emb = torch.randn(49152, 576, generator=torch.Generator().manual_seed(0))
+    digest = tensor_digest(emb)
+    assert digest["probe"][-1] == float(emb[-1, -1])
+    changed = emb.clone()
+    changed[-1, -1] += 1.0
+    assert not digests_match(digest, tensor_digest(changed))
+    assert digests_match(digest, tensor_digest(emb.to(torch.bfloat16)))
