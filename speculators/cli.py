@@ -74,9 +74,12 @@ def _target(name: str | None) -> str | None:
     return resolve_target_source(name)
 
 
-def _load(recipe: Path, overrides: list[str] | None):
+def _load(recipe: Path, overrides: list[str] | None, resolve_target: bool = True):
+    """The recipe with its overrides; a packaged / GGUF target made into its local folder unless `resolve_target`
+    is off (a dry run prints the recipe as written and fetches nothing)."""
     r = load_recipe(recipe, overrides or [])
-    r.target.name_or_path = _target(r.target.name_or_path)
+    if resolve_target:
+        r.target.name_or_path = _target(r.target.name_or_path)
     return r
 
 
@@ -92,7 +95,7 @@ def _stage_command(name: str, help_text: str) -> None:
     @_user_errors
     def command(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = False,
                 dry_run: DryRunOpt = False) -> None:
-        r = _load(recipe, overrides)
+        r = _load(recipe, overrides, resolve_target=not dry_run)
         if dry_run:
             typer.echo(dump_recipe(r), nl=False)
             return
@@ -116,7 +119,7 @@ for _name, _help in (
 def run(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
         only: Annotated[str | None, typer.Option(help="comma-separated stages to run")] = None) -> None:
     stages = _choices(only, "--only", [s.name for s in STAGES]) if only is not None else None
-    r = _load(recipe, overrides)
+    r = _load(recipe, overrides, resolve_target=not dry_run)
     if dry_run:
         typer.echo(dump_recipe(r), nl=False)
         return

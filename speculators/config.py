@@ -128,7 +128,8 @@ class TrainConfig:
     batch_size: int = 8  # sequences per process per optimizer micro-step
     grad_accum: int = 1
     lr: float = 3e-4
-    loss: Literal["kl", "tv", "lk", "hybrid"] = "kl"  # train/loss.py: forward KL, 1 - alpha, -log alpha, a mix
+    # train/loss.py: forward KL, 1 - alpha, -log alpha, a mix, hard cross-entropy on the target's greedy token
+    loss: Literal["kl", "tv", "lk", "hybrid", "ce"] = "kl"
     teacher_temperature: float = 1.0  # the teacher law the draft learns (1 = the target's sampling law)
     teacher_rest_mass: bool = False  # top-k teacher: keep the mass outside the top-k as one bucket (no renorm)
     weight_decay: float = 0.0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,17 +109,30 @@ def launch_k(export_dir: Path) -> tuple[int, dict[str, str]]:
 
 
 def _vllm_outputs(server: VllmServer, rows: list[WorkloadRow], prompts: list[list[int]], k: int, counted: bool,
-                  temperature: float = 0.0, seed: int = 0) -> tuple[list[list[int]], list[ChainCounts | None]]:
-    """vLLM's output of every row (one request at a time; at T > 0 seeded per row from `seed`) and, when counted,
-    its speculative-decoding counters around each request."""
+                  temperature: float = 0.0, seed: int = 0
+                  ) -> tuple[list[list[int]], list[ChainCounts | None], float]:
+    """vLLM's output of every row (one request at a time; at T > 0 seeded per row from `seed`), when counted its
+    speculative-decoding counters around each request, and the seconds the requests took (counter reads excluded)."""
     model = served_model(server.url)
-    outs, counts = [], []
+    outs, counts, seconds = [], [], 0.0
     for row, prompt in zip(rows, prompts, strict=True):
         before = spec_counters(server.url) if counted else None
+        t0 = time.perf_counter()
         outs.append(complete_ids(server.url, model, prompt, row.max_new_tokens, temperature=temperature,
                                  seed=row_seed(seed, f"vllm:{row.id}") if temperature > 0 else None))
+        seconds += time.perf_counter() - t0
         counts.append(counts_between(before, spec_counters(server.url), k) if counted else None)
-    return outs, counts
+    return outs, counts, seconds
+
+
+def throughput(plain: list[list[int]], plain_seconds: float, served: list[list[int]], served_seconds: float) -> dict:
+    """vLLM's own tokens/s without and with the speculator on the same rows (one request at a time, T = 0, wall
+    clock of the requests incl. prefill), and their ratio."""
+    p_tok, s_tok = sum(map(len, plain)), sum(map(len, served))
+    p_rate, s_rate = p_tok / max(plain_seconds, 1e-9), s_tok / max(served_seconds, 1e-9)
+    return {"plain_tokens": p_tok, "plain_seconds": round(plain_seconds, 3), "plain_tokens_per_s": round(p_rate, 2),
+            "speculator_tokens": s_tok, "speculator_seconds": round(served_seconds, 3),
+            "speculator_tokens_per_s": round(s_rate, 2), "speedup": round(s_rate / max(p_rate, 1e-9), 3)}
 
 
 def run(recipe: Recipe, *, force: bool = False) -> dict:
@@ -142,7 +156,9 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     spec = load_speculator(export_dir, target_weights(target.model))
     predicted = predict_rows(spec, target.model, target.tokenizer, rows, k, engine.eos_ids)
     prompts = [p.prompt_ids for p in predicted]
+    t0 = time.perf_counter()
     live = [live_chain_counts(engine, p, r.max_new_tokens, k) for p, r in zip(prompts, rows, strict=True)]
+    live_s = time.perf_counter() - t0
     temperature = float(recipe.vllm.temperature)
     drafting = sampled_drafting(export_dir, launch_env, python) if temperature > 0 else None
     sampled_pred = (predict_sampled_rows(spec, target, rows, k, temperature, recipe.seed, drafting)
@@ -155,14 +171,18 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     args = server_args(recipe.vllm.port, max_model_len=min(recipe.vllm.max_model_len, positions))  # vLLM refuses more
     plain_cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", verifier_name(recipe), *args]
     with VllmServer(plain_cmd, port=recipe.vllm.port, env=env, log=out_dir / "vllm-plain.log") as server:
-        plain, _ = _vllm_outputs(server, rows, prompts, k, counted=False)
+        plain, _, plain_s = _vllm_outputs(server, rows, prompts, k, counted=False)
     spec_cmd = ["bash", str(export_dir / "launch.sh"), *args]
     with VllmServer(spec_cmd, port=recipe.vllm.port, env={**spec_env, **launch_env},
                     log=out_dir / "vllm-speculator.log") as server:
-        served, counts = _vllm_outputs(server, rows, prompts, k, counted=True)
+        served, counts, served_s = _vllm_outputs(server, rows, prompts, k, counted=True)
         sampled = _vllm_outputs(server, rows, prompts, k, True, temperature, recipe.seed)[1] if sampled_pred else []
     report = build_report(key, k, rows, predicted, live, plain, served, counts, record)
     report["vllm_env"] = env_notes
+    report["throughput"] = throughput(plain, plain_s, served, served_s)
+    runtime_rate = sum(len(out) for out, _ in live) / max(live_s, 1e-9)
+    report["throughput"].update(runtime_tokens_per_s=round(runtime_rate, 2), runtime_vs_vllm_plain=round(
+        runtime_rate / max(report["throughput"]["plain_tokens_per_s"], 1e-9), 3))
     if sampled_pred:
         report["sampled"] = sampled_report(k, temperature, rows, sampled_pred, sampled, "; ".join(env_notes),
                                            drafting)
@@ -173,6 +193,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     return {"k": k, "rows": len(rows), "lossless_rows": report["lossless"]["identical_rows"],
             "vllm_mean_acceptance_length": all_["vllm"]["mean_acceptance_length"],
             "predicted_mean_acceptance_length": all_["predicted"]["mean_acceptance_length"],
+            "vllm_speedup": report["throughput"]["speedup"],
             **({"sampled": {key: report["sampled"].get(key) for key in ("temperature", "drafting", "agreement")}}
                if "sampled" in report else {}),
             "report": str(out_dir / "report.md")}
@@ -259,6 +280,12 @@ def render(report: dict[str, Any]) -> str:
              comparison_markdown(report["comparison"], "Predicted vs live vs vLLM")]
     if report.get("vllm_env"):
         lines[3:3] = [f"- vLLM's kernels: {'; '.join(report['vllm_env'])}"]
+    tp = report.get("throughput")
+    if tp:
+        lines[3:3] = [f"- vLLM's own speed, one request at a time: {tp['plain_tokens_per_s']:.1f} tokens/s alone, "
+                      f"{tp['speculator_tokens_per_s']:.1f} with the speculator ({tp['speedup']:.2f}x); the bundled "
+                      f"runtime's chain of k on the same rows: {tp['runtime_tokens_per_s']:.1f} tokens/s "
+                      f"({tp['runtime_vs_vllm_plain']:.2f}x vLLM alone; wall clock of the requests, prefill included)"]
     sampled = report.get("sampled")
     if sampled and "skipped" in sampled:
         lines += ["", f"At T = {sampled['temperature']:g}: {sampled['skipped']}."]

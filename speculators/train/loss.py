@@ -17,7 +17,9 @@ What it does:
   teacher has mass in the draft vocab. L is `LOSSES[kind]` of the teacher p and the draft q:
   "kl" forward KL(p || q); "tv" total variation 1 - alpha with alpha = sum_v min(p(v), q(v)) (the acceptance
   probability of a sampled draft at T = 1); "lk" -log alpha (LK losses, arXiv 2602.23881); "hybrid"
-  w * KL + (1 - w) * (1 - alpha) with w = exp(-3 alpha) (no gradient through w). With a rest bucket the sums run
+  w * KL + (1 - w) * (1 - alpha) with w = exp(-3 alpha) (no gradient through w); "ce" the hard cross-entropy
+  -log q(the target's greedy token) (DFlash's reference trainers; a position whose greedy token is outside the draft
+  vocab does not count). With a rest bucket the sums run
   over the top-k plus the bucket (q's bucket = its mass outside the top-k ids). Step k at position t is compared with the
   teacher at t+1+k (the alignment convention of `models/base.py`). Also per-step top-1 accuracy counts
   (draft argmax mapped to a target id == the target's greedy token) and, on request, the per-position, per-step
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from speculators.models.base import gather_positions, select_rows, step_rows, step_valid_mask
 
 TOPK = 8  # ranks measured for per-step top-k accuracy (Medusa static trees are built from it)
-LOSSES = ("kl", "tv", "lk", "hybrid")
+LOSSES = ("kl", "tv", "lk", "hybrid", "ce")
 
 
 @dataclass(frozen=True)
@@ -238,8 +240,13 @@ def speculator_loss(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask
         here = rows[k]  # [N] flat positions b*T+t where step k counts
         logits = logits if packed else select_rows(logits, rows, k)  # [N, Vd]
         aligned = teacher.at_rows(here + 1 + k)  # the teacher at t+1+k (same sequence: t+2+k < T)
-        counts = aligned.has_mass  # [N] bool
-        per_pos = _step_loss(logits, aligned, kind)  # [N]
+        if kind == "ce":  # the target's greedy token, hard
+            token = vocab.target_to_draft[aligned.argmax]  # [N] draft ids, -1 outside the draft vocab
+            counts = token >= 0  # [N] bool
+            per_pos = -F.log_softmax(logits.float(), dim=-1).gather(-1, token.clamp_min(0)[:, None])[:, 0]  # [N]
+        else:
+            counts = aligned.has_mass  # [N] bool
+            per_pos = _step_loss(logits, aligned, kind)  # [N]
         step_loss = (per_pos * counts).sum() / counts.sum().clamp_min(1)
         total = total + weights[k] * step_loss
         kls.append(float(step_loss.detach()))

@@ -62,9 +62,36 @@ def _check_launch_files(accelerate_config: str) -> dict:
     return {"accelerate": cluster, "deepspeed": deepspeed}
 
 
+# CPU recipes of a real target shipped in a package (`package:` sources, fetched from the package registry)
+CPU_REAL = {
+    "smollm2-eagle3.yaml": dict(family="eagle3", layer_ids=[2, 15, 27], draft_vocab_size=8192),
+    "smollm2-dflash.yaml": dict(family="dflash", layer_ids=[2, 15, 27], draft_vocab_size=None),
+}
+
+
 def test_every_real_target_recipe_has_expectations() -> None:
     shipped = {p.name for p in (REPO / "recipes").glob("*.yaml") if not p.name.startswith("house-")}
-    assert shipped == set(REAL), "a real-target recipe was added or removed: give it a row in REAL"
+    assert shipped == set(REAL) | set(CPU_REAL), "a real-target recipe was added or removed: give it a row in REAL"
+
+
+@pytest.mark.parametrize("name", sorted(CPU_REAL))
+def test_packaged_target_recipes_dry_run_without_fetching(name: str, tmp_path: Path) -> None:
+    """The SmolLM2 recipes name their target as a package source; a dry run prints it as written and fetches
+    nothing (no network, an empty cache); the data stages of both are the same (one comparison, same rows)."""
+    want = CPU_REAL[name]
+    env = {**_offline_env(tmp_path), "SPECULATORS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "speculators.cli", "run", f"recipes/{name}", "--dry-run"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    resolved = yaml.safe_load(proc.stdout)
+    assert resolved["target"]["name_or_path"] == "package:smollm2-135m-instruct"
+    assert not (tmp_path / "cache").exists()
+    assert resolved["speculator"]["family"] == want["family"]
+    assert resolved["capture"]["layer_ids"] == want["layer_ids"]
+    assert resolved["speculator"]["draft_vocab_size"] == want["draft_vocab_size"]
+    assert resolved["target"]["dtype"] == "auto" and resolved["train"]["num_processes"] == 1
+    eagle3 = load_recipe(REPO / "recipes" / "smollm2-eagle3.yaml")
+    assert to_dict(load_recipe(REPO / "recipes" / name))["data"] == to_dict(eagle3)["data"]
 
 
 @pytest.mark.parametrize("name", sorted(REAL))

@@ -212,7 +212,7 @@ def _one_position(kind: str, p: list[float], logits: list[float]) -> float:
     return out.loss.item()
 
 
-@pytest.mark.parametrize("kind", ["kl", "tv", "lk", "hybrid"])
+@pytest.mark.parametrize("kind", ["kl", "tv", "lk", "hybrid", "ce"])
 def test_acceptance_losses_match_hand_computation(kind: str) -> None:
     p = [0.6, 0.3, 0.1]
     logits = [0.2, 1.0, -0.5]
@@ -220,7 +220,8 @@ def test_acceptance_losses_match_hand_computation(kind: str) -> None:
     alpha = sum(min(a, b) for a, b in zip(p, q, strict=True))
     kl = _kl(p, _log_softmax(logits))
     w = math.exp(-3 * alpha)
-    want = {"kl": kl, "tv": 1 - alpha, "lk": -math.log(alpha), "hybrid": w * kl + (1 - w) * (1 - alpha)}[kind]
+    want = {"kl": kl, "tv": 1 - alpha, "lk": -math.log(alpha), "hybrid": w * kl + (1 - w) * (1 - alpha),
+            "ce": -_log_softmax(logits)[0]}[kind]  # ce: the target's greedy token (id 0), whatever its probability
     assert _one_position(kind, p, logits) == pytest.approx(want, rel=1e-5)
 
 
@@ -273,3 +274,17 @@ def test_dense_teacher_with_masked_logits_keeps_a_finite_loss() -> None:
     assert torch.isfinite(teacher.p_log_p).all() and teacher.p[0, 0, 1] == 0
     out = speculator_loss([torch.randn(1, 4, 4)], teacher, torch.ones(1, 4), torch.ones(1, 4), [1.0], vocab)
     assert torch.isfinite(out.loss)
+
+
+def test_hard_cross_entropy_skips_greedy_tokens_outside_the_draft_vocab() -> None:
+    """ce counts a position only where the target's greedy token is in the draft vocab: there it is
+    -log q(token); with every greedy token outside, the loss is 0 and nothing is counted as a loss position."""
+    teacher_logits = torch.tensor([[0.0, 0.0, 3.0, 0.0]] * 3)[None]  # [1, T=3, V=4]: greedy token 2 everywhere
+    logits = torch.tensor([[0.5, -0.2]] * 3)[None]  # [1, T, Vd=2]
+    mask, attn = torch.tensor([[0, 0, 1]]), torch.ones(1, 3, dtype=torch.long)
+    inside = VocabMap.build(torch.tensor([2, 0]), 4)  # draft id 0 = target 2
+    out = speculator_loss([logits], dense_teacher(teacher_logits, inside), mask, attn, [1.0], inside, kind="ce")
+    assert out.loss.item() == pytest.approx(-_log_softmax([0.5, -0.2])[0], rel=1e-6)
+    outside = VocabMap.build(torch.tensor([0, 1]), 4)
+    out = speculator_loss([logits], dense_teacher(teacher_logits, outside), mask, attn, [1.0], outside, kind="ce")
+    assert out.loss.item() == 0.0
