@@ -79,7 +79,7 @@ def test_greedy_continuation_of_held_out_code_looks_like_python(house_target: Pa
 
     model = AutoModelForCausalLM.from_pretrained(house_target, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(house_target)
-    assert len(_code_rows_written_as_python(model, tok, house_target)) == 6  # measured: 6 of 6, 4-8 lines each
+    assert len(_code_rows_written_as_python(model, tok, house_target)) >= 5  # measured: 6 of 6, 4-8 lines each
 
 
 def test_the_python_check_rejects_a_random_model_of_the_same_shape(house_target: Path) -> None:
