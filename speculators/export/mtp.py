@@ -129,8 +129,9 @@ def stitch(spec: Any, target_dir: Path, out_dir: Path, dtype: torch.dtype) -> di
     problems = block_layout_problems(block, shapes, layer_prefix)
     if problems:
         raise SpeculatorsError(f"cannot stitch the MTP module into {model_type}'s MTP slot: its decoder block does "
-                               f"not have the target's layer layout ({problems[0]}); vLLM would load it with "
-                               f"missing weights. Export it natively (bundled runtime) instead")
+                               f"not have the target's layer layout ({problems[0]}); this toolkit's MTP block is a "
+                               f"dense Llama-style layer and vLLM would load it with missing weights, so this "
+                               f"target gets no MTP export")
     for f in target_dir.iterdir():
         if f.is_file() and f.name not in ("pairing.json", "README.md", "launch.sh"):
             _link_or_copy(f, out_dir / f.name)

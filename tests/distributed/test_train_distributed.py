@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,8 +58,16 @@ def test_two_process_ddp_on_cpu(ddp) -> None:
     _check(*ddp, "MULTI_CPU")
 
 
+def test_deepspeed_imports() -> None:
+    """`make test` installs DeepSpeed (the `deepspeed` extra): a missing or broken install fails here with its error,
+    instead of skipping the ZeRO-2 test below (checked in a child process, so this one does not import it)."""
+    res = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip(), res.stderr[-3000:]
+
+
 def test_two_process_deepspeed_zero2_on_cpu(prepared, tiny_llama, ddp) -> None:
-    pytest.importorskip("deepspeed")
     base, rows = prepared
     summary, loss = _train(base, rows, tiny_llama, "zero2",
                            accelerate_config=str(REPO / "recipes" / "accelerate" / "deepspeed-zero2.yaml"))

@@ -1,14 +1,33 @@
 """Fitting a speculator to a target's own greedy continuations, so that vLLM accepts many of its drafts (an untrained
-draft would only ever exercise rejection): a few Adam steps of the real training loss
-(`train.loss.speculator_loss`, every step weighted 1) against the target's law sharpened to ~its greedy token."""
+draft would only ever exercise rejection, and T = 0 identity holds for any draft, so a head-order, offset or
+token-mapping bug would pass): a few Adam steps of the real training loss (`train.loss.speculator_loss`, every step
+weighted 1) against the target's law sharpened to ~its greedy token.
+
+- `fit_to_greedy(spec, loaded, sequences, ...)`: any family (taps and / or the last hidden state, as it asks).
+- `fitted_export(root, target, family, rows, fitted, ...)`: a checkpoint fitted to the first `fitted` rows (the rest
+  held out), saved as the train stage saves them, exported by the real export stage, with the offline prediction of
+  vLLM's per-row counters (`evaluate.chain_prediction.predict_rows`) for the export as loaded back."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+from typing import Any
+
 import torch
 
+from speculators.config import TargetConfig
+from speculators.core.workloads import WorkloadRow
+from speculators.evaluate.chain_prediction import RowPrediction, predict_rows
+from speculators.evaluate.teacher import encode_row, greedy_tokens
+from speculators.export import stage as export_stage
+from speculators.models import SPECULATORS
 from speculators.models.base import step_rows
-from speculators.target import forward_with_taps
+from speculators.models.io import load_speculator, target_weights
+from speculators.target import fingerprint_target, forward_with_taps, load_target, saved_eos_token_ids
 from speculators.train.loss import TeacherShape, VocabMap, dense_teacher, speculator_loss
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fit_to_greedy(spec, loaded, sequences: list[list[int]], starts: list[int] | None = None, *, lr: float,
@@ -22,11 +41,16 @@ def fit_to_greedy(spec, loaded, sequences: list[list[int]], starts: list[int] | 
         ids[i, :len(s)] = torch.tensor(s)
         mask[i, :len(s)] = 1
         loss_mask[i, (starts[i] if starts else 0):len(s)] = 1
-    out = forward_with_taps(loaded.model, ids, mask, list(spec.layer_ids))
+    req = spec.required_features()
+    out = forward_with_taps(loaded.model, ids, mask, list(req.tap_layer_ids or []))
     vocab = VocabMap.build(spec.draft_to_target, loaded.vocab_size)
     teacher = dense_teacher(out.logits, vocab, TeacherShape(temperature=0.01))
     rows = step_rows(loss_mask, mask, spec.num_steps)
-    batch = {"input_ids": ids, "attention_mask": mask, "taps": out.taps, "head_rows": rows}
+    batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "head_rows": rows}
+    if req.tap_layer_ids:
+        batch["taps"] = out.taps
+    if req.last_hidden:
+        batch["last_hidden"] = out.last_hidden
     opt = torch.optim.Adam([p for p in spec.parameters() if p.requires_grad], lr=lr)
     spec.train()
     for _ in range(steps):
@@ -37,3 +61,39 @@ def fit_to_greedy(spec, loaded, sequences: list[list[int]], starts: list[int] | 
         opt.step()
     spec.eval()
     return {"accuracy": (res.correct.float() / res.counted.clamp_min(1)).tolist()}
+
+
+def fitted_export(root: Path, target: Path, family: str, rows: list[WorkloadRow], fitted: int, *, k: int,
+                  lr: float, draft_vocab_size: int | None = None, steps: int = 150
+                  ) -> tuple[Path, list[RowPrediction]]:
+    """A run dir under `root` holding one `family` checkpoint of `target` (k steps / heads, the full vocabulary
+    unless `draft_vocab_size`: then the tokens the fitted continuations use first), fitted for `steps` Adam steps
+    to the target's greedy continuations of the first `fitted` rows, saved as the train stage saves checkpoints and
+    exported by the real export stage. Returns (export dir, per-row predictions for the export as loaded back)."""
+    sys.path.insert(0, str(REPO / "tests" / "unit" / "evaluate"))
+    from evalexport_helpers import make_recipe, save_checkpoint
+
+    root.mkdir(parents=True, exist_ok=True)
+    recipe = make_recipe(root, target, family, num_steps=k, draft_vocab_size=draft_vocab_size,
+                         extra=("export.checkpoint=latest", f"export.speculative_tokens={k}"))
+    loaded = load_target(recipe.target)
+    prompts = [encode_row(loaded.tokenizer, r) for r in rows[:fitted]]
+    sequences = [p + greedy_tokens(loaded.model, p, r.max_new_tokens + k + 2) for p, r in zip(prompts, rows,
+                                                                                              strict=False)]
+    d2t = None
+    if draft_vocab_size is not None:
+        used = sorted({t for s in sequences for t in s})
+        assert len(used) <= draft_vocab_size
+        others = [t for t in range(loaded.vocab_size) if t not in set(used)][: draft_vocab_size - len(used)]
+        d2t = torch.tensor(sorted(used + others)) - torch.arange(draft_vocab_size)  # [Vd]
+    torch.manual_seed(0)
+    spec = SPECULATORS[family].from_target(loaded.model.config, recipe.speculator, target_weights(loaded.model),
+                                           d2t=d2t)
+    fit = fit_to_greedy(spec, loaded, sequences, [len(p) for p in prompts], lr=lr, steps=steps)
+    fp = fingerprint_target(recipe.target, tokenizer=loaded.tokenizer, model_config=loaded.model.config).to_dict()
+    save_checkpoint(recipe, spec, steps, fp, fit=fit)
+    export_stage.run(recipe)
+    export = recipe.paths.export
+    exported = load_speculator(export, target_weights(loaded.model))  # the export's weights, as vLLM reads them
+    eos = set(saved_eos_token_ids(TargetConfig(name_or_path=str(target))))
+    return export, predict_rows(exported, loaded.model, loaded.tokenizer, rows, k, eos)

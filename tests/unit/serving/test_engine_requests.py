@@ -10,7 +10,6 @@ from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.serving import Engine, SamplingParams
 from speculators.serving.batching import generate_batch
-from speculators.serving.requests import GenerateOutput
 from tests.unit.serving.runtime_helpers import loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
@@ -47,14 +46,16 @@ def test_prompt_longer_than_cache(engine: Engine) -> None:
 
 
 def test_bad_prompts(engine: Engine) -> None:
+    before = engine.generate(PROMPT, SamplingParams(max_new_tokens=4)).token_ids
+    assert len(before) == 4
     with pytest.raises(SpeculatorsError, match="empty"):
         engine.generate([], SamplingParams())
     with pytest.raises(SpeculatorsError, match=r"token ids must be in \[0, "):
         engine.generate([1, 10**9], SamplingParams())
     with pytest.raises(SpeculatorsError, match="prompt must be"):
         engine.generate({"x": 1}, SamplingParams())  # type: ignore[arg-type]
-    # the engine keeps working after rejected requests
-    assert isinstance(engine.generate(PROMPT, SamplingParams(max_new_tokens=4)), GenerateOutput)
+    # the engine keeps working after rejected requests: the same greedy tokens as before them
+    assert engine.generate(PROMPT, SamplingParams(max_new_tokens=4)).token_ids == before
 
 
 def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
