@@ -108,7 +108,7 @@ def launch_k(export_dir: Path) -> tuple[int, dict[str, str]]:
     return k, {"K": str(k)}  # the plan switched speculation off at batch 1: measure the config's k
 
 
-def _vllm_outputs(server: VllmServer, rows: list[WorkloadRow], prompts: list[list[int]], k: int, counted: bool,
+def serve_rows(server: VllmServer, rows: list[WorkloadRow], prompts: list[list[int]], k: int, counted: bool,
                   temperature: float = 0.0, seed: int = 0
                   ) -> tuple[list[list[int]], list[ChainCounts | None], float]:
     """vLLM's output of every row (one request at a time; at T > 0 seeded per row from `seed`), when counted its
@@ -171,12 +171,12 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     args = server_args(recipe.vllm.port, max_model_len=min(recipe.vllm.max_model_len, positions))  # vLLM refuses more
     plain_cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", verifier_name(recipe), *args]
     with VllmServer(plain_cmd, port=recipe.vllm.port, env=env, log=out_dir / "vllm-plain.log") as server:
-        plain, _, plain_s = _vllm_outputs(server, rows, prompts, k, counted=False)
+        plain, _, plain_s = serve_rows(server, rows, prompts, k, counted=False)
     spec_cmd = ["bash", str(export_dir / "launch.sh"), *args]
     with VllmServer(spec_cmd, port=recipe.vllm.port, env={**spec_env, **launch_env},
                     log=out_dir / "vllm-speculator.log") as server:
-        served, counts, served_s = _vllm_outputs(server, rows, prompts, k, counted=True)
-        sampled = _vllm_outputs(server, rows, prompts, k, True, temperature, recipe.seed)[1] if sampled_pred else []
+        served, counts, served_s = serve_rows(server, rows, prompts, k, counted=True)
+        sampled = serve_rows(server, rows, prompts, k, True, temperature, recipe.seed)[1] if sampled_pred else []
     report = build_report(key, k, rows, predicted, live, plain, served, counts, record)
     report["vllm_env"] = env_notes
     report["throughput"] = throughput(plain, plain_s, served, served_s)

@@ -17,6 +17,7 @@ from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.evaluate.chain_prediction import pooled
 from speculators.evaluate.teacher import encode_row
 from speculators.export import launch
+from speculators.export.vllm_check import serve_rows
 from speculators.export.vllm_consumer import (
     EXPAND_EXPECTED,
     complete_ids,
@@ -190,12 +191,7 @@ def test_full_vocab_export_loads_without_d2t(house_eagle3_run: Path, vllm_server
     with safe_open(str(export / "model.safetensors"), framework="pt") as fh:
         assert not {"d2t", "t2d"} & set(fh.keys())
     with vllm_server(["bash", str(export / "launch.sh")], "eagle3-full-vocab") as server:
-        model = served_model(server.url)
-        outs, served = [], []
-        for p, r in zip(prompts, rows, strict=True):  # one request at a time: per-row counters, batch size 1
-            before = spec_counters(server.url)
-            outs.append(complete_ids(server.url, model, p, r.max_new_tokens))
-            served.append(counts_between(before, spec_counters(server.url), 3))
+        outs, served, _ = serve_rows(server, rows, prompts, 3, counted=True)  # one request at a time, counted
     assert outs == reference
     assert_served_as_predicted("eagle3 full vocab", served, predicted, reference, 3)
 

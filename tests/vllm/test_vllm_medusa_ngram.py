@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from speculators.export.vllm_check import serve_rows
 from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, spec_counters
 from tests.conftest import HOUSE_TARGET
 from tests.vllm.fitting import fitted_export
@@ -24,12 +25,7 @@ def test_medusa_export_serves_losslessly_with_the_predicted_acceptance(house_eag
     rows, prompts, reference = served_rows(house_eagle3_run, 4)
     export, predicted = fitted_export(tmp_path / "run", HOUSE_TARGET, "medusa", rows, 2, k=3, lr=3e-3)
     with vllm_server(["bash", str(export / "launch.sh")], "medusa") as server:
-        model = served_model(server.url)
-        outs, served = [], []
-        for p, r in zip(prompts, rows, strict=True):  # one request at a time: per-row counters, batch size 1
-            before = spec_counters(server.url)
-            outs.append(complete_ids(server.url, model, p, r.max_new_tokens))
-            served.append(counts_between(before, spec_counters(server.url), 3))
+        outs, served, _ = serve_rows(server, rows, prompts, 3, counted=True)  # one request at a time, counted
     assert outs == reference
     assert all(c.drafts > 0 and c.draft_tokens == 3 * c.drafts for c in served)  # one token per head, every step
     assert_served_as_predicted("medusa", served, predicted, reference, 3)

@@ -20,27 +20,30 @@ from tests.vllm.fixtures import free_port
 
 pytestmark = pytest.mark.vllm
 
-BUDGET = ["data.regenerate.temperature=0.0", "data.regenerate.max_new_tokens=48", "data.regenerate.concurrency=8",
-          "data.regenerate.crosscheck_rows=4", "train.max_steps=40", "train.eval_every=20", "train.save_every=20",
-          "train.trackers=[jsonl]", "evaluate.max_rows_per_cohort=2", "evaluate.live_rows_per_cohort=1",
-          "evaluate.temperatures=[0.0]", "evaluate.crosscheck_rows=2", "vllm.rows_per_cohort=2",
+# ~8 minutes on 2 cores: 24 rows regenerated in one batch, 30 training steps, one held-out row per cohort
+BUDGET = ["data.regenerate.temperature=0.0", "data.regenerate.max_new_tokens=32", "data.regenerate.concurrency=24",
+          "data.regenerate.crosscheck_rows=2", "train.max_steps=30", "train.eval_every=30", "train.save_every=30",
+          "train.trackers=[jsonl]", "evaluate.max_rows_per_cohort=1", "evaluate.live=false",
+          "evaluate.temperatures=[0.0]", "evaluate.crosscheck_rows=0", "vllm.rows_per_cohort=1",
           "vllm.max_new_tokens=32", "vllm.temperature=0"]
 
 
 def test_smollm2_recipe_runs_every_stage_and_vllm_serves_the_export(tmp_path: Path, vllm_python: Path) -> None:
-    chat = write_rows(tmp_path / "chat.jsonl", 40)
+    chat = write_rows(tmp_path / "chat.jsonl", 24)
     run_dir = tmp_path / "run"
     res = run_cli(["run", "recipes/smollm2-eagle3.yaml", f"run_dir={run_dir}", f"data.sources=[{{path: {chat}}}]",
-                   *BUDGET, f"vllm.python={vllm_python}", f"vllm.port={free_port()}"], timeout=1500, threads=2)
+                   *BUDGET, f"vllm.python={vllm_python}", f"vllm.port={free_port()}"], timeout=1200, threads=2)
     assert res.returncode == 0, res.stderr[-4000:]
     pairing = json.loads((run_dir / "export" / "pairing.json").read_text())
     assert pairing["target"]["name_or_path"].endswith("smollm2-135m-instruct"), pairing["target"]
     report = json.loads((run_dir / "eval" / "vllm" / "report.json").read_text())
     lossless = report["lossless"]
-    assert lossless["rows"] == 12 and lossless["identical_rows"] == 12, \
+    assert lossless["rows"] == 6 and lossless["identical_rows"] == 6, \
         [r["id"] for r in report["rows"] if not r["vllm_equals_vllm_plain"]]
     overall = report["comparison"]["all"]
-    assert overall["vllm"]["drafts"] > 0
+    assert overall["vllm"]["drafts"] > 0 and sum(overall["vllm"]["accepted"]) > 0, overall
+    throughput = report["throughput"]  # vLLM's own tokens/s alone and with the speculator, and the runtime's
+    assert throughput["plain_tokens_per_s"] > 0 and throughput["speculator_tokens_per_s"] > 0, throughput
     delta = overall["vllm_vs_predicted"]
     assert delta["max_abs_delta_per_position"] <= 0.05, overall
     assert abs(delta["mean_acceptance_length_rel_delta"]) <= 0.05, overall

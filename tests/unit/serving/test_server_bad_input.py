@@ -232,3 +232,18 @@ def test_a_client_that_disconnects_frees_its_slot(long_engine: Engine) -> None:
     assert runner.cancelled == 2 and runner.cancelled_tokens < LONG, runner.cancelled_tokens
     assert gone == 2.0 and ok == 0.0  # a dropped request is never counted as answered
     assert after.status_code == 200
+
+
+def test_context_and_batch_that_do_not_fit_are_refused_at_start(engine: Engine, tiny_llama) -> None:
+    """serve.max_model_len sizes each running request's KV cache; more caches than memory holds
+    (max_batch_size of them) are refused when the app is made, in one line, before any is allocated."""
+    from speculators.serving.commands import _engine
+    from speculators.serving.memory import available_bytes
+
+    with pytest.raises(SpeculatorsError, match="serve.max_model_len must be >= 2"):
+        ServeConfig(max_model_len=1).validate()
+    assert _engine(str(tiny_llama), "none", "cpu", "float32", False, max_len=96).max_len == 96
+    too_many = available_bytes("cpu") // engine.runner.cache_bytes(engine.max_len) + 2
+    with pytest.raises(SpeculatorsError) as exc:
+        create_app(engine, ServeConfig(max_batch_size=too_many, max_concurrent_requests=too_many))
+    assert "KV cache(s) of 128 tokens" in str(exc.value) and "\n" not in str(exc.value)
