@@ -67,8 +67,8 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _target(name: str | None) -> str | None:
     """A `package:NAME` or `.gguf` target as its converted local folder (made on first use); others unchanged."""
-    if name is None or not (name.startswith("package:") or name.lower().endswith(".gguf")):
-        return name
+    if name is None:
+        return None
     from speculators.core.target_sources import resolve_target_source
 
     return resolve_target_source(name)

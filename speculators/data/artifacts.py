@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from speculators.core.atomic import write_json_atomic
+from speculators.core.hashing import sha256_file
 from speculators.errors import SpeculatorsError
 
 PREPARED_FORMAT = "speculators.prepared/v1"
@@ -34,14 +35,6 @@ MANIFEST = "manifest.json"
 
 def hash_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculators.data.artifacts import sha256_file
+from speculators.core.hashing import sha256_file
 from speculators.errors import SpeculatorsError
 
 ROLES = ("system", "user", "assistant", "tool")

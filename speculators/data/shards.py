@@ -34,7 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from speculators.data.artifacts import read_manifest, sha256_file
+from speculators.core.hashing import sha256_file
+from speculators.data.artifacts import read_manifest
 from speculators.data.schemas import source_row_id
 from speculators.errors import PairingError, SpeculatorsError
 

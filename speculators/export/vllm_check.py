@@ -109,8 +109,7 @@ def launch_k(export_dir: Path) -> tuple[int, dict[str, str]]:
 
 
 def serve_rows(server: VllmServer, rows: list[WorkloadRow], prompts: list[list[int]], k: int, counted: bool,
-                  temperature: float = 0.0, seed: int = 0
-                  ) -> tuple[list[list[int]], list[ChainCounts | None], float]:
+               temperature: float = 0.0, seed: int = 0) -> tuple[list[list[int]], list[ChainCounts | None], float]:
     """vLLM's output of every row (one request at a time; at T > 0 seeded per row from `seed`), when counted its
     speculative-decoding counters around each request, and the seconds the requests took (counter reads excluded)."""
     model = served_model(server.url)
@@ -125,14 +124,17 @@ def serve_rows(server: VllmServer, rows: list[WorkloadRow], prompts: list[list[i
     return outs, counts, seconds
 
 
-def throughput(plain: list[list[int]], plain_seconds: float, served: list[list[int]], served_seconds: float) -> dict:
-    """vLLM's own tokens/s without and with the speculator on the same rows (one request at a time, T = 0, wall
-    clock of the requests incl. prefill), and their ratio."""
-    p_tok, s_tok = sum(map(len, plain)), sum(map(len, served))
+def throughput(plain: list[list[int]], plain_seconds: float, served: list[list[int]], served_seconds: float,
+               runtime: list[list[int]], runtime_seconds: float) -> dict:
+    """vLLM's own tokens/s without and with the speculator on the same rows, and the bundled runtime's (one request
+    at a time, T = 0, wall clock of the requests incl. prefill), with the ratios to vLLM alone."""
+    p_tok, s_tok, r_tok = sum(map(len, plain)), sum(map(len, served)), sum(map(len, runtime))
     p_rate, s_rate = p_tok / max(plain_seconds, 1e-9), s_tok / max(served_seconds, 1e-9)
+    r_rate = r_tok / max(runtime_seconds, 1e-9)
     return {"plain_tokens": p_tok, "plain_seconds": round(plain_seconds, 3), "plain_tokens_per_s": round(p_rate, 2),
             "speculator_tokens": s_tok, "speculator_seconds": round(served_seconds, 3),
-            "speculator_tokens_per_s": round(s_rate, 2), "speedup": round(s_rate / max(p_rate, 1e-9), 3)}
+            "speculator_tokens_per_s": round(s_rate, 2), "speedup": round(s_rate / max(p_rate, 1e-9), 3),
+            "runtime_tokens_per_s": round(r_rate, 2), "runtime_vs_vllm_plain": round(r_rate / max(p_rate, 1e-9), 3)}
 
 
 def run(recipe: Recipe, *, force: bool = False) -> dict:
@@ -179,10 +181,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         sampled = serve_rows(server, rows, prompts, k, True, temperature, recipe.seed)[1] if sampled_pred else []
     report = build_report(key, k, rows, predicted, live, plain, served, counts, record)
     report["vllm_env"] = env_notes
-    report["throughput"] = throughput(plain, plain_s, served, served_s)
-    runtime_rate = sum(len(out) for out, _ in live) / max(live_s, 1e-9)
-    report["throughput"].update(runtime_tokens_per_s=round(runtime_rate, 2), runtime_vs_vllm_plain=round(
-        runtime_rate / max(report["throughput"]["plain_tokens_per_s"], 1e-9), 3))
+    report["throughput"] = throughput(plain, plain_s, served, served_s, [out for out, _ in live], live_s)
     if sampled_pred:
         report["sampled"] = sampled_report(k, temperature, rows, sampled_pred, sampled, "; ".join(env_notes),
                                            drafting)
