@@ -373,7 +373,7 @@ def profile(
     out: Annotated[Path | None, typer.Option(help="write profile.json + profile.md here")] = None,
     threads: ThreadsOpt = 0,
 ) -> None:
-    from speculators.serving.profile import profile_command
+    from speculators.oracle.profile import profile_command
 
     _set_threads(threads)
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -401,7 +401,7 @@ def train_bench(
     out: Annotated[Path | None, typer.Option(help="work dir (kept); default: a temp dir")] = None,
     threads: Annotated[int | None, typer.Option(help="OMP_NUM_THREADS for the runs")] = None,
 ) -> None:
-    from speculators.train.bench import bench_command
+    from speculators.train.train_bench import bench_command
 
     bench_command(target=_target(target), families=_choices(families, "--families", FAMILIES), steps=steps,
                   batch_size=batch_size, mode=mode, data=data, out=out, threads=threads)
@@ -457,7 +457,7 @@ def worker_capture(recipe: RecipeArg, overrides: OverridesArg = None, force: For
 @app.command(name="worker-train-bench", hidden=True)
 @_user_errors
 def worker_train_bench(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
-    from speculators.train.bench import child_main
+    from speculators.train.train_bench import child_main
 
     raise typer.Exit(child_main(str(recipe), overrides or []))
 

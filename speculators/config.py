@@ -49,7 +49,7 @@ class RegenerateConfig:
     """Self-distillation: the target rewrites the assistant turns (DESIGN §1)."""
 
     enabled: bool = False
-    # engine: in-process on the bundled runtime (continuous batching + drafting, serving/batch_generate.py);
+    # engine: in-process on the bundled runtime (continuous batching + drafting, runtime/batch_generate.py);
     # local: in-process Hugging Face `generate` (left-padded batches); openai: an OpenAI-compatible endpoint
     backend: Literal["engine", "local", "openai"] = "engine"
     drafter: str = "ngram"  # engine backend: "ngram" (prompt lookup), "none", or a speculator directory
@@ -172,7 +172,7 @@ class TreeConfig:
     verify: Literal["sequence", "token"] = "sequence"
 
 
-# prompt-lookup nodes the runtime grafts onto a speculator's trees by default (serving/graft.py); measured on the
+# prompt-lookup nodes the runtime grafts onto a speculator's trees by default (runtime/drafters/graft.py); measured on the
 # house target's 10-epoch EAGLE-3 (5 rows x 5 cohorts, T = 0): tau 3.24 -> 3.48 with 3 nodes (6: 3.43), tokens/s
 # +1.3% (6: +2.1%) — small, since every extra verified node costs target time on a CPU
 DEFAULT_NGRAM_GRAFT = 3

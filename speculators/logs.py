@@ -2,7 +2,7 @@
 prints them (`warning: ...` for warnings, the bare message for information).
 
 `configure()` is called by the entry points (cli.py, launched training workers); library use of the package keeps
-Python's logging defaults. Not here: progress bars (tqdm), experiment tracking (train/tracking.py).
+Python's logging defaults. Not here: progress bars (tqdm), experiment tracking (core/tracking.py).
 """
 
 from __future__ import annotations

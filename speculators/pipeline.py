@@ -1,12 +1,14 @@
-"""The recipe pipeline: the ordered stages of DESIGN §1 and the resumable `speculators run`.
+"""The recipe pipeline: the ordered stages (docs/architecture.md) and the resumable `speculators run`.
 
-Each stage lives in its own module and exposes two functions:
+The stage contract: stage NAME lives in the module `speculators.<room>.<NAME>` (`-` -> `_`) and exposes
 
-    run(recipe: Recipe, *, force: bool = False) -> dict   # does the work, returns a short summary
+    enabled(recipe: Recipe) -> bool                       # whether `run` runs it for this recipe
     is_complete(recipe: Recipe) -> bool                   # outputs exist, are complete and valid
+    run(recipe: Recipe, *, force: bool = False) -> dict   # does the work, returns a short summary
 
-`run_pipeline` runs every stage of a recipe in order and skips stages whose outputs are already complete. Stages
-are imported when they run (importlib), so `speculators --help` and `import speculators.pipeline` load no torch. This module does not parse arguments.
+`run_pipeline` runs every enabled stage of a recipe in order and skips stages whose outputs are already complete;
+it never branches on a stage's name. Stages are imported when they run (importlib), so `speculators --help` and
+`import speculators.pipeline` load no torch. This module does not parse arguments.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ from speculators.errors import SpeculatorsError
 @dataclass(frozen=True)
 class Stage:
     name: str
-    module: str
+    room: str  # the package the stage lives in: speculators.<room>.<name>
     summary: str
+
+    @property
+    def module(self) -> str:
+        return f"speculators.{self.room}.{self.name.replace('-', '_')}"
 
     def load(self) -> tuple[Callable[..., dict], Callable[[Recipe], bool]]:
         mod = self._module()
@@ -40,24 +46,17 @@ class Stage:
             raise
 
     def enabled(self, recipe: Recipe) -> bool:
-        if self.name == "regenerate":
-            return recipe.data.regenerate.enabled
-        if self.name == "capture":
-            return recipe.capture.mode == "offline"
-        if self.name == "vllm-check":  # the stage decides (recipe `vllm.mode` and whether vLLM is installed)
-            return bool(self._module().enabled(recipe))
-        return True
+        return bool(self._module().enabled(recipe))
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("prepare", "speculators.data.prepare", "chat template -> input_ids + assistant loss mask"),
-    Stage("regenerate", "speculators.data.regenerate", "the target rewrites the assistant turns"),
-    Stage("capture", "speculators.data.capture", "target hidden-state taps -> feature shards + draft vocab"),
-    Stage("train", "speculators.train.stage", "train the speculator (accelerate)"),
-    Stage("evaluate", "speculators.evaluate.acceptance", "per-position acceptance on held-out workloads"),
-    Stage("export", "speculators.export.stage", "vLLM-loadable checkpoint + pairing.json"),
-    Stage("vllm-check", "speculators.export.vllm_check", "serve the export with real vLLM: lossless + "
-          "acceptance vs prediction"),
+    Stage("prepare", "data", "chat template -> input_ids + assistant loss mask"),
+    Stage("regenerate", "data", "the target rewrites the assistant turns"),
+    Stage("capture", "data", "target hidden-state taps -> feature shards + draft vocab"),
+    Stage("train", "train", "train the speculator (accelerate)"),
+    Stage("evaluate", "evaluate", "per-position acceptance on held-out workloads"),
+    Stage("export", "export", "vLLM-loadable checkpoint + pairing.json"),
+    Stage("vllm-check", "export", "serve the export with real vLLM: lossless + acceptance vs prediction"),
 )
 
 

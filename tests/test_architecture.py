@@ -1,8 +1,12 @@
 """The house rules of DESIGN §2, read from the source (AST): a rule that breaks fails here, naming the file.
 
-- Imports point downward only: cli -> pipeline -> stages (data, train, evaluate, export, serving, house) -> models ->
-  shared (core/, config, target, metrics, errors, logs). Stages use each other only as a DAG; `serving` never
-  imports `train` or `data`; `models` imports no stage; shared modules import no stage and no model.
+- Imports point downward only (docs/architecture.md): cli -> pipeline -> stages and apps (data, train, evaluate,
+  export; serving, oracle; house) -> runtime -> models -> shared (core/, config, target, metrics, errors, logs).
+  Stages and apps use each other only as a DAG; the apps (`serving`, `oracle`) never import `train` or `data`;
+  `runtime` imports no stage or app; `models` imports no runtime; shared modules import nothing above them.
+- Every pipeline stage is a module `speculators.<room>.<stage>` with `enabled`, `is_complete` and `run`.
+- No file over 450 lines, no function over 80 lines; no two modules share a file name (bar `__init__`);
+  `os.replace` only in the one atomic writer (core/atomic.py).
 - No import circle between files (every import counts: top level, inside functions, under TYPE_CHECKING).
 - Every `speculators.*` import names a module that exists and, for `from X import name`, a name X defines.
 - Nothing outside cli.py parses arguments (argparse, typer, click, sys.argv).
@@ -27,9 +31,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "speculators"
 
 SHARED = {"core", "config", "recipes", "target", "metrics", "errors", "logs", ""}
-STAGES = {"data", "train", "evaluate", "export", "serving", "house"}
-RANK = {"cli": 4, "pipeline": 3, **{s: 2 for s in STAGES}, "models": 1, **{s: 0 for s in SHARED}}
-FORBIDDEN_STAGE_EDGES = {("serving", "train"), ("serving", "data")}
+STAGES = {"data", "train", "evaluate", "export", "serving", "oracle", "house"}
+RANK = {"cli": 5, "pipeline": 4, **{s: 3 for s in STAGES}, "runtime": 2, "models": 1, **{s: 0 for s in SHARED}}
+FORBIDDEN_STAGE_EDGES = {(app, stage) for app in ("serving", "oracle") for stage in ("train", "data")}
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
+ATOMIC_WRITER = "speculators.core.atomic"
 ARGUMENT_PARSERS = ("argparse", "typer", "click", "optparse")
 LAZY_EXTRAS = {"deepspeed", "wandb", "torch.utils.tensorboard", "fastapi", "uvicorn", "starlette", "prometheus_client",
                "openai", "vllm", "datasets", "matplotlib", "peft", "huggingface_hub", "pydoc_data"}
@@ -120,10 +126,10 @@ def test_imports_point_downward_only() -> None:
             them = _group(dep)
             if me == them:
                 continue
-            if RANK[them] > RANK[me] or (RANK[them] == RANK[me] and me in SHARED | {"models"} and them not in SHARED):
+            if RANK[them] > RANK[me] or (RANK[them] == RANK[me] and me not in STAGES and them not in SHARED):
                 broken.append(f"{module} -> {dep} (an arrow back up: {me or 'speculators'} is below {them})")
             elif (me, them) in FORBIDDEN_STAGE_EDGES:
-                broken.append(f"{module} -> {dep} (serving never imports train or data)")
+                broken.append(f"{module} -> {dep} (the apps never import train or data)")
     assert not broken, "\n".join(broken)
 
 
@@ -250,7 +256,7 @@ def test_the_rules_catch_a_broken_house(tmp_path: Path, monkeypatch: pytest.Monk
     argparse import, each of them fails."""
     copy = tmp_path / "speculators"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "models" / "upward.py").write_text("from speculators.serving.engine import Engine\n")
+    (copy / "models" / "upward.py").write_text("from speculators.runtime.engine import Engine\n")
     (copy / "core" / "ring_a.py").write_text("from speculators.core import ring_b\n")
     (copy / "core" / "ring_b.py").write_text("from speculators.core import ring_a\nimport argparse\n")
     (copy / "core" / "stale.py").write_text("from speculators.core.atomic import no_such_writer\n")
@@ -266,3 +272,26 @@ def test_the_rules_catch_a_broken_house(tmp_path: Path, monkeypatch: pytest.Monk
     finally:
         for fn in (_modules, _tree):
             fn.cache_clear()
+
+
+def test_every_stage_keeps_the_contract() -> None:
+    from speculators.pipeline import STAGES as PIPELINE
+
+    broken = []
+    for stage in PIPELINE:
+        if stage.module not in _modules():
+            broken.append(f"{stage.name}: no module {stage.module}")
+            continue
+        defined = _defined_names(stage.module) or set()
+        broken += [f"{stage.module} has no {fn}()" for fn in ("enabled", "is_complete", "run") if fn not in defined]
+    assert not broken, "\n".join(broken)
+
+
+def test_file_names_are_unique() -> None:
+    seen: dict[str, list[str]] = {}
+    for path in _modules().values():
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    twins = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twins, f"modules sharing a file name: {twins}"
+

@@ -400,6 +400,11 @@ def _vocab_ready(recipe: Recipe, features: Path) -> bool:
     return not _uses_draft_vocab(recipe) or vd is None or vocab.vocab_file(features, vd).is_file()
 
 
+def enabled(recipe: Recipe) -> bool:
+    """Whether `speculators run` runs this stage: offline training (online training runs the target itself)."""
+    return recipe.capture.mode == "offline"
+
+
 def is_complete(recipe: Recipe) -> bool:
     m = artifacts.try_manifest(recipe.paths.features, shards.FEATURES_FORMAT)
     if m is None:

@@ -132,6 +132,11 @@ def inputs_fingerprint(recipe: Recipe, tokenizer: Any) -> dict:
             "require_answer": _require_answer(recipe), "tokenizer_hash": tokenizer_hash(tokenizer)}
 
 
+def enabled(recipe: Recipe) -> bool:
+    """Whether `speculators run` runs this stage: always."""
+    return True
+
+
 def is_complete(recipe: Recipe) -> bool:
     manifest = artifacts.try_manifest(recipe.paths.prepared, artifacts.PREPARED_FORMAT)
     if manifest is None:

@@ -10,7 +10,7 @@ as they are. Raw prompt/completion rows get a new completion. The result is re-e
 
 Backends (`data.regenerate.backend`):
 - `engine` (default): in-process on the bundled runtime — up to `concurrency` requests sharing each target forward
-  (continuous batching) and n-gram or speculator drafting (`serving/batch_generate.py`); the first
+  (continuous batching) and n-gram or speculator drafting (`runtime/batch_generate.py`); the first
   `crosscheck_rows` rows also run through HF `generate` (batches of `batch_size`, as `local` runs), timed and
   compared side by side (the manifest's `generation.crosscheck`); a target the runtime cannot run
   (`serving.runtime_support.runtime_refusal`) is regenerated as `local` runs, with one log line saying why;
@@ -53,8 +53,8 @@ from speculators.data.regen_openai import OpenAIBackend
 from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState, Turn
 from speculators.data.schemas import Conversation, RowError, copy_id
 from speculators.errors import SpeculatorsError
-from speculators.serving.batch_generate import EngineGenerator, crosscheck
-from speculators.serving.runtime_support import runtime_refusal
+from speculators.runtime.batch_generate import EngineGenerator, crosscheck
+from speculators.runtime.forward.support import runtime_refusal
 from speculators.target import fingerprint_target, load_target, load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
@@ -229,6 +229,11 @@ def _finished(m: dict | None, inputs_hash: str, out_dir: Any) -> bool:
     """A complete output of these inputs, intact, with no row left to try."""
     return bool(m) and m.get("inputs_hash") == inputs_hash and not m.get("counts", {}).get("failed") and \
         artifacts.intact(out_dir, m)
+
+
+def enabled(recipe: Recipe) -> bool:
+    """Whether `speculators run` runs this stage: when the recipe turns regeneration on."""
+    return recipe.data.regenerate.enabled
 
 
 def is_complete(recipe: Recipe) -> bool:

@@ -41,7 +41,7 @@ from speculators.evaluate.chain_prediction import sequence_chain_cycles
 from speculators.evaluate.live import LiveRun, load_engine, run_live
 from speculators.evaluate.replay import CycleCounts, replay_drafter, tau_interval, wilson
 from speculators.evaluate.teacher import EvalSequence, teacher_pass
-from speculators.serving.model_free import NgramDrafter
+from speculators.runtime.drafters.model_free import NgramDrafter
 
 TOLERANCE = 0.02  # T = 0: |predicted tau - live tau| <= 2% of live tau
 

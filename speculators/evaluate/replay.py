@@ -42,7 +42,7 @@ import torch
 from speculators import metrics
 from speculators.core.sampling import SamplingParams, logits_to_probs
 from speculators.evaluate.alpha import to_target_vocab
-from speculators.serving.drafters import prune_tree
+from speculators.runtime.drafters.load import prune_tree
 
 Z95 = 1.959963984540054
 

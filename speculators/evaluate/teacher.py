@@ -37,9 +37,9 @@ from transformers import DynamicCache
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
-from speculators.serving import runtime_support
-from speculators.serving.batch_generate import EngineGenerator, crosscheck
-from speculators.serving.memory import work_max_len
+from speculators.runtime.forward import support as runtime_support
+from speculators.runtime.batch_generate import EngineGenerator, crosscheck
+from speculators.runtime.forward.memory import work_max_len
 from speculators.target import cache_kwarg, eos_token_ids, forward_with_taps
 
 log = logging.getLogger(__name__)

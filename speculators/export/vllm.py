@@ -1,5 +1,5 @@
 """The vLLM exporter: a checkpoint -> a directory vLLM loads with no conversion (+ pairing, report, launch.sh).
-The stage's entry (`run` / `is_complete`) is `export/stage.py`.
+The stage's entry (`run` / `is_complete`) is `export/export.py`.
 
 Formats (field by field in export/FORMAT.md):
 - EAGLE-3 -> the vLLM speculators format: config.json without a top-level `model_type`, with
@@ -8,7 +8,7 @@ Formats (field by field in export/FORMAT.md):
   `eagle_aux_hidden_state_layer_ids`, every norm flag; un-prefixed weights in `model.safetensors`, floats in
   recipe.export.dtype, `d2t` int64 / `t2d` bool, `embed_tokens.weight` only when it differs from the target's.
 - Medusa -> vLLM's Medusa format (`model_type: "medusa"`, `blocks.{h}.layers.{l}.*`, `lm_heads.{h}.weight`).
-- MTP -> `speculators.export.mtp` (the target's native MTP slot where vLLM serves one, else a native directory).
+- MTP -> `speculators.export.mtp_stitch` (the target's native MTP slot where vLLM serves one, else a native directory).
 Both vLLM formats keep our `speculators_native` block (vLLM ignores it) so `models.io.load_speculator` loads the
 export back; the export is checked by `validate_vllm_export` and by a round trip (reload, same weights after
 dtype rounding, same greedy drafts) before it is moved into place.
@@ -37,7 +37,7 @@ from speculators.core.pairing import draft_revision, pairing_record
 from speculators.errors import SpeculatorsError
 from speculators.evaluate.report import render_markdown
 from speculators.evaluate.select import checkpoint_family
-from speculators.export import launch
+from speculators.export import launch_plan as launch
 from speculators.export.validate import validate_vllm_export
 from speculators.export.vllm_consumer import CPU_FIXES
 from speculators.models.io import digests_match, load_speculator, target_weights, tensor_digest

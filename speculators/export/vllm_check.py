@@ -48,7 +48,7 @@ from speculators.evaluate.chain_prediction import (
 )
 from speculators.evaluate.report import VLLM_SECTION_HEADING, with_vllm_section
 from speculators.evaluate.teacher import row_seed
-from speculators.export.stage import require_valid_export
+from speculators.export.export import require_valid_export
 from speculators.export.vllm import verifier_name
 from speculators.export.vllm_consumer import (
     VllmServer,

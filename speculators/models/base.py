@@ -9,7 +9,7 @@ Alignment convention shared by every family (and by the loss, the metrics and th
 EAGLE-3 step k = the k-th training-time-test step; Medusa step k = head k; MTP step k = the k-th recursive step;
 DFlash step k = mask slot k+1 of the block anchored at token t+1.
 
-Runtime protocol (batch 1, called by `speculators.serving.engine`):
+Runtime protocol (batch 1, called by `speculators.runtime.engine`):
     state = spec.new_state(max_len, device)           # the drafter's own per-request state (its KV cache ...)
     spec.absorb(state, features, next_tokens)          # committed positions p..p+n-1 with the target's
                                                        # features there and the token that follows each one
@@ -67,7 +67,7 @@ class Speculator(nn.Module, ABC):
     VLLM_FIXED_K: ClassVar[bool] = False
     VLLM_SERVED: ClassVar[str] = "no vLLM serves this family; only the bundled runtime does"
     # how `speculators export` writes the family: "vllm" (a vLLM-format directory, export/vllm.py) or "mtp" (stitched
-    # into a target with a native MTP slot, else a native directory, export/mtp.py)
+    # into a target with a native MTP slot, else a native directory, export/mtp_stitch.py)
     EXPORTER: ClassVar[str] = "vllm"
     # capture builds a reduced draft vocabulary (d2t / t2d, `speculator.draft_vocab_size`) for the family
     USES_DRAFT_VOCAB: ClassVar[bool] = False

@@ -1,7 +1,7 @@
 """The draft layers' attention over a preallocated per-request cache (drafting, batch 1): `KVCache` holds the keys /
 values of every draft layer, `attend_fn(start, mask)` is the `AttendFn` that `layers.run_layers` and
 `fused.FusedStack` call per layer. Not here: training attention (layers.ttt_attention), the target's cache
-(serving/kv_cache.py).
+(runtime/forward/target_cache.py).
 """
 
 from __future__ import annotations

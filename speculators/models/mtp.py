@@ -12,7 +12,7 @@ Architecture (reference medusa-mtp-tree-verify.md §2, vllm-speculators.md §2.7
   (`recurrent.RecurrentSpeculator`), so training sees exactly what chain/tree drafting sees.
 
 Config: our own native layout (`mtp_layout: "deepseek"`, transformer_layer_config, verifier, speculators_native);
-export/mtp.py maps it into a target's MTP slot. Not here: loss, file I/O, tree policies.
+export/mtp_stitch.py maps it into a target's MTP slot. Not here: loss, file I/O, tree policies.
 """
 
 from __future__ import annotations

@@ -49,13 +49,13 @@ from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
-from speculators.serving.batch_generate import TREE_ROOM
-from speculators.serving.batching import generate_batch
-from speculators.serving.drafters import paired_target
-from speculators.serving.engine import Engine
-from speculators.serving.memory import work_max_len
-from speculators.serving.requests import encode_prompt
-from speculators.serving.verify_expect import expected_accepted
+from speculators.runtime.batch_generate import TREE_ROOM
+from speculators.runtime.batching import generate_batch
+from speculators.runtime.drafters.load import paired_target
+from speculators.runtime.engine import Engine
+from speculators.runtime.forward.memory import work_max_len
+from speculators.runtime.requests import encode_prompt
+from speculators.runtime.verify.expect import expected_accepted
 from speculators.target import load_target
 
 HF_PROMPT_LOOKUP_TOKENS = 10

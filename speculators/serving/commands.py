@@ -27,8 +27,8 @@ from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
-from speculators.serving.batching import generate_batch
-from speculators.serving.engine import Engine
+from speculators.runtime.batching import generate_batch
+from speculators.runtime.engine import Engine
 from speculators.serving.server import create_app, run_server
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ Not here: the routes (server.py), the answers' formats (openai_api.py).
 
 from __future__ import annotations
 
-from speculators.serving.engine import Engine
-from speculators.serving.requests import GenerateOutput
+from speculators.runtime.engine import Engine
+from speculators.runtime.requests import GenerateOutput
 
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
 CLIENT_GONE = 499

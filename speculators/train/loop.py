@@ -1,4 +1,4 @@
-"""The training loop: one accelerate loop for every speculator family (the stage's entry is `train/stage.py`).
+"""The training loop: one accelerate loop for every speculator family (the stage's entry is `train/train.py`).
 
 What it does:
 - `train(recipe, force=False)` trains in this process; under `accelerate launch` (launch.py) every rank runs it.
@@ -61,7 +61,7 @@ from speculators.train.batches import BatchPlan, OfflineFeatures, OnlineFeatures
 from speculators.train.checkpoint import SUMMARY_FILE
 from speculators.train.loss import TeacherShape, VocabMap, speculator_loss
 from speculators.train.setup import Setup, check_signature, load_setup, train_signature
-from speculators.train.tracking import Tracker, wandb_options
+from speculators.core.tracking import Tracker, wandb_options
 from speculators.train.validation import acceptance_rows, evaluate_heldout
 
 # ----------------------------------------------------------------------------------------------------------------

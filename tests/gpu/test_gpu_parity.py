@@ -19,7 +19,7 @@ from speculators.config import TreeConfig
 from speculators.core.workloads import load_workloads
 from speculators.serving import Engine, SamplingParams
 from tests.gpu.gpu_helpers import hf_greedy, loaded_target, near_tie_limit, top2
-from tests.unit.serving.runtime_helpers import make_speculator_dir
+from tests.unit.runtime.runtime_helpers import make_speculator_dir
 
 HOUSE = "data/targets/stdlib-lm"
 TREES = {

@@ -21,7 +21,7 @@ from tests.integration.test_runtime_sampling import (
     _prompt,
     assert_detected,
 )
-from tests.unit.serving.runtime_helpers import make_speculator_dir
+from tests.unit.runtime.runtime_helpers import make_speculator_dir
 
 HOUSE = "data/targets/stdlib-lm"
 CASES = [  # (drafter, tree, sampling, requests sharing each forward)

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from tests.integration.cli_helpers import cli, error_line
-from tests.unit.serving.runtime_helpers import hf_greedy, loaded_target, make_speculator_dir
+from tests.unit.runtime.runtime_helpers import hf_greedy, loaded_target, make_speculator_dir
 
 pytestmark = pytest.mark.integration
 

@@ -17,10 +17,10 @@ import pytest
 
 from speculators.config import TreeConfig
 from speculators.serving import Engine, SamplingParams
-from speculators.serving.module_runner import ModuleTargetRunner
+from speculators.runtime.forward.module_runner import ModuleTargetRunner
 from tests.conftest import make_tiny_target
-from tests.unit.serving.oracle_drafter import chi_square_p, exact_prefix_law
-from tests.unit.serving.runtime_helpers import hf_greedy, hf_model, loaded_target, single_thread  # noqa: F401
+from tests.unit.runtime.oracle_drafter import chi_square_p, exact_prefix_law
+from tests.unit.runtime.runtime_helpers import hf_greedy, hf_model, loaded_target, single_thread  # noqa: F401
 from tests.unit.train.train_helpers import run_cli, write_rows
 
 pytestmark = pytest.mark.integration

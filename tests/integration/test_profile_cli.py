@@ -11,7 +11,7 @@ import pytest
 
 from speculators.metrics import simulated_tau
 from tests.integration.cli_helpers import cli, error_line
-from tests.unit.serving.runtime_helpers import make_speculator_dir
+from tests.unit.runtime.runtime_helpers import make_speculator_dir
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from speculators.core.target_sources import read_provenance, resolve_target_sour
 from speculators.core.workloads import load_workloads
 from speculators.evaluate.teacher import encode_row
 from speculators.serving import Engine
-from speculators.serving.batching import generate_batch
+from speculators.runtime.batching import generate_batch
 from speculators.target import dir_content_hash, load_target
 
 pytestmark = pytest.mark.integration

@@ -23,11 +23,11 @@ import torch
 from speculators.config import TargetConfig, TreeConfig
 from speculators.core.workloads import load_workloads
 from speculators.serving import Engine, SamplingParams
-from speculators.serving.batching import generate_batch
-from speculators.serving.drafters import DrafterInfo
+from speculators.runtime.batching import generate_batch
+from speculators.runtime.drafters.load import DrafterInfo
 from speculators.target import load_target
-from tests.unit.serving.oracle_drafter import OracleDrafter, chi_square_p, exact_prefix_law
-from tests.unit.serving.runtime_helpers import single_thread  # noqa: F401
+from tests.unit.runtime.oracle_drafter import OracleDrafter, chi_square_p, exact_prefix_law
+from tests.unit.runtime.runtime_helpers import single_thread  # noqa: F401
 
 pytestmark = pytest.mark.integration
 

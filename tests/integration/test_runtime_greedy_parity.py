@@ -17,8 +17,8 @@ import pytest
 from speculators.config import TreeConfig
 from speculators.core.workloads import load_workloads
 from speculators.serving import Engine, SamplingParams
-from speculators.serving.batching import generate_batch
-from tests.unit.serving.runtime_helpers import (  # noqa: F401
+from speculators.runtime.batching import generate_batch
+from tests.unit.runtime.runtime_helpers import (  # noqa: F401
     FAMILIES,
     hf_greedy,
     loaded_target,

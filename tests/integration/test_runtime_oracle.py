@@ -20,12 +20,12 @@ import pytest
 from speculators.config import TreeConfig
 from speculators.core.sampling import sample
 from speculators.serving import Engine, SamplingParams
-from speculators.serving.adaptive import CostModel
-from speculators.serving.batching import BatchRunner, generate_batch
-from speculators.serving.drafters import DrafterInfo
-from speculators.serving.requests import StreamChunk
-from tests.unit.serving.oracle_drafter import CycleLog, OracleDrafter, chi_square_p, exact_prefix_law
-from tests.unit.serving.runtime_helpers import hf_greedy, hf_model, loaded_target, single_thread, top2_margin  # noqa: F401
+from speculators.runtime.adaptive import CostModel
+from speculators.runtime.batching import BatchRunner, generate_batch
+from speculators.runtime.drafters.load import DrafterInfo
+from speculators.runtime.requests import StreamChunk
+from tests.unit.runtime.oracle_drafter import CycleLog, OracleDrafter, chi_square_p, exact_prefix_law
+from tests.unit.runtime.runtime_helpers import hf_greedy, hf_model, loaded_target, single_thread, top2_margin  # noqa: F401
 
 pytestmark = pytest.mark.integration
 

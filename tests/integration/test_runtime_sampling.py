@@ -23,10 +23,10 @@ from speculators.core.sampling import logits_to_probs, sample
 from speculators.models.base import FeatureRequest
 from speculators.models.drafting import propose_tree
 from speculators.serving import Engine, SamplingParams
-from speculators.serving.batching import generate_batch
-from speculators.serving.model_free import NgramDrafter
-from tests.unit.serving.oracle_drafter import chi_square_p, exact_prefix_law
-from tests.unit.serving.runtime_helpers import hf_model, loaded_target, make_speculator_dir, single_thread  # noqa: F401
+from speculators.runtime.batching import generate_batch
+from speculators.runtime.drafters.model_free import NgramDrafter
+from tests.unit.runtime.oracle_drafter import chi_square_p, exact_prefix_law
+from tests.unit.runtime.runtime_helpers import hf_model, loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from speculators.config import TargetConfig
 from speculators.core.workloads import WorkloadRow
 from speculators.evaluate.chain_prediction import RowPrediction, predict_rows
 from speculators.evaluate.teacher import encode_row, greedy_tokens
-from speculators.export import stage as export_stage
+from speculators.export import export as export_stage
 from speculators.models import SPECULATORS
 from speculators.models.base import step_rows
 from speculators.models.io import load_speculator, target_weights

@@ -88,7 +88,7 @@ def export_of(tmp_path_factory) -> Callable[..., Path]:
     def make(family: str, draft_vocab_size: int | None = None, num_steps: int = 3) -> Path:
         key = (family, draft_vocab_size, num_steps)
         if key not in made:
-            from speculators.export import stage as export_stage
+            from speculators.export import export as export_stage
 
             root = tmp_path_factory.mktemp(f"{family}-{draft_vocab_size}")
             recipe = make_run(root, HOUSE_TARGET, family, steps=(10,), num_steps=num_steps,

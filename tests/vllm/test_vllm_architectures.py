@@ -35,7 +35,7 @@ from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
 from speculators.evaluate.chain_prediction import pooled, predict_rows
 from speculators.evaluate.teacher import encode_row, greedy_tokens
-from speculators.export import stage as export_stage
+from speculators.export import export as export_stage
 from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, spec_counters
 from speculators.metrics import ChainCounts
 from speculators.models import SPECULATORS

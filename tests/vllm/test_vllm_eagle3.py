@@ -16,7 +16,7 @@ import yaml
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.evaluate.chain_prediction import pooled
 from speculators.evaluate.teacher import encode_row
-from speculators.export import launch
+from speculators.export import launch_plan as launch
 from speculators.export.vllm_check import serve_rows
 from speculators.export.vllm_consumer import (
     EXPAND_EXPECTED,

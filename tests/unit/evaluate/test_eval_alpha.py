@@ -19,7 +19,7 @@ from speculators.evaluate.alpha import (
     to_target_vocab,
     valid_matrix,
 )
-from speculators.serving.ngram import ngram_propose
+from speculators.runtime.drafters.ngram import ngram_propose
 
 GREEDY = SamplingParams(temperature=0.0)
 T1 = SamplingParams(temperature=1.0)

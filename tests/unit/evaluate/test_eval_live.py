@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from evalexport_helpers import make_run
 
-from speculators.evaluate import acceptance
+from speculators.evaluate import evaluate as acceptance
 
 torch.set_num_threads(1)
 

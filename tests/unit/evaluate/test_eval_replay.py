@@ -23,8 +23,8 @@ from speculators.core.trees import DraftTree
 from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain, replay_drafter, tau_interval
 from speculators.metrics import AcceptanceStats
 from speculators.models.base import FeatureRequest
-from speculators.serving.engine import Engine
-from tests.unit.serving.runtime_helpers import loaded_target
+from speculators.runtime.engine import Engine
+from tests.unit.runtime.runtime_helpers import loaded_target
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ from evalexport_helpers import build_speculator, make_recipe, save_checkpoint
 from speculators.core.checkpoints import read_pointer
 from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
-from speculators.evaluate import acceptance
+from speculators.evaluate import evaluate as acceptance
 from speculators.evaluate.select import choose_best
 from speculators.evaluate.teacher import continuations, teacher_pass
 from speculators.target import fingerprint_target, load_target

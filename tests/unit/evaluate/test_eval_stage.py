@@ -11,7 +11,7 @@ from evalexport_helpers import build_speculator, make_recipe, make_run, save_che
 
 from speculators.core.checkpoints import read_pointer
 from speculators.errors import PairingError, SpeculatorsError
-from speculators.evaluate import acceptance
+from speculators.evaluate import evaluate as acceptance
 from speculators.target import fingerprint_target, load_target
 
 torch.set_num_threads(1)
@@ -22,7 +22,7 @@ def _png(path: Path) -> bool:
 
 
 def test_evaluate_writes_reports_plots_selection_and_best(tmp_path: Path, tiny_llama: Path) -> None:
-    from speculators.train.tracking import RUN_ID_FILE, Tracker, wandb_options
+    from speculators.core.tracking import RUN_ID_FILE, Tracker, wandb_options
     from tests.unit.train.wandb_records import offline_run
 
     recipe = make_run(tmp_path, tiny_llama, "eagle3", steps=(10, 20), draft_vocab_size=512,

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
 from evalexport_helpers import REPO, make_run  # noqa: E402
 
-from speculators.export import stage as export_stage  # noqa: E402
+from speculators.export import export as export_stage  # noqa: E402
 from speculators.export.validate import validate_vllm_export  # noqa: E402
 
 torch.set_num_threads(1)

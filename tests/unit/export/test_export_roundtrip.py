@@ -16,7 +16,7 @@ from evalexport_helpers import build_speculator, make_recipe, make_run, save_che
 
 from speculators.core.pairing import check_pairing, read_pairing  # noqa: E402
 from speculators.errors import PairingError  # noqa: E402
-from speculators.export import stage as export_stage  # noqa: E402
+from speculators.export import export as export_stage  # noqa: E402
 from speculators.export import vllm  # noqa: E402
 from speculators.models.io import load_speculator, target_weights  # noqa: E402
 from speculators.target import fingerprint_target, load_target  # noqa: E402

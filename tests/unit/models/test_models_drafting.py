@@ -33,7 +33,7 @@ from speculators.models.drafting import (
     to_target_logits,
     tree_verify_mode,
 )
-from speculators.serving.verify import verify_tree
+from speculators.runtime.verify.lossless import verify_tree
 
 GREEDY = SamplingParams(temperature=0.0)
 WARM = SamplingParams(temperature=0.8, top_k=50, top_p=0.95)

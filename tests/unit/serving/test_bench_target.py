@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from speculators.config import TargetConfig
 from speculators.serving.bench import bench_target
-from tests.unit.serving.runtime_helpers import make_speculator_dir
+from tests.unit.runtime.runtime_helpers import make_speculator_dir
 
 
 def test_bench_target_defaults_to_the_speculators_paired_target(tiny_qwen3, tmp_path) -> None:

@@ -15,7 +15,7 @@ from speculators.config import ServeConfig
 from speculators.serving import Engine, SamplingParams
 from speculators.serving.server import create_app
 from tests.unit.serving.live_server import LiveServer
-from tests.unit.serving.runtime_helpers import hf_model, loaded_target, single_thread  # noqa: F401
+from tests.unit.runtime.runtime_helpers import hf_model, loaded_target, single_thread  # noqa: F401
 
 CHAT = [{"role": "user", "content": "def f(x): def f(x): def f(x):"}]
 

@@ -36,7 +36,7 @@ def _prepared(base: Path, name: str, target: Path, **sections) -> dict:
 
 
 def test_features_from_another_target_are_refused(base: Path, tiny_llama: Path, tiny_qwen3: Path) -> None:
-    from speculators.train.stage import run
+    from speculators.train.train import run
 
     data = _prepared(base, "other-target", tiny_llama, capture={"mode": "offline", "teacher": "topk",
                                                                "teacher_topk": 4})
@@ -50,7 +50,7 @@ def test_features_from_another_target_are_refused(base: Path, tiny_llama: Path, 
 
 
 def test_checkpoint_of_another_family_is_refused(base: Path, tiny_llama: Path) -> None:
-    from speculators.train.stage import run
+    from speculators.train.train import run
 
     data = _prepared(base, "family", tiny_llama, train={"max_steps": 2, "save_every": 2, "eval_every": 2})
     summary = run(load(data))
@@ -76,7 +76,7 @@ def test_checkpoint_of_another_family_is_refused(base: Path, tiny_llama: Path) -
 
 def test_draft_vocab_without_eos_is_refused(base: Path, tiny_llama: Path) -> None:
     from speculators.data.vocab import save_vocab
-    from speculators.train.stage import run
+    from speculators.train.train import run
 
     data = _prepared(base, "eos", tiny_llama)
     vd = data["speculator"]["draft_vocab_size"]
@@ -110,7 +110,7 @@ def test_missing_accelerate_config_is_one_line_through_the_cli(base: Path, tiny_
 
 
 def test_a_damaged_shard_fails_before_step_one(base: Path, tiny_llama: Path) -> None:
-    from speculators.train.stage import run
+    from speculators.train.train import run
 
     data = _prepared(base, "damaged", tiny_llama, capture={"mode": "offline", "teacher": "topk", "teacher_topk": 4,
                                                           "shard_tokens": 128})

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from speculators.errors import SpeculatorsError
-from speculators.train.tracking import Tracker, read_jsonl
+from speculators.core.tracking import Tracker, read_jsonl
 
 ROWS = [{"k": 1, "acceptance": 0.6, "chain_reach": 0.6, "top1_accuracy": 0.6},
         {"k": 2, "acceptance": 0.5, "chain_reach": 0.3, "top1_accuracy": 0.4}]
@@ -112,7 +112,7 @@ def test_train_signature_ignores_launch_and_logging_settings() -> None:
 
 
 def test_wandb_mode_honours_wandb_login(tmp_path: Path) -> None:
-    from speculators.train.tracking import wandb_mode
+    from speculators.core.tracking import wandb_mode
 
     netrc = tmp_path / "netrc"
     netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
@@ -130,7 +130,7 @@ def test_wandb_run_from_the_recipe_with_the_evaluation(tmp_path: Path, caplog) -
     import logging
 
     from speculators.recipes import load_recipe
-    from speculators.train.tracking import RUN_ID_FILE, log_evaluation, wandb_options
+    from speculators.core.tracking import RUN_ID_FILE, log_evaluation, wandb_options
     from tests.unit.train.wandb_records import offline_run
 
     recipe = load_recipe(None, ["train.wandb_project=spec-proj", "train.wandb_entity=spec-team",

@@ -1,0 +1,228 @@
+"""`speculators profile`: the speedup oracle — what speculation buys on this device, for this model shape.
+
+1. The target: a real checkpoint (`target`, e.g. the house target) or a named shape built from config with random
+   weights (`shape`: data/shapes/*.json, e.g. llama-3.1-8b, qwen3-8b; shapes.py), in the requested dtype.
+2. The drafters: a real speculator directory (`speculator`, pairing checked), else each family's head of that shape
+   with random weights (EAGLE-3, Medusa, MTP; shapes.random_drafter).
+3. Costs on the current device (costs.py), inside a time budget split between the phases: the target forward over
+   B x n tokens (batch sizes x verified tree/chain tokens), each drafter's proposing per depth (chains and its tree
+   kind) and absorbing, and whole runtime steps, from which the per-cycle overhead follows.
+4. With a per-position acceptance (`acceptance`: an evaluation report, an export dir, an eval dir or a list), the
+   oracle (oracle.py) predicts tokens/s and speedup per batch size for every chain depth and tree depth, picks the
+   best per batch size, and derives the vLLM batch-size schedule (`export/launch_plan.py`'s format; a family
+   with a fixed vLLM k, DFlash or Medusa, gets that k or plain).
+5. With `check_rows` (real target + real speculator only), the same rows run through `speculators bench`'s own
+   code (plain decoding and fixed-depth chains, adaptive off) and the predicted speedup is printed next to the
+   measured one (profile_check.py).
+Writes `profile.json` and `profile.md` to `out` (atomically) and returns the Markdown.
+
+Not here: the model (oracle.py), the timing (costs.py), the formatting (profile_report.py).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators.config import TargetConfig, TreeConfig
+from speculators.errors import SpeculatorsError
+from speculators.models import FAMILIES
+from speculators.oracle import costs as measure
+from speculators.runtime.adaptive import CostModel
+from speculators.runtime.drafters.load import default_tree, load_drafter
+from speculators.runtime.engine import Engine
+from speculators.runtime.drafters.model_free import NoDrafter
+from speculators.runtime.forward.module_runner import make_runner
+from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, schedule
+from speculators.oracle.check import check_against_bench
+from speculators.oracle.profile_report import build_report, write_report
+from speculators.oracle.shapes import random_drafter, random_target
+from speculators.target import load_target, resolve_device, resolve_dtype
+
+PROFILE_FORMAT = "speculators.profile/v1"
+GRIDS = {  # (batch sizes, verified tokens per sequence) by device type
+    "cpu": ([1, 2, 4], [1, 2, 3, 4, 5, 6, 8, 11, 16]),
+    "cuda": ([1, 2, 4, 8, 16, 32, 64], [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128]),
+}
+# shares of the time budget: target forward grid, prefill, drafters, whole steps (the check runs outside it)
+PHASES = {"forward": 0.45, "prefill": 0.05, "drafters": 0.2, "steps": 0.3}
+PREFILL_LENGTHS = (16, 64, 256)
+STEP_COUNT = 6
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model or platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def _check_args(target: str | None, shape: str | None, batch_sizes: list[int], nodes: list[int],
+                context_len: int, budget_s: float, max_depth: int, check_rows: int, speculator: str | None,
+                acceptance: str | None) -> None:
+    if (target is None) == (shape is None):
+        raise SpeculatorsError("give exactly one of --target (a checkpoint) or --shape (a named shape with random "
+                               "weights, e.g. llama-3.1-8b)")
+    if not batch_sizes or any(b < 1 for b in batch_sizes):
+        raise SpeculatorsError(f"--batch-sizes must be positive integers, got {batch_sizes}")
+    if not nodes or any(n < 1 for n in nodes) or 1 not in nodes:
+        raise SpeculatorsError(f"--nodes must be positive integers including 1 (plain decoding), got {nodes}")
+    if context_len < 1 or budget_s <= 0 or max_depth < 1:
+        raise SpeculatorsError(f"--context-len ({context_len}), --budget-s ({budget_s}) and --max-depth "
+                               f"({max_depth}) must be positive")
+    if check_rows < 0:
+        raise SpeculatorsError(f"--check-rows must be >= 0, got {check_rows}")
+    if check_rows and (target is None or speculator is None or acceptance is None):
+        raise SpeculatorsError("--check-rows compares with measured generation: it needs --target (a real "
+                               "checkpoint), --speculator and --acceptance")
+
+
+def _load_target(target: str | None, shape: str | None, device: str, dtype: str) -> Any:
+    if target is not None:
+        return load_target(TargetConfig(name_or_path=target, device=device, dtype=dtype))
+    dev = resolve_device(device)
+    return random_target(str(shape), dev, resolve_dtype(dtype, dev))
+
+
+def _drafters(loaded: Any, speculator: str | None, families: list[str], max_depth: int, draft_dtype: str
+              ) -> dict[str, tuple[Any, str]]:
+    """family -> (drafter, how it computes): the given speculator, else a random head of each family."""
+    if speculator is not None:
+        drafter, info = load_drafter(speculator, loaded, draft_dtype=draft_dtype)
+        return {info.family: (drafter, info.precision)}
+
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown or not families:
+        raise SpeculatorsError(f"--families must name some of {', '.join(FAMILIES)}, got {families}")
+    return {f: random_drafter(loaded, f, max_depth, draft_dtype=draft_dtype) for f in families}
+
+
+def _tree_kinds(drafter: Any, device: str, max_depth: int) -> dict[str, TreeConfig]:
+    """The chain and the drafter's own tree kind (the runtime's default on this device), fixed depth."""
+    tree = default_tree(drafter, device)
+    kinds = {"chain": TreeConfig(kind="chain", depth=max_depth, topk=1, budget=max_depth, adaptive=False)}
+    if tree.kind != "chain":
+        kinds["tree"] = TreeConfig(kind=tree.kind, depth=min(tree.depth, max_depth), topk=tree.topk,
+                                   budget=tree.budget, choices=tree.choices, adaptive=False)
+    return kinds
+
+
+def _phase(start: float, budget_s: float, name: str, skipped: list[str]) -> measure.Budget:
+    """The budget of one phase: its share of the total after the phases before it."""
+    end, share = start, 0.0
+    for phase, frac in PHASES.items():
+        share += frac
+        if phase == name:
+            end = start + share * budget_s
+            break
+    return measure.Budget(end, skipped)
+
+
+def _steps(loaded: Any, drafter: Any, family_costs: measure.DrafterCosts, kinds: dict[str, TreeConfig],
+           forward: dict[int, dict[int, float]], context_len: int, budget: measure.Budget, costs: Costs) -> None:
+    """Whole runtime steps (plain, and each kind at depth 1 and at its deepest) -> the per-step overhead."""
+    deepest = max(t.depth for t in kinds.values())
+    max_len = context_len + (STEP_COUNT + 4) * (deepest + 1) + 8
+    configs: list[tuple[str, int]] = [("plain", 0)] + [(k, d) for k, t in kinds.items() for d in sorted({1, t.depth})]
+    absorb1 = family_costs.absorb.get(1, 0.0)
+    for b in sorted(forward):
+        fwd = CostModel.from_measurements(forward[b])
+        for kind, depth in configs:
+            if budget.over:
+                budget.skipped.append(f"runtime step at batch {b}, {kind} depth {depth}: time budget")
+                continue
+            tree = kinds.get(kind, kinds["chain"])
+            engine = (Engine(loaded, NoDrafter(), max_len=max_len) if kind == "plain" else
+                      Engine(loaded, drafter, tree=measure.depth_tree(tree, depth), max_len=max_len, adaptive=False))
+            step = measure.measure_steps(engine, b, depth, context_len, budget, STEP_COUNT)
+            del engine
+            if step is None:
+                budget.skipped.append(f"runtime step at batch {b}, {kind} depth {depth}: does not fit")
+                continue
+            if kind == "plain":
+                costs.overhead_plain[b] = max(0.0, step - fwd.cycle(1))
+                continue
+            seconds, nodes = family_costs.propose[kind][depth]
+            costs.overhead_spec.setdefault(b, {})[1 + round(nodes)] = max(
+                0.0, step - fwd.cycle(1 + nodes) - b * (seconds + absorb1))
+
+
+def measure_costs(loaded: Any, drafters: dict[str, tuple[Any, str]], primary: str, batch_sizes: list[int],
+                  nodes: list[int], context_len: int, budget_s: float, max_depth: int) -> tuple[Costs, dict]:
+    """Every measurement of the profile inside the time budget; (costs, extras: prefill, trees, skipped)."""
+    start, skipped = time.perf_counter(), []
+    runner = make_runner(loaded.model)
+    forward = measure.measure_forward(runner, sorted(set(batch_sizes)), sorted(set(nodes)), context_len,
+                                      _phase(start, budget_s, "forward", skipped))
+    if 1 not in forward:
+        raise SpeculatorsError(f"not even one sequence of {max(nodes)} tokens fits on {loaded.device}; lower "
+                               f"--nodes / --context-len")
+    costs = Costs(forward=forward)
+    tapped = make_runner(loaded.model, drafters[primary][0].required_features())
+    prefill = measure.measure_prefill(tapped, list(PREFILL_LENGTHS), _phase(start, budget_s, "prefill", skipped))
+    trees = {}
+    for family, (drafter, _) in drafters.items():
+        kinds = _tree_kinds(drafter, str(loaded.device), max_depth)
+        trees[family] = kinds
+        costs.drafters[family] = measure.measure_drafter(
+            drafter, tapped, kinds, context_len, _phase(start, budget_s, "drafters", skipped),
+            absorb_sizes=(1, 2, 4, 8, *PREFILL_LENGTHS))
+    _steps(loaded, drafters[primary][0], costs.drafters[primary], trees[primary], forward, context_len,
+           _phase(start, budget_s, "steps", skipped), costs)
+    return costs, {"prefill": prefill, "trees": trees, "skipped": skipped,
+                   "seconds": round(time.perf_counter() - start, 1)}
+
+
+def vllm_schedule(prediction: list[dict], drafter: Any) -> list[dict]:
+    """The vLLM batch-size schedule of one family's prediction: the fastest chain k per bucket, except for a family
+    whose vLLM proposer drafts a fixed k (`VLLM_FIXED_K`: DFlash's block, Medusa's heads), which gets its own k or
+    plain (k = 0) per bucket, as `export/vllm.plan_launch` writes it."""
+    fixed = [int(drafter.num_steps)] if getattr(drafter, "VLLM_FIXED_K", False) else None
+    return schedule(prediction, fixed)
+
+
+def profile_command(*, target: str | None, shape: str | None, speculator: str | None, acceptance: str | None,
+                    families: list[str], device: str, dtype: str, batch_sizes: list[int] | None,
+                    nodes: list[int] | None, context_len: int, budget_s: float, max_depth: int, temperature: float,
+                    check_rows: int, check_depths: list[int], workloads: str, out: Path | None,
+                    draft_dtype: str = "auto") -> tuple[dict, str]:
+    """Run the profile (see the module docstring); (its report, the Markdown)."""
+    dev_type = "cuda" if (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())) else "cpu"
+    grid_b, grid_n = GRIDS[dev_type]
+    batch_sizes, nodes = batch_sizes or grid_b, nodes or grid_n
+    _check_args(target, shape, batch_sizes, nodes, context_len, budget_s, max_depth, check_rows, speculator,
+                acceptance)
+    acc: Acceptance | None = load_acceptance(acceptance, temperature) if acceptance else None
+    depth = max(max_depth, len(acc.chain)) if acc else max_depth
+    loaded = _load_target(target, shape, device, dtype)
+    wanted = families or ([acc.family] if acc and acc.family in FAMILIES else list(FAMILIES))
+    drafters = _drafters(loaded, speculator, wanted, depth, draft_dtype)
+    primary = acc.family if acc is not None and acc.family in drafters else next(iter(drafters))
+    costs, extras = measure_costs(loaded, drafters, primary, batch_sizes, nodes, context_len, budget_s, depth)
+    predictions = {}
+    if acc is not None:
+        fams = [acc.family] if acc.family in drafters else list(drafters)
+        predictions = {f: predict(costs, acc, f) for f in fams}
+    check = None
+    if check_rows:
+        check = check_against_bench(loaded, str(speculator), acc, costs, primary, extras["prefill"],
+                                    check_depths, check_rows, workloads)
+    report = build_report(
+        loaded=loaded, name=target or f"shape:{shape}", device=device_name(str(loaded.device)),
+        context_len=context_len, drafters=drafters, costs=costs, extras=extras, acceptance=acc,
+        predictions=predictions, schedules={f: vllm_schedule(p, drafters[f][0]) for f, p in predictions.items()},
+        check=check,
+        budget_s=budget_s)
+    report["format"] = PROFILE_FORMAT
+    return report, write_report(report, out)

@@ -1,0 +1,110 @@
+"""Model shapes for the speedup oracle: a target's architecture with random weights, and random drafter heads.
+
+Speed does not depend on the weights, so `speculators profile` times a model *shape* without downloading it:
+- `shape_names()` / `shape_config(name_or_file)`: the shapes kept as data in `data/shapes/<name>.json` (Hugging Face
+  `config.json` fields: Llama-3.1-8B, Qwen3-8B, a tiny Llama for CPU tests), or any config.json path.
+- `random_target(name_or_file, device, dtype)`: that causal LM built from config with random weights, created
+  directly on `device` in `dtype` (no CPU copy of an 8B model), with a synthetic word-level tokenizer of the same
+  vocabulary ("t0 t1 ...") so the runtime can run it unchanged. EOS is removed: a profile decodes for as many
+  cycles as it asks for.
+- `random_drafter(target, family, num_steps, ...)`: a family's head (EAGLE-3, Medusa, MTP) built from the target's
+  config with random weights (`Speculator.from_target`, on the CPU, as a speculator is loaded), prepared for drafting as the runtime would (`drafters.prepare_for_drafting`: device, drafting dtype). EAGLE-3 gets a reduced draft vocabulary of `draft_vocab_size` ids (32,000 by
+  default, the size of published EAGLE-3 heads for Llama-3.1-8B), capped at the target's vocabulary.
+
+Not here: timing (costs.py), the oracle's model (oracle.py). Real checkpoints load through `speculators.target`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from speculators.config import SpeculatorConfig, TargetConfig
+from speculators.errors import SpeculatorsError
+from speculators.models import SPECULATORS
+from speculators.models.io import target_weights
+from speculators.runtime.drafters.load import draft_dtype_for, prepare_for_drafting
+from speculators.target import LoadedTarget
+
+SHAPES_DIR = Path(__file__).resolve().parents[2] / "data" / "shapes"
+DEFAULT_DRAFT_VOCAB = 32000
+
+
+def shape_names() -> list[str]:
+    return sorted(p.stem for p in SHAPES_DIR.glob("*.json")) if SHAPES_DIR.is_dir() else []
+
+
+def shape_config(name_or_file: str) -> tuple[str, dict]:
+    """(display name, config fields) of a named shape or a config.json file."""
+    path = Path(name_or_file)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        path = SHAPES_DIR / f"{name_or_file.lower()}.json"
+    if not path.is_file():
+        known = ", ".join(shape_names()) or f"none: {SHAPES_DIR} is missing"
+        raise SpeculatorsError(f"unknown model shape {name_or_file!r}; known shapes: {known} (or pass a "
+                               f"config.json path)")
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpeculatorsError(f"shape file {path} is not valid JSON: {exc}") from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        raise SpeculatorsError(f"shape file {path} must be a config.json object with a model_type")
+    return path.stem if path.parent == SHAPES_DIR else str(path), fields
+
+
+def _word_tokenizer(vocab_size: int) -> Any:
+    """A real fast tokenizer whose token i is the word "t{i}" (decoding works; the text means nothing)."""
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def random_target(name_or_file: str, device: str, dtype: torch.dtype, seed: int = 0) -> Any:
+    """A `speculators.target.LoadedTarget` of the shape with random weights (see the module docstring)."""
+    name, fields = shape_config(name_or_file)
+    fields = dict(fields)
+    model_type = fields.pop("model_type")
+    for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "auto_map"):
+        fields.pop(key, None)
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SpeculatorsError(f"shape {name}: transformers cannot build a {model_type!r} config: "
+                               f"{str(exc).splitlines()[0]}") from None
+    config.eos_token_id = None
+    torch.manual_seed(seed)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except torch.cuda.OutOfMemoryError:
+        raise SpeculatorsError(f"shape {name} does not fit on {device} in {dtype}") from None
+    model.generation_config.eos_token_id = None
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return LoadedTarget(model=model, tokenizer=_word_tokenizer(int(config.vocab_size)), device=device,
+                        dtype=dtype, cfg=TargetConfig(name_or_path=f"shape:{name}", device=device))
+
+
+def random_drafter(target: Any, family: str, num_steps: int, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB,
+                   draft_dtype: str = "auto", seed: int = 0) -> tuple[Any, str]:
+    """(a family's head with random weights for `target`, prepared for drafting; how it computes)."""
+    vocab = int(target.vocab_size)
+    dvocab = min(int(draft_vocab_size), vocab) if family == "eagle3" else None
+    # a shape has no tokenizer, hence no special ids: DFlash's mask slots embed token 0
+    cfg = SpeculatorConfig(family=family, num_steps=num_steps, draft_vocab_size=dvocab, mask_token_id=0)
+    d2t = torch.zeros(dvocab, dtype=torch.long) if dvocab is not None and dvocab < vocab else None
+    torch.manual_seed(seed)
+    # built on the CPU as a loaded speculator is (an 8B shape's Medusa heads: 2.7B float32 parameters, ~11 GB of
+    # host memory for a moment), then moved to the device in the drafting dtype
+    spec = SPECULATORS[family].from_target(target.model.config, cfg, target_weights(target.model), d2t=d2t)
+    return spec, prepare_for_drafting(spec, target.device, draft_dtype_for(target, draft_dtype))

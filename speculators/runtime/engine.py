@@ -1,0 +1,459 @@
+"""The bundled runtime's generation loop (DESIGN §7): prefill, then draft -> verify -> commit cycles.
+
+    engine = Engine.from_pretrained(target="data/targets/stdlib-lm", speculator=None | dir | "ngram")
+    out = engine.generate("def f(x):", SamplingParams(max_new_tokens=64, temperature=0))
+    out.token_ids, out.text, out.stats.tau, out.stats.per_position_acceptance, out.stats.target_calls
+
+Per request (batch 1 here; batching.py runs several in lockstep), one code path on CPU (fp32) and CUDA (bf16):
+1. Prefill: the prompt minus its last token goes through the target runner (`module_runner.make_runner`) into the static KV cache (a shared
+   prefix with the previous request is reused, features included); the drafter absorbs those positions.
+2. Each cycle: the root is the last committed token (not yet in the cache). The drafter proposes a tree
+   (depth chosen by `AdaptiveDepth`; the root alone = plain decoding; at T > 0 with a drafter that samples its own
+   law also the kind: the configured tree, a sampled chain verified by block verification, or a sampled tree
+   verified by traversal verification: `SAMPLED_KINDS`), the target runs ONE forward over it with
+   the ancestor mask at positions committed + depth, `verify_tree_lazy` picks the accepted path and the next
+   token, reading the filtered target law (`sampling.logits_to_probs`, the operator plain decoding uses) of
+   only the nodes it visits (`TargetRows` runs the output head for those), the cache keeps only the root +
+   accepted path, and the drafter absorbs those positions with their features (next tokens = the accepted
+   tokens + the corrected / bonus token).
+3. EOS, a `stop_token_ids` token or a stop string inside the committed tokens truncates the output there;
+   `max_new_tokens` caps it.
+
+What holds, in which dtype (DESIGN §7):
+- Every dtype: lossless in distribution. The output is distributed exactly as sampling the target rows the verify
+  forward computed, with the same temperature / top-k / top-p, whatever the drafter (verification is exact; tested
+  by chi-square through deep trees in float32 and bfloat16).
+- float32 (CPU): at temperature 0 the output equals the target's own greedy decoding token for token, whatever the
+  drafter — a tree-shaped verify forward rounds like the one-token forward here, up to exact near-ties (top-2 logit
+  margin < 1e-4; tested on every held-out row).
+- bfloat16 (the CUDA default): NOT token for token. A tree-shaped forward rounds differently from a one-token forward
+  (on the house target the same logits differ by up to 0.25 between forward shapes), so a near-tie can flip and the
+  rest of the output follows the other branch. Measured (tests/integration/test_runtime_dtypes.py, 72 held-out rows x
+  n-gram and oracle trees, 24 tokens, CPU bf16): 8 of 144 greedy runs diverged from HF bf16 greedy decoding, every
+  first divergence at a top-2 margin <= 0.0625 (one bf16 ulp there). Compare fp32 with fp32 when you need equality.
+A seeded sampled request is reproducible (same engine settings, same seed -> same tokens): its draft depth is fixed
+instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in distribution,
+not per sample path).
+
+Several requests share each target forward through `batching.generate_batch` / `batching.BatchRunner`, which drive the same
+per-request coroutine (`request`) that `stream` drives alone. Not here: CUDA graphs, paged KV, penalties /
+grammars, HTTP (server.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from speculators.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
+from speculators.core.sampling import SamplingParams, logits_to_probs
+from speculators.core.trees import DraftTree, ancestor_mask
+from speculators.errors import SpeculatorsError
+from speculators.metrics import AcceptanceStats
+from speculators.models.drafting import TREE_KINDS
+from speculators.runtime.adaptive import AcceptanceMemory, AdaptiveDepth, CostModel
+from speculators.runtime.calibration import SAMPLED_KINDS, calibrate_drafting, calibrate_verification
+from speculators.runtime.drafters.load import (
+    DrafterInfo,
+    NoDrafter,
+    default_tree,
+    depth_tree,
+    load_drafter,
+    paired_target,
+    prune_tree,
+)
+from speculators.runtime.forward.target_cache import StaticKVCache
+from speculators.runtime.forward.memory import check_fits
+from speculators.runtime.forward.module_runner import make_runner
+from speculators.runtime.requests import (
+    GenerateOutput,
+    GenerationStats,
+    Slot,
+    StreamChunk,
+    VerifyForward,
+    check_prompt,
+    encode_prompt,
+    final_text,
+    take_committed,
+)
+from speculators.runtime.forward.target_rows import TargetRows, TokenLogprob, first_child_chain
+from speculators.runtime.forward.target_runner import ForwardOutput, Segment
+from speculators.runtime.verify.lossless import verify_tree_lazy
+from speculators.target import eos_token_ids, load_target
+
+DEFAULT_MAX_LEN = 8192
+
+
+def _is_chain(parents: torch.Tensor) -> bool:
+    return parents.tolist() == list(range(-1, parents.shape[0] - 1))
+
+
+def _absorb_pending(drafter: Any, state: Any, pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
+    """Hand the drafter every pending committed position at once (consecutive positions concatenate)."""
+    if len(pending) == 1:
+        features, next_tokens = pending[0]
+    else:
+        keys = pending[0][0].keys()
+        features = {k: torch.cat([f[k] for f, _ in pending]) for k in keys}
+        next_tokens = torch.cat([n for _, n in pending])
+    drafter.absorb(state, features, next_tokens)
+    pending.clear()
+
+
+@dataclass
+class _RequestState:
+    """What one request's cycle loop carries from one cycle to the next."""
+
+    generator: torch.Generator  # the request's random stream (drafting and verification)
+    draft_state: Any  # the drafter's per-request state (its KV cache)
+    pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]  # committed positions the drafter has not absorbed
+    ctrl: AdaptiveDepth
+    root: int  # the last committed token (not yet in the target's cache)
+    wants_ids: bool  # the drafter absorbs token ids with the features
+    enders: set[int]  # EOS ids + the request's stop_token_ids
+    temperature: float  # 0 = greedy: the key of the engine's acceptance memory
+
+
+class Engine:
+    """A target + a drafter + a static KV cache. Not thread-safe: one `generate` at a time."""
+
+    def __init__(self, target: Any, drafter: Any = None, *, info: DrafterInfo | None = None,
+                 tree: TreeConfig | None = None, max_len: int | None = None, adaptive: bool | None = None,
+                 prefix_caching: bool = True) -> None:
+        self.target = target  # speculators.target.LoadedTarget
+        self.tokenizer = target.tokenizer
+        self.drafter = drafter if drafter is not None else NoDrafter()
+        self.info = info or DrafterInfo(getattr(self.drafter, "name", type(self.drafter).__name__),
+                                        getattr(self.drafter, "family", getattr(self.drafter, "name", "?")))
+        self.speculative = not isinstance(self.drafter, NoDrafter)
+        self.runner = make_runner(target.model, self.drafter.required_features())
+        self.set_tree(tree or default_tree(self.drafter, self.runner.device), adaptive)
+        limit = int(getattr(self.target.config, "max_position_embeddings", 0) or DEFAULT_MAX_LEN)
+        self.max_len = int(max_len or min(limit, DEFAULT_MAX_LEN))
+        self.check_slots(1)
+        self.slot = Slot(self.runner.new_cache(self.max_len))  # batch-1 requests run here
+        self.eos_ids = set(eos_token_ids(getattr(target.model, "generation_config", None), self.tokenizer))
+        self.prefix_caching = prefix_caching
+        self.cost = CostModel()
+        self.acceptance_memory = AcceptanceMemory()  # every request's acceptance, where the next one starts
+        self.totals = AcceptanceStats()  # over every request served (the server's /metrics reads it)
+
+    # ---- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, target: str | Any | None, speculator: str | None = None, *, device: str = "auto",
+                        dtype: str = "auto", tree: TreeConfig | None = None, max_len: int | None = None,
+                        adaptive: bool | None = None, allow_revision_mismatch: bool = False,
+                        revision: str | None = None, draft_dtype: str = "auto",
+                        ngram_graft: int = DEFAULT_NGRAM_GRAFT) -> Engine:
+        """Load a target (dir / hub id, an already loaded `LoadedTarget`, or None: the target a speculator
+        directory's pairing.json names, else the house target) and a drafter: None or "none"
+        (plain decoding), "ngram" (prompt lookup) or a speculator directory (its pairing.json is checked against
+        the target: another tokenizer is always refused, another revision unless `allow_revision_mismatch`),
+        drafting in `draft_dtype` (see `drafters.draft_dtype_for`; the target's dtype is never changed).
+        A speculator's trees also carry up to `ngram_graft` prompt-lookup nodes (`graft.NgramGraft`; 0 = the
+        speculator alone)."""
+        if hasattr(target, "model") and hasattr(target, "tokenizer"):
+            loaded = target
+        else:
+            cfg = TargetConfig(name_or_path=str(target), revision=revision) if target is not None \
+                else paired_target(speculator)
+            loaded = load_target(dataclasses.replace(cfg, device=device, dtype=dtype))
+        drafter, info = load_drafter(speculator, loaded, allow_revision_mismatch=allow_revision_mismatch,
+                                     draft_dtype=draft_dtype, ngram_graft=ngram_graft)
+        return cls(loaded, drafter, info=info, tree=tree, max_len=max_len, adaptive=adaptive)
+
+    def set_tree(self, tree: TreeConfig, adaptive: bool | None = None) -> None:
+        """Drafting settings for the next requests (max depth, top-k, node budget, kind, verification of sampled
+        drafts, adaptive on/off: with it on, at T > 0 the kind too is chosen per cycle, see `kinds_for`)."""
+        if tree.depth < 1 or tree.budget < 1 or tree.topk < 1:
+            raise SpeculatorsError(f"tree depth, topk and budget must be >= 1, got depth={tree.depth}, "
+                                   f"topk={tree.topk}, budget={tree.budget}")
+        if tree.kind not in TREE_KINDS:
+            raise SpeculatorsError(f"tree kind must be one of {', '.join(TREE_KINDS)}, got {tree.kind!r}")
+        if tree.verify not in ("sequence", "token"):
+            raise SpeculatorsError(f"tree verify must be sequence or token, got {tree.verify!r}")
+        self.tree = tree
+        self.adaptive = tree.adaptive if adaptive is None else adaptive
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def kinds_for(self, params: SamplingParams, adaptive: bool) -> tuple[str, ...]:
+        """Tree kinds a request may draft, the configured one first: at T > 0 an adaptive request of a drafter that
+        samples its own law may also draft sampled chains and sampled trees (`SAMPLED_KINDS`)."""
+        kinds = (self.tree.kind,)
+        if adaptive and not params.greedy and getattr(self.drafter, "samples_drafts", False):
+            kinds += tuple(k for k in SAMPLED_KINDS if k != self.tree.kind)
+        return kinds
+
+    @property
+    def cache(self) -> StaticKVCache:
+        return self.slot.cache
+
+    def check_slots(self, count: int) -> None:
+        """Raise SpeculatorsError (one line) before allocating when `count` KV caches of this engine's length
+        (those already allocated included) would not fit in the device's available memory."""
+        per_slot = self.runner.cache_bytes(self.max_len)
+        held = per_slot if getattr(self, "slot", None) is not None else 0
+        check_fits(count * per_slot - held, self.device,
+                   f"{count} KV cache(s) of {self.max_len} tokens ({per_slot / 2**20:.0f} MiB each)",
+                   "lower the concurrency (requests sharing a forward) or the context length (max_len)")
+
+    def new_slot(self) -> Slot:
+        """Another KV cache of this engine's size (a batch runs each request in its own slot)."""
+        return Slot(self.runner.new_cache(self.max_len))
+
+    # ---- input ----------------------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[dict] | list[int] | torch.Tensor) -> list[int]:
+        """Token ids of a raw prompt, a chat (`messages`, through the chat template) or ids as given."""
+        return encode_prompt(self.tokenizer, prompt)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise SpeculatorsError (one line) for a request this engine cannot serve."""
+        check_prompt(prompt_ids, params, self.runner.vocab_size, self.max_len)
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[dict] | list[int] | torch.Tensor, params: SamplingParams | None = None,
+                 **kwargs: Any) -> GenerateOutput:
+        """Generate for one prompt; keyword arguments build `SamplingParams` when `params` is not given."""
+        out = None
+        for chunk in self.stream(prompt, params, text_deltas=False, **kwargs):
+            out = chunk.output
+        assert out is not None
+        return out
+
+    def stream(self, prompt: str | list[dict] | list[int] | torch.Tensor, params: SamplingParams | None = None,
+               *, text_deltas: bool = True, **kwargs: Any) -> Iterator[StreamChunk]:
+        """Like `generate`, yielding a `StreamChunk` per verification cycle; the last one carries the output.
+        Without `text_deltas` the intermediate chunks carry token ids only (text ""), so the output is not
+        re-decoded every cycle (a cost that grows with the output's length; `generate` needs the final text only)."""
+        params = params or SamplingParams(**kwargs)
+        prompt_ids = self.encode(prompt)
+        self.check_request(prompt_ids, params)
+        return self._alone(self.request(prompt_ids, params, self.slot, text_deltas))
+
+    def _alone(self, request: Generator[VerifyForward | StreamChunk, ForwardOutput | None, None]
+               ) -> Iterator[StreamChunk]:
+        """Drive one request: run each verification forward it asks for, pass its chunks on."""
+        reply: ForwardOutput | None = None
+        while True:
+            try:
+                item = request.send(reply)
+            except StopIteration:
+                return
+            if isinstance(item, VerifyForward):
+                reply = self.runner.forward_batch([item.segment], capture=self.speculative)[0]
+                continue
+            reply = None
+            yield item
+
+    def request(self, prompt_ids: list[int], params: SamplingParams, slot: Slot, text_deltas: bool = True
+                ) -> Generator[VerifyForward | StreamChunk, ForwardOutput | None, None]:
+        """One checked request (`check_request`) in `slot`, as a coroutine: it yields a `VerifyForward` per
+        cycle and must be sent that forward's `ForwardOutput`, and yields a `StreamChunk` per cycle (the last
+        one carries the output). Prefill and drafting run inside it."""
+        t_start = time.perf_counter()
+        stops = list(params.stop or [])
+        hold = max((len(s) for s in stops), default=1) - 1
+        out: list[int] = []
+        emitted_text = 0
+        stats = GenerationStats(drafter=self.info.name, prompt_tokens=len(prompt_ids))
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        cycles = self._cycles(prompt_ids, params, out, stats, stops, slot, logprobs)
+        reply: ForwardOutput | None = None
+        while True:
+            item = cycles.send(reply)
+            if isinstance(item, VerifyForward):
+                reply = yield item
+                continue
+            reply = None
+            new_tokens, finish = item
+            new_logprobs = logprobs[len(out) - len(new_tokens):] if logprobs is not None else None
+            if finish is None:
+                if not text_deltas:
+                    yield StreamChunk(text="", token_ids=new_tokens, logprobs=new_logprobs)
+                    continue
+                text = self._decode(out).rstrip("\ufffd")
+                safe = len(text) - hold if stops else len(text)
+                delta = text[emitted_text:safe] if safe > emitted_text else ""
+                emitted_text += len(delta)
+                yield StreamChunk(text=delta, token_ids=new_tokens, logprobs=new_logprobs)
+                continue
+            text = final_text(self._decode(out), stops)
+            stats.generated_tokens = len(out)
+            stats.finish_reason = finish
+            stats.total_seconds = time.perf_counter() - t_start
+            stats.decode_seconds = stats.total_seconds - stats.prefill_seconds
+            self.totals.merge(stats.acceptance)
+            output = GenerateOutput(token_ids=list(out), text=text, stats=stats, prompt_token_ids=list(prompt_ids),
+                                    logprobs=list(logprobs) if logprobs is not None else None)
+            yield StreamChunk(text=text[emitted_text:], token_ids=new_tokens, output=output, logprobs=new_logprobs)
+            return
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _cycles(self, prompt_ids: list[int], params: SamplingParams, out: list[int], stats: GenerationStats,
+                stops: list[str], slot: Slot, logprobs: list[TokenLogprob] | None = None
+                ) -> Generator[VerifyForward | tuple[list[int], str | None], ForwardOutput | None, None]:
+        """The generation loop; appends to `out` (and each token's log-probabilities to `logprobs`, when given) and
+        yields (new tokens, finish reason or None) per cycle, and a `VerifyForward` before that (answered with its
+        output). One cycle: draft a tree from the root (the last committed token), verify it with one target
+        forward, commit the accepted path + the next token, hand those positions to the drafter."""
+        t0 = time.perf_counter()
+        req = self._open_request(prompt_ids, params, stats, slot)
+        while True:
+            remaining = params.max_new_tokens - len(out)
+            t_draft = time.perf_counter()
+            kind, depth = req.ctrl.choose_plan(remaining)
+            tree, t_propose = self._draft(req, kind, depth, remaining, params, slot.cache)
+            t_verify = time.perf_counter()
+            # the forward also runs the output head for the root's first-child chain, the rows verification reads
+            # first (shared with the other requests of a batched forward: one product for all of them)
+            chain_rows = first_child_chain(tree.parents)
+            head_rows = torch.tensor(chain_rows, dtype=torch.long)
+            if tree.size == 1 or _is_chain(tree.parents):
+                call = VerifyForward(Segment(slot.cache, tree.tokens, logit_rows=head_rows))
+            else:
+                call = VerifyForward(Segment(slot.cache, tree.tokens, tree.depths, ancestor_mask(tree.parents),
+                                             logit_rows=head_rows))
+            fwd = yield call
+            t_accept = time.perf_counter()
+            accepted, next_token, rows = self.accept(tree, fwd, params, req.generator, chain_rows)
+            path = [0, *accepted]
+            slot.cache.commit(path)
+            t_done = time.perf_counter()
+            self._observe(req, stats.acceptance, tree, (kind, depth), len(accepted), call.shared,
+                          (t_draft, t_propose, t_verify, t_accept, t_done))
+            if not out:
+                stats.first_token_seconds = t_done - t0
+            committed = [int(t) for t in tree.tokens[accepted].tolist()] + [int(next_token)]
+            new, finish = take_committed(committed, out, req.enders, stops, params.max_new_tokens, self._decode)
+            # acceptance counts what reached the output: drafts accepted past an EOS / stop are not committed
+            stats.acceptance.record(min(len(accepted), len(new)), drafted_depth=min(tree.max_depth, len(new))
+                                    if finish else tree.max_depth, verified_nodes=tree.size - 1, committed=len(new))
+            if logprobs is not None:  # committed token j was drawn from the target's law at node path[j]
+                logprobs.extend(rows.token_logprobs(path[:len(new)], new, int(params.logprobs or 0)))
+            if finish:
+                self._close_request(req, stats)
+                yield new, finish
+                return
+            if self.speculative:
+                idx = torch.tensor(path, device=self.device)
+                feats = {k: v[idx] for k, v in fwd.features.items()}
+                if req.wants_ids:
+                    feats["input_ids"] = tree.tokens[path]
+                req.pending.append((feats, torch.tensor(committed, dtype=torch.long, device=self.device)))
+            yield new, None
+            req.root = int(next_token)
+
+    def _open_request(self, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats, slot: Slot
+                      ) -> _RequestState:
+        """Prefill the slot, hand the prompt's positions to the drafter, calibrate costs on the first request, and
+        set up the depth controller (a seeded sampled request gets fixed depths: reproducible)."""
+        t0 = time.perf_counter()
+        generator = torch.Generator()
+        generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        drafter, t = self.drafter, self.tree
+        # the drafter's own cache also holds its speculative nodes past the committed positions
+        state = drafter.new_state(self.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8, self.device)
+        wants_ids = getattr(drafter, "needs_token_ids", False)
+        features, stats.reused_prefix_tokens = slot.prefill(self.runner, prompt_ids, reuse_prefix=self.prefix_caching,
+                                                            capture=self.speculative)
+        # committed positions the drafter has not absorbed yet: absorbed in one batch right before the next
+        # proposal, so plain cycles (speculation off) cost what plain decoding costs
+        pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
+        if len(prompt_ids) > 1 and self.speculative:
+            ids = torch.tensor(prompt_ids, dtype=torch.long)
+            pending.append(({**features, "input_ids": ids[:-1]} if wants_ids else features, ids[1:].to(self.device)))
+        if self.speculative and self.adaptive and not self.cost.calibrated:
+            calibrate_verification(self, prompt_ids[-1], slot.cache)
+            if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)
+                _absorb_pending(drafter, state, pending)
+            calibrate_drafting(self, drafter, state, prompt_ids[-1])
+        stats.prefill_seconds = time.perf_counter() - t0
+        seeded = params.seed is not None and not params.greedy
+        adaptive = self.adaptive and not seeded
+        kinds, depth = self.kinds_for(params, adaptive), self.tree.depth if self.speculative else 0
+        temperature = 0.0 if params.greedy else params.temperature
+        prior = {kind: self.acceptance_memory.estimates(temperature, kind, depth) for kind in kinds}
+        ctrl = AdaptiveDepth(cost=self.cost, max_depth=depth, max_new_tokens=params.max_new_tokens, enabled=adaptive,
+                             prior=prior, kinds=kinds)
+        if seeded and self.adaptive and ctrl.mode.startswith("fixed"):
+            ctrl.mode += " (seeded sampled request: reproducible)"
+        return _RequestState(generator, state, pending, ctrl, prompt_ids[-1], wants_ids,
+                             self.eos_ids | set(params.stop_token_ids or ()), temperature)
+
+    def _draft(self, req: _RequestState, kind: str, depth: int, remaining: int, params: SamplingParams,
+               cache: StaticKVCache) -> tuple[DraftTree, float]:
+        """This cycle's tree (the root alone at depth 0: plain decoding) and when its proposal started."""
+        if depth == 0:
+            return DraftTree.root_only(req.root, "greedy" if params.greedy else "deterministic"), time.perf_counter()
+        if req.pending:
+            t = time.perf_counter()
+            one_cycle = len(req.pending) == 1  # the last cycle's tokens only (not a plain streak's backlog)
+            _absorb_pending(self.drafter, req.draft_state, req.pending)
+            if one_cycle:
+                self.cost.observe_absorb(time.perf_counter() - t)
+        t_propose = time.perf_counter()
+        tree = self.drafter.propose(req.draft_state, req.root, self.tree_for(depth, kind), params, req.generator)
+        # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
+        return prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free), t_propose
+
+    def _observe(self, req: _RequestState, acc: AcceptanceStats, tree: DraftTree, plan: tuple[str, int],
+                 accepted: int, shared: bool, times: tuple[float, float, float, float, float]) -> None:
+        """Feed one cycle's timings to the request's stats, its depth controller and the engine's cost model."""
+        (kind, depth), (t_draft, t_propose, t_verify, t_accept, t_done) = plan, times
+        acc.draft_seconds += t_verify - t_draft
+        acc.verify_seconds += t_accept - t_verify
+        acc.accept_seconds += t_done - t_accept
+        if tree.max_depth > 0:  # the controller models the drafter's own depths (not a graft beyond them)
+            req.ctrl.observe(min(tree.max_depth, depth), min(accepted, depth), kind)
+            self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose, kind)
+        if not shared:  # a forward shared with other requests says little about this tree's cost
+            self.cost.observe_cycle(tree.size, t_done - t_verify, kind if tree.max_depth > 0 else "")
+
+    def _close_request(self, req: _RequestState, stats: GenerationStats) -> None:
+        stats.adaptive = req.ctrl.report()
+        cycles = sum(req.ctrl.kind_histogram.values())  # the next requests start from this one's acceptance too
+        for kind, counts in req.ctrl.counts.items():
+            self.acceptance_memory.add(req.temperature, kind, counts, cycles)
+
+    def tree_for(self, depth: int, kind: str | None = None) -> TreeConfig:
+        """The tree settings of one cycle: the chosen kind (default: the configured one) at the chosen depth
+        (`drafters.depth_tree`)."""
+        return depth_tree(dataclasses.replace(self.tree, kind=kind) if kind else self.tree, depth)
+
+    def accept(self, tree: DraftTree, fwd: ForwardOutput, params: SamplingParams,
+                generator: torch.Generator | None, premade: list[int] | None = None
+                ) -> tuple[list[int], int, TargetRows]:
+        """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits (`premade`:
+        the nodes whose logits the forward already made, in the order of `fwd.logits`), and kept with their raw
+        logits when the request asked for log-probabilities."""
+        made = (premade, fwd.logits) if premade and fwd.logits.shape[0] == len(premade) else None
+        rows = TargetRows(fwd.hidden, tree.parents, self.runner.logits,
+                          lambda logits: self._target_probs(logits, params, tree), premade=made,
+                          keep_logits=params.logprobs is not None)
+        accepted, next_token = self._verify(tree, rows, params, generator)
+        return accepted, next_token, rows
+
+    def _target_probs(self, logits: torch.Tensor, params: SamplingParams, tree: DraftTree) -> torch.Tensor:
+        """The filtered target law at some of the tree's nodes: logits [R, V] -> [R, V] (the one sampling
+        operator, as plain decoding uses)."""
+        return logits_to_probs(logits, params)
+
+    def _verify(self, tree: DraftTree, target_row: Callable[[int], torch.Tensor], params: SamplingParams,
+                generator: torch.Generator) -> tuple[list[int], int]:
+        """(accepted node indices, next token): `verify_tree_lazy` in the tree's mode ("greedy" at temperature
+        0), reading the target law of node i as target_row(i)."""
+        return verify_tree_lazy(tree.tokens, tree.parents, target_row, tree.draft_probs,
+                                vocab_size=self.runner.vocab_size, mode="greedy" if params.greedy else tree.mode,
+                                generator=generator)
+

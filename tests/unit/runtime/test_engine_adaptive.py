@@ -1,0 +1,192 @@
+"""Adaptive speculation: depth from recent acceptance and measured costs, off for short outputs and where it
+loses (with periodic probes), every choice reported; the engine stays lossless either way."""
+
+from __future__ import annotations
+
+from speculators.config import TreeConfig
+from speculators.metrics import simulated_tau
+from speculators.serving import Engine, SamplingParams
+from speculators.runtime.adaptive import AcceptanceMemory, AdaptiveDepth, CostModel
+from tests.unit.runtime.runtime_helpers import hf_greedy, loaded_target, single_thread  # noqa: F401
+
+
+def _cost(base: float = 0.010, per_node: float = 0.001, draft: float = 0.0005) -> CostModel:
+    """Cycle costs base + per_node * (nodes - 1) measured at 1..32 nodes; chains (one node per depth) drafted
+    at `draft` seconds per depth."""
+    c = CostModel()
+    for n in (1, 2, 4, 8, 16, 32):
+        c.set_cycle(n, base + per_node * (n - 1))
+    c.observe_draft(depth=1, drafted_nodes=1, seconds=draft)
+    return c
+
+
+def test_short_output_turns_speculation_off() -> None:
+    ctrl = AdaptiveDepth(cost=_cost(), max_depth=5, max_new_tokens=4)
+    assert ctrl.mode.startswith("off: short output")
+    assert [ctrl.choose(r) for r in (4, 3, 2, 1)] == [0, 0, 0, 0]
+    assert ctrl.report()["plain_cycles"] == 4
+
+
+def test_high_acceptance_drafts_deep_and_never_past_the_end() -> None:
+    ctrl = AdaptiveDepth(cost=_cost(), max_depth=6, max_new_tokens=100)
+    for _ in range(20):
+        ctrl.observe(drafted_depth=6, accepted=6)
+    assert ctrl.choose(100) == 6
+    assert ctrl.choose(3) == 2  # depth <= remaining - 1
+    assert ctrl.choose(1) == 0
+
+
+def test_low_acceptance_goes_plain_then_probes() -> None:
+    ctrl = AdaptiveDepth(cost=_cost(per_node=0.008, draft=0.004), max_depth=4, max_new_tokens=100, probe_every=5)
+    for _ in range(30):
+        ctrl.observe(drafted_depth=4, accepted=0)
+    choices = [ctrl.choose(100) for _ in range(20)]
+    # a probe at the most promising depth after 5 plain cycles, then after 10 (back-off while probes lose)
+    assert [i for i, d in enumerate(choices) if d > 0] == [4, 14] and choices[4] == max(range(1, 5), key=ctrl.rate)
+    report = ctrl.report()
+    assert report["probe_cycles"] == 2 and report["turned_off"] >= 1
+    assert report["acceptance_estimate"][0] < 0.05 and report["mode"] == "adaptive"
+
+
+def test_a_depth_that_looked_poor_is_explored_again_and_recovers() -> None:
+    # depth 3 once looked poor (acceptance 0.1 there), so the best depth is 2; every 4th speculative cycle drafts
+    # depth 3, and when depth 3 is in fact accepted the estimate recovers and the controller moves there
+    ctrl = AdaptiveDepth(cost=_cost(per_node=0.002, draft=0.002), max_depth=3, max_new_tokens=1000,
+                         prior=[0.9, 0.9, 0.1], explore_every=4, smoothing=0.3)
+    ctrl.acceptance = [0.9, 0.9, 0.1]
+    first = [ctrl.choose(1000) for _ in range(8)]
+    assert first == [2, 2, 2, 3, 2, 2, 2, 3] and ctrl.report()["explore_cycles"] == 2
+    for _ in range(30):
+        depth = ctrl.choose(1000)
+        ctrl.observe(drafted_depth=depth, accepted=depth)  # every drafted depth is accepted
+    assert ctrl.choose(1000) == 3 and ctrl.acceptance[2] > 0.5
+    never = AdaptiveDepth(cost=_cost(per_node=0.002, draft=0.002), max_depth=3, max_new_tokens=1000,
+                          explore_every=10**9)
+    never.acceptance = [0.9, 0.9, 0.1]
+    assert {never.choose(1000) for _ in range(16)} == {2}  # without exploring, depth 3 is never tried
+
+
+def _kinds_cost() -> CostModel:
+    """Cycles cost 10 ms + 1 ms per node; chains and sampled trees draft one row per level (0.5 ms), top-2 trees
+    two (1 ms); sampled trees verify 2 nodes per level, chains 1."""
+    c = _cost()
+    for depth in range(1, 5):
+        c.set_draft(depth, depth, 0.0005 * depth, "chain")
+        c.set_draft(depth, 2 * depth, 0.0005 * depth, "sampled")
+        c.set_draft(depth, 2 * depth, 0.001 * depth, "dynamic")
+    return c
+
+
+def test_the_kind_with_the_best_expected_rate_is_drafted_and_others_are_explored() -> None:
+    kinds = ("dynamic", "chain", "sampled")
+    ctrl = AdaptiveDepth(cost=_kinds_cost(), max_depth=4, max_new_tokens=1000, kinds=kinds, explore_every=4)
+    ctrl.estimates = {"dynamic": [0.5] * 4, "chain": [0.6] * 4, "sampled": [0.9] * 4}
+    plans = [ctrl.choose_plan(1000) for _ in range(16)]
+    assert plans[0] == ("sampled", max(range(1, 5), key=lambda d: ctrl.rate(d, "sampled")))
+    assert ctrl.rate(plans[0][1], "sampled") > max(ctrl.rate(d, k) for k in ("dynamic", "chain") for d in range(1, 5))
+    assert {k for k, _ in plans} == set(kinds)  # exploring cycles try the other kinds too
+    assert sum(k == "sampled" for k, _ in plans) >= 12
+    ctrl.observe(drafted_depth=4, accepted=0, kind="chain")  # observations move only their own kind's estimate
+    assert ctrl.estimates["chain"][0] < 0.6 and ctrl.estimates["sampled"] == [0.9] * 4
+    report = ctrl.report()
+    assert sum(report["kind_histogram"].values()) == 16 and set(report["acceptance_by_kind"]) == set(kinds)
+    assert set(report["cost"]["draft_ms_by_depth"]) >= set(kinds)
+    # a request starts from the engine's per-kind estimates (the default where it has none)
+    seeded = AdaptiveDepth(cost=_kinds_cost(), max_depth=2, max_new_tokens=100, kinds=kinds,
+                           prior={"chain": [1.0, 0.9]})
+    assert seeded.estimates["chain"] == [1.0, 0.9] and seeded.estimates["sampled"] == [0.6, 0.6]
+    seeded.observe(drafted_depth=2, accepted=1, kind="chain")
+    seeded.observe(drafted_depth=2, accepted=0, kind="chain")
+    assert seeded.counts["chain"] == [(2, 1), (1, 0)] and seeded.counts["sampled"] == [(0, 0), (0, 0)]
+
+
+def test_acceptance_memory_pools_requests_by_temperature_and_kind() -> None:
+    memory = AcceptanceMemory(half_life=100.0, prior_weight=4.0, default=0.6)
+    assert memory.estimates(1.0, "chain", 3) == [0.6, 0.6, 0.6]  # nothing seen yet
+    memory.add(1.0, "chain", [(16, 12), (12, 12), (0, 0)], cycles=16)
+    a = memory.estimates(1.0, "chain", 3)
+    assert a[0] == (12 + 4 * 0.6) / (16 + 4)
+    assert a[1] == (12 + 4 * a[0]) / (12 + 4)  # a rarely drafted depth leans on the one above it, not on 0.6
+    assert a[2] == a[1]  # never drafted: as good as the depth above
+    assert memory.estimates(0.96, "chain", 1) == a[:1] and memory.estimates(0.7, "chain", 1) == a[:1]  # nearest T
+    assert memory.estimates(0.0, "chain", 1) == [0.6]  # greedy never borrows from sampled requests
+    assert memory.estimates(1.0, "sampled", 1) == [0.6]  # nor one kind from another
+    memory.add(1.0, "chain", [(0, 0)], cycles=5)  # a request that never drafted the kind changes nothing
+    assert memory.estimates(1.0, "chain", 3) == a
+    memory.add(1.0, "chain", [(10, 0)], cycles=100)  # older counts weigh half after `half_life` cycles
+    tries, hits = memory.counts[(1.0, "chain")][0]
+    assert (tries, hits) == (16 * 0.5 + 10, 12 * 0.5) and memory.counts[(1.0, "chain")][1] == (6.0, 6.0)
+    memory.add(0.7, "chain", [(4, 4)], cycles=4)
+    assert memory.estimates(0.75, "chain", 1) == [(4 + 4 * 0.6) / 8]  # 0.75 rounds to 0.8: nearest is 0.7
+    for t in range(3, 1000):  # clients' temperatures cannot grow the memory without bound
+        memory.add(t + 0.5, "chain", [(1, 1)], cycles=1)
+    assert {b for b, _ in memory.counts} == {0.7, 1.0, 2.0}
+
+
+def test_cheap_verification_prefers_depth_over_plain() -> None:
+    ctrl = AdaptiveDepth(cost=_cost(per_node=0.0001, draft=0.0001), max_depth=4, max_new_tokens=100,
+                         prior=[0.5, 0.5, 0.5, 0.5])
+    assert ctrl.choose(100) >= 3
+    assert ctrl.rate(ctrl.choose(100)) > ctrl.rate(0)
+
+
+def test_fixed_and_uncalibrated_modes() -> None:
+    assert AdaptiveDepth(cost=_cost(), max_depth=3, max_new_tokens=50, enabled=False).choose(50) == 3
+    assert AdaptiveDepth(cost=CostModel(), max_depth=3, max_new_tokens=50).choose(50) == 3  # no costs yet
+    assert AdaptiveDepth(cost=_cost(), max_depth=0, max_new_tokens=50).mode.startswith("off")
+
+
+def test_cost_model_interpolates_and_ignores_preempted_spikes() -> None:
+    c = CostModel()
+    c.set_cycle(1, 0.010)
+    c.set_cycle(2, 0.014)  # the step from a matrix-vector to a matrix-matrix product
+    c.set_cycle(8, 0.016)
+    assert abs(c.cycle(5) - 0.015) < 1e-9 and abs(c.cycle(16) - 0.016 - 8 * 0.002 / 6) < 1e-9
+    c.observe_cycle(1, 5.0)  # a cycle that lost the CPU
+    assert c.cycle(1) < 0.02
+    noisy = CostModel()  # buckets that say 4 nodes cost less than 1: read as costing what 1 node costs
+    for nodes, seconds in ((1, 0.006), (4, 0.005), (10, 0.011)):
+        noisy.set_cycle(nodes, seconds)
+    assert noisy.cycle(1) == noisy.cycle(4) == 0.006 and abs(noisy.cycle(7) - 0.0085) < 1e-12
+    c.observe_draft(depth=2, drafted_nodes=6, seconds=0.004)
+    assert c.draft_nodes(2) == 6 and abs(c.draft_nodes(4) - 12) < 1e-9 and abs(c.draft_cost(1) - 0.002) < 1e-9
+    c.observe_absorb(0.001)
+    assert abs(c.draft_cost(2) - 0.005) < 1e-9  # absorbing the last cycle's tokens + proposing
+    c.observe_absorb(0.0)  # an impossibly fast sample moves the estimate by at most half of it
+    assert abs(c.absorb - (0.001 - 0.2 * 0.0005)) < 1e-12
+    c.set_draft(3, 6, 0.003)
+    assert c.draft_nodes(3) == 6 and abs(c.draft_cost(3) - c.absorb - 0.003) < 1e-12
+    assert set(c.to_dict()) == {"cycle_ms_by_nodes", "cycle_excess_ms_by_kind", "draft_ms_by_depth", "absorb_ms",
+                                "draft_nodes_by_depth"}
+
+
+def test_a_kind_whose_cycles_cost_more_than_their_size_says_is_rated_by_its_own_cost() -> None:
+    c = _kinds_cost()
+    predicted = c.cycle(9)
+    c.observe_cycle(9, predicted + 0.004, kind="sampled")  # a sampled tree's cycle: 4 ms over the shared buckets
+    assert abs(c.excess["sampled"] - 0.004) < 1e-12 and "chain" not in c.excess
+    assert abs(c.cycle_of(9, "sampled") - c.cycle(9) - 0.004) < 1e-12 and c.cycle_of(9, "chain") == c.cycle(9)
+    a = [0.8] * 4  # the controller's rate prices the excess in
+    seconds = c.draft_cost(4, "sampled") + c.cycle(1 + c.draft_nodes(4, "sampled")) + 0.004
+    assert abs(simulated_tau(a) / c.rate(a, 4, "sampled") - seconds) < 1e-12
+    c.observe_cycle(9, 5.0, kind="sampled")  # a preempted cycle (5 s) moves the excess by at most one cycle's worth
+    assert c.excess["sampled"] < 0.004 + c.smoothing * 0.03
+    c.observe_cycle(1, 0.001)  # root-only (plain) cycles carry no kind
+    assert set(c.excess) == {"sampled"}
+
+
+def test_engine_reports_choices_and_stays_lossless(tiny_llama) -> None:
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram",
+                                    tree=TreeConfig(kind="chain", depth=4, adaptive=True))
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=20))
+    assert out.token_ids == hf_greedy(tiny_llama, prompt, 20)
+    adaptive = out.stats.adaptive
+    assert adaptive["mode"] == "adaptive" and sum(adaptive["depth_histogram"].values()) == out.stats.target_calls
+    assert adaptive["cost"]["cycle_ms_by_nodes"]["1.0"] > 0 and len(adaptive["cost"]["cycle_ms_by_nodes"]) >= 2
+    # the first request calibrated proposing at every depth on its own drafter state
+    assert set(adaptive["cost"]["draft_ms_by_depth"]["chain"]) == {"1", "2", "3", "4"}
+    assert adaptive["kind_histogram"] == {"chain": out.stats.target_calls - adaptive["plain_cycles"]}
+    short = engine.generate(prompt, SamplingParams(max_new_tokens=3))
+    assert short.stats.adaptive["mode"].startswith("off: short output") and short.stats.acceptance.drafted_tokens == 0
+    assert short.token_ids == out.token_ids[:3]
