@@ -1,6 +1,6 @@
 """The glossary and the ONE implementation of every acceptance formula (training, evaluation and runtime share it).
 
-Glossary (DESIGN §5):
+Glossary (docs/architecture.md §5):
 - target call: one verification forward of the target.
 - committed tokens per call = accepted drafts + 1 (the corrected token on rejection, or the bonus token when
   every drafted depth was accepted).

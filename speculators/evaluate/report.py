@@ -1,7 +1,7 @@
 """Evaluation reports: JSON (the record), Markdown (for people) and PNG plots (matplotlib, Agg backend).
 
 Per checkpoint, `write_checkpoint_report(dir, report)` writes into `eval/<step>/`:
-  report.json         the full record (format "speculators.eval/v1"; see `acceptance.py` for the fields)
+  report.json         the full record (format "speculators.eval/v1"; see `evaluate.py` for the fields)
   report.md           per temperature: a table per cohort with a_1..a_D, simulated tau (every position and at
                       cycle starts), the n-gram baseline's tau and, when measured, the live runtime's tau and
                       a_k; then predicted vs live (vs vLLM, when filled in) for the chain, the runtime's default

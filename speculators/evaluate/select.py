@@ -6,7 +6,7 @@
   loss keeps falling after acceptance peaks, so it never decides.
 - `selection_record` builds `eval/selection.json`.
 
-This module does not evaluate anything; it reads reports produced by `acceptance.py`.
+This module does not evaluate anything; it reads reports produced by `evaluate.py`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Measure what a cycle costs on this machine before the first request's depth choices (DESIGN §7).
+"""Measure what a cycle costs on this machine before the first request's depth choices (docs/architecture.md §7).
 
 - `calibrate_verification`: verify forwards of 1, 2, 4, 8, ... and budget + 1 nodes (forward + verification).
 - `calibrate_drafting`: proposals of every tree kind a request may draft at every depth.

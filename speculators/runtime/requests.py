@@ -1,4 +1,4 @@
-"""What one request of the runtime is made of and gives back (DESIGN §7), apart from the generation loop itself.
+"""What one request of the runtime is made of and gives back (docs/architecture.md §7), apart from the generation loop itself.
 
 - `encode_prompt` / `check_prompt`: a raw prompt, a chat or token ids -> checked token ids (one-line errors).
 - `Slot`: one sequence's static KV cache and the prefix it holds; `Slot.prefill` puts a prompt into it, reusing the

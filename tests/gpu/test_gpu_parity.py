@@ -1,6 +1,6 @@
 """Greedy parity with Hugging Face on held-out rows, on the device, in float32 and in bfloat16.
 
-What holds (DESIGN §7): the output is lossless in distribution in every dtype; token-for-token equality with
+What holds (docs/architecture.md §7): the output is lossless in distribution in every dtype; token-for-token equality with
 greedy decoding holds where the verification forward rounds like the one-token forward. So at every row that
 differs from HF `generate` (same device, same dtype), the first differing token must be at a near-tie of the HF
 logits (`gpu_helpers.near_tie_limit`); the counts of equal rows, near-ties and divergences are recorded

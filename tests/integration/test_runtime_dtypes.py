@@ -1,4 +1,4 @@
-"""What the runtime promises in which dtype (DESIGN §7), measured on the house target.
+"""What the runtime promises in which dtype (docs/architecture.md §7), measured on the house target.
 
 - Every dtype: lossless in distribution — verification reads exactly the target rows the verify forward computed.
   Checked in bfloat16 here: the joint law of the first three generated tokens (n-gram and oracle trees) equals the law

@@ -1,4 +1,4 @@
-"""Lossless verification of a draft tree (DESIGN §7 "Verification core"; reference §3).
+"""Lossless verification of a draft tree (docs/architecture.md §7).
 
 What it does: given a drafted tree (node tokens + parent pointers; node 0 is the root = the last committed
 token), the target's next-token law after the path to every node and, for sampled drafts, the law each

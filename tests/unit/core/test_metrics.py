@@ -1,4 +1,4 @@
-"""The one implementation of the acceptance formulas (DESIGN §5)."""
+"""The one implementation of the acceptance formulas (docs/architecture.md §5)."""
 
 from __future__ import annotations
 
