@@ -30,7 +30,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "speculators"
 
-SHARED = {"core", "config", "recipes", "target", "metrics", "errors", "logs", ""}
+SHARED = {"core", "config", "options", "recipes", "target", "metrics", "errors", "logs", ""}
 STAGES = {"data", "train", "evaluate", "export", "serving", "oracle", "house"}
 RANK = {"cli": 5, "pipeline": 4, **{s: 3 for s in STAGES}, "runtime": 2, "models": 1, **{s: 0 for s in SHARED}}
 FORBIDDEN_STAGE_EDGES = {(app, stage) for app in ("serving", "oracle") for stage in ("train", "data")}
@@ -295,3 +295,16 @@ def test_file_names_are_unique() -> None:
     twins = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not twins, f"modules sharing a file name: {twins}"
 
+
+def test_one_atomic_writer() -> None:
+    """Files are put in place by core/atomic.py only: no other module calls os.replace / os.rename / Path.replace."""
+    calls = []
+    for module, path in _modules().items():
+        if module == ATOMIC_WRITER:
+            continue
+        for node in ast.walk(_tree(module)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("replace", "rename") and isinstance(node.func.value, ast.Name) and \
+                    node.func.value.id == "os":
+                calls.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: os.{node.func.attr}")
+    assert not calls, "\n".join(calls)

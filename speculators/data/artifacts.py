@@ -1,4 +1,5 @@
-"""Small shared pieces of the data stages: atomic writes, manifests, the token-dataset format, token statistics.
+"""Small shared pieces of the data stages: temp dirs (put in place by `core.atomic.replace_dir`), manifests, the
+token-dataset format, token statistics.
 
 The token-dataset format (`prepared/` and `regenerated/`): a `datasets` Arrow dir (`save_to_disk`) with columns
 `id` (string), `input_ids` (int32 list), `loss_mask` (int8 list, 1 = assistant token incl. its end-of-turn token)
@@ -86,19 +87,6 @@ def partial_dir(directory: Path, inputs_hash: str, inputs: dict, force: bool) ->
     directory.mkdir(parents=True)
     write_json_atomic(marker, {"inputs_hash": inputs_hash, "inputs": inputs})
     return True
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished temp dir into place; the previous output is removed only once the new one is complete."""
-    final = Path(final)
-    if final.exists():
-        old = final.with_name(f".{final.name}.old{os.getpid()}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, final)
 
 
 def temp_dir_for(final: Path) -> Path:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from speculators.config import Recipe
-from speculators.core.atomic import write_json_atomic
+from speculators.core.atomic import replace_dir, write_json_atomic
 from speculators.core.workers import accelerate_command, run_workers
 from speculators.data import artifacts, shards, vocab
 from speculators.data.features import compute_features, feature_request, stored_features
@@ -365,7 +365,7 @@ def finalize(job: Job, seconds: float, rank_stats: dict | None = None) -> dict:
     }
     write_json_atomic(job.partial / artifacts.MANIFEST, manifest)
     (job.partial / "inputs.json").unlink(missing_ok=True)
-    artifacts.replace_dir(job.partial, job.final)
+    replace_dir(job.partial, job.final)
     return manifest
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from speculators.config import DataConfig, Recipe
-from speculators.core.atomic import write_json_atomic
+from speculators.core.atomic import replace_dir, write_json_atomic
 from speculators.data import artifacts
 from speculators.data.chat import ChatEncoder, RowEncodeError
 from speculators.data.schemas import (
@@ -217,5 +217,5 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         "bytes_per_token": round(artifacts.dir_bytes(tmp) / max(stats["total"], 1), 2),
     }
     write_json_atomic(tmp / artifacts.MANIFEST, manifest)
-    artifacts.replace_dir(tmp, out_dir)
+    replace_dir(tmp, out_dir)
     return summary_of(manifest, "done")

@@ -18,12 +18,12 @@ Not here: generating (the backends), re-encoding the rows, the stage's policy (r
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speculators.core.atomic import write_text_atomic
 from speculators.data import artifacts
 from speculators.data.schemas import Conversation
 
@@ -194,9 +194,8 @@ class PartialStore:
             old = self.results.get(res.index)
             res.attempts = (old.attempts + 1) if old is not None else 1
             self.results[res.index] = res
-        tmp = self._path(a, b).with_suffix(".tmp")
-        tmp.write_text("".join(self.results[i].to_json() + "\n" for i in range(a, b) if i in self.results))
-        os.replace(tmp, self._path(a, b))
+        write_text_atomic(self._path(a, b),
+                          "".join(self.results[i].to_json() + "\n" for i in range(a, b) if i in self.results))
 
     def by_status(self, status: str) -> list[RowResult]:
         return [self.results[i] for i in sorted(self.results) if self.results[i].status == status]

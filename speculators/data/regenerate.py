@@ -45,7 +45,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from speculators.config import Recipe
-from speculators.core.atomic import write_json_atomic
+from speculators.core.atomic import replace_dir, write_json_atomic
 from speculators.core.sampling import SamplingParams
 from speculators.data import artifacts
 from speculators.data.prepare import RowEncoder, make_encoder
@@ -387,5 +387,5 @@ def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, n: int, ident
         "tokens": stats, "bytes_per_token": round(artifacts.dir_bytes(tmp_dir) / max(stats["total"], 1), 2),
     }
     write_json_atomic(tmp_dir / artifacts.MANIFEST, manifest)
-    artifacts.replace_dir(tmp_dir, out_dir)
+    replace_dir(tmp_dir, out_dir)
     return manifest

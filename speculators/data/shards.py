@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from speculators.core.atomic import atomic_path
 from speculators.core.hashing import sha256_file
 from speculators.data.artifacts import read_manifest
 from speculators.data.schemas import source_row_id
@@ -113,15 +113,11 @@ def check_finite(name: str, x: torch.Tensor, where: str) -> None:
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> tuple[str, int]:
     """Atomically write a shard (temp file, fsync, rename); returns (sha256, bytes)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-              metadata={"speculators": json.dumps(meta, sort_keys=True)})
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    digest = sha256_file(tmp)
-    size = tmp.stat().st_size
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"speculators": json.dumps(meta, sort_keys=True)})
+        digest = sha256_file(tmp)
+        size = tmp.stat().st_size
     return digest, size
 
 

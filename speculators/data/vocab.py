@@ -17,12 +17,12 @@ This module does not run models or read datasets.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from speculators.core.atomic import atomic_path
 from speculators.errors import SpeculatorsError
 
 TOKEN_FREQ_FILE = "token_freq.safetensors"
@@ -87,9 +87,8 @@ def coverage(t2d: torch.Tensor, counts: torch.Tensor) -> float:
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"speculators": json.dumps(meta, sort_keys=True)})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"speculators": json.dumps(meta, sort_keys=True)})
 
 
 def save_token_freq(features_dir: str | Path, token_freq: torch.Tensor, always_include_ids: list[int],

@@ -22,8 +22,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from speculators.core.atomic import atomic_dir, atomic_path
 from speculators.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.models.base import Speculator, TargetWeights
@@ -162,27 +161,16 @@ def save_speculator(spec: Speculator, directory: str | os.PathLike, metadata: di
     directory.parent.mkdir(parents=True, exist_ok=True)
     st_meta = {"format": "pt", "family": str(native.get("family", ""))}
     if not directory.exists():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        try:
+        with atomic_dir(directory) as tmp:
             save_file(tensors, str(tmp / WEIGHTS_NAME), metadata=st_meta)
             (tmp / CONFIG_NAME).write_text(text)
-            os.replace(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return
     if not directory.is_dir():
         raise SpeculatorsError(f"cannot save a speculator to {directory}: it exists and is not a directory")
-    tmp_w = directory / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
-    tmp_c = directory / f".{CONFIG_NAME}.tmp-{os.getpid()}"
-    try:
+    # both written before either is replaced; the weights are replaced first, then the config
+    with atomic_path(directory / CONFIG_NAME) as tmp_c, atomic_path(directory / WEIGHTS_NAME) as tmp_w:
         save_file(tensors, str(tmp_w), metadata=st_meta)
         tmp_c.write_text(text)
-        os.replace(tmp_w, directory / WEIGHTS_NAME)
-        os.replace(tmp_c, directory / CONFIG_NAME)
-    finally:
-        for t in (tmp_w, tmp_c):
-            t.unlink(missing_ok=True)
 
 
 def _json_default(obj: Any) -> Any:

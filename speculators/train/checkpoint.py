@@ -8,8 +8,8 @@ A checkpoint is `checkpoints/step-XXXXXXX/` holding
 - `training_state/`: `accelerator.save_state` (trainable weights, optimizer, RNG of every rank; DeepSpeed/FSDP
   shards in their own layout) + `trainer_state.json` (optimizer step, micro-step = data position, tokens seen,
   world size, best-so-far, validation history). The LR schedule is a pure function of the optimizer step.
-Everything is written into `checkpoints/.tmp-step-XXXXXXX/` and renamed into place with `os.replace`, so a crash
-mid-write never leaves a step dir that looks complete; pointers are tiny text files replaced atomically.
+Everything is written into `checkpoints/.tmp-step-XXXXXXX/` and renamed into place (`core.atomic.replace_dir`), so
+a crash mid-write never leaves a step dir that looks complete; pointers are tiny text files replaced atomically.
 `best` names the checkpoint with the highest held-out simulated tau (never the lowest loss).
 
 What it does not do: decide when to save or evaluate (loop.py), or export for serving (speculators.export).
@@ -28,6 +28,7 @@ from typing import Any
 from accelerate.utils import DistributedType
 from safetensors import safe_open
 
+from speculators.core import atomic
 from speculators.core.atomic import write_text_atomic
 from speculators.core.checkpoints import (
     STATE_DIR,
@@ -48,12 +49,10 @@ SUMMARY_FILE = "train-summary.json"
 
 
 def remove_dir(path: Path) -> None:
-    """Rename out of the way first, then delete: a half-deleted dir never keeps a valid-looking name."""
-    if not path.exists():
-        return
-    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
-    os.replace(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    """Rename out of the way first (to `.trash-<name>-<pid>`, which `clean_partial` removes), then delete: a
+    half-deleted dir never keeps a valid-looking name."""
+    path = Path(path)
+    atomic.remove_dir(path, trash=path.with_name(f".trash-{path.name}-{os.getpid()}"))
 
 
 def clean_partial(root: Path) -> None:
@@ -200,9 +199,8 @@ class CheckpointWriter:
                                     recipe=recipe, evaluation=evaluation, extra={"training": {"step": step}})
             write_pairing(tmp, record)
             write_text_atomic(tmp / STATE_DIR / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
-            if final.exists():
-                remove_dir(final)
-            os.replace(tmp, final)
+            remove_dir(final)
+            atomic.replace_dir(tmp, final)  # `final` is gone by now: a plain rename
             write_pointer(self.root, "latest", final)
             if is_best:
                 write_pointer(self.root, "best", final)

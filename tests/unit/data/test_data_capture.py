@@ -10,6 +10,7 @@ import pytest
 import torch
 from data_helpers import recipe, write_rows
 
+from speculators.core.atomic import replace_dir
 from speculators.data import capture, features, prepare
 from speculators.data.shards import FeatureStore
 from speculators.errors import SpeculatorsError
@@ -270,7 +271,7 @@ def _rewrite_prepared(r, **column) -> None:
     tmp = r.paths.prepared.with_name("rewritten")
     manifest["files"] = artifacts.save_token_dataset(rows, tmp)
     (tmp / "manifest.json").write_text(json.dumps(manifest))
-    artifacts.replace_dir(tmp, r.paths.prepared)
+    replace_dir(tmp, r.paths.prepared)
 
 
 @pytest.mark.parametrize("column, value, message", [
