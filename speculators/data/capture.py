@@ -15,176 +15,34 @@
 - The target forward is `features.compute_features`, which the training loop also calls online (no disk); the
   draft-vocabulary token counts written at the end come from token_counts.py.
 
-What to store comes from the family's class (`Speculator.capture_request`); this module never branches on the family
-name and trains nothing.
+The job (validation, inputs hash, shard plan, resume bookkeeping) is capture_job.py; this module runs the target
+over the shards, finalises the output and is the stage's entry point. What to store comes from the family's class
+(`Speculator.capture_request`); this module never branches on the family name and trains nothing.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow.compute as pc
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig
 
 from speculators.config import Recipe
 from speculators.core.atomic import replace_dir, write_json_atomic
 from speculators.core.workers import accelerate_command, run_workers
 from speculators.data import artifacts, shards, vocab
-from speculators.data.features import compute_features, feature_request, stored_features
+from speculators.data.capture_job import Job, job_dataset, make_job, setup_partial, sidecar_path, valid_shard
+from speculators.data.features import compute_features, feature_request
 from speculators.data.token_counts import always_included_ids, split_counts, workload_counts
 from speculators.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.recipes import dump_recipe
-from speculators.target import (
-    check_target_location,
-    fingerprint_target,
-    load_target,
-    load_tokenizer,
-    text_config,
-)
+from speculators.target import load_target
 
 TOPK_MASS_WARNING = 0.9  # the summary says so when the stored top-k holds less of the target's mass on average
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the job: validated inputs, shard plan
-
-
-@dataclass
-class Job:
-    recipe: Recipe
-    data_dir: Path
-    partial: Path
-    final: Path
-    inputs: dict
-    inputs_hash: str
-    plan: list[tuple[int, int]]  # shard -> [row_start, row_end)
-    stored: list[str]
-    layer_ids: list[int] | None
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    fingerprint: dict
-    data_manifest: dict
-
-
-def shard_plan(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:
-    plan, start, acc = [], 0, 0
-    for i, n in enumerate(lengths):
-        acc += n
-        if acc >= shard_tokens:
-            plan.append((start, i + 1))
-            start, acc = i + 1, 0
-    if start < len(lengths):
-        plan.append((start, len(lengths)))
-    return plan
-
-
-def row_lengths(ds: Any) -> list[int]:
-    """Token count of every row of a token dataset (Arrow metadata only, no Python lists of ids)."""
-    return [int(n) for n in pc.list_value_length(ds.data.column("input_ids")).to_pylist()]
-
-
-def _validate_capture_cfg(recipe: Recipe, vocab_size: int) -> None:
-    c = recipe.capture
-    if c.shard_tokens < 1 or c.batch_size < 1 or c.num_processes < 1:
-        raise SpeculatorsError("capture.shard_tokens, capture.batch_size and capture.num_processes must be >= 1")
-    if c.teacher == "topk" and not 1 <= c.teacher_topk <= vocab_size:
-        raise SpeculatorsError(f"capture.teacher_topk={c.teacher_topk} must be in [1, {vocab_size}]")
-    if c.mode != "offline":
-        raise SpeculatorsError("capture.mode is 'online': taps are computed inside the training step, there is "
-                               "nothing to capture (set capture.mode=offline to write shards)")
-
-
-def _data_identity(manifest: dict) -> str:
-    return artifacts.hash_json([manifest.get("inputs_hash"), manifest.get("counts"), manifest.get("tokens"),
-                                manifest.get("stage")])
-
-
-def make_job(recipe: Recipe) -> Job:
-    """Validate everything capture needs (before any output is touched) and compute the inputs hash + plan."""
-    data_dir = recipe.training_data_dir
-    stage = "regenerate" if recipe.data.regenerate.enabled else "prepare"
-    check_target_location(recipe.target.name_or_path)
-    try:
-        config = text_config(AutoConfig.from_pretrained(recipe.target.name_or_path, revision=recipe.target.revision,
-                                                        trust_remote_code=recipe.target.trust_remote_code))
-    except (OSError, ValueError) as exc:
-        raise SpeculatorsError(f"cannot read the config of {recipe.target.name_or_path}: "
-                               f"{str(exc).splitlines()[0]}") from None
-    num_layers, hidden, vsize = int(config.num_hidden_layers), int(config.hidden_size), int(config.vocab_size)
-    # checksums and values (masks in {0, 1}, ids < vocab) before any output is touched
-    ds, data_manifest = artifacts.load_token_dataset(data_dir, f"training data (`speculators {stage}`)", vsize, stage)
-    _validate_capture_cfg(recipe, vsize)
-    request = feature_request(recipe, num_layers)
-    tokenizer = load_tokenizer(recipe.target)
-    fp = fingerprint_target(recipe.target, tokenizer=tokenizer).to_dict()
-    data_tok = data_manifest.get("inputs", {}).get("tokenizer_hash")
-    if data_tok != fp["tokenizer_hash"]:
-        raise SpeculatorsError(f"the training data in {data_dir} was tokenized with another tokenizer/template "
-                               f"({str(data_tok)[:12]}) than target {recipe.target.name_or_path} "
-                               f"({fp['tokenizer_hash'][:12]}); re-run prepare (and regenerate) for this target")
-    stored = stored_features(request, recipe.capture.teacher)
-    inputs = {
-        "format": shards.FEATURES_FORMAT, "data_dir": str(data_dir), "data": _data_identity(data_manifest),
-        "target_content_hash": fp["content_hash"], "tokenizer_hash": fp["tokenizer_hash"],
-        "dtype": recipe.target.dtype, "family": recipe.speculator.family,
-        "layer_ids": list(request.tap_layer_ids) if request.tap_layer_ids else None, "stored": stored,
-        "storage": recipe.capture.storage, "teacher": recipe.capture.teacher,
-        "teacher_topk": recipe.capture.teacher_topk if recipe.capture.teacher == "topk" else None,
-        "shard_tokens": recipe.capture.shard_tokens, "batch_size": recipe.capture.batch_size,
-        "group_size": shards.group_size_for(hidden) if recipe.capture.storage == "int8" else None,
-    }
-    lengths = row_lengths(ds)
-    final = recipe.paths.features
-    return Job(recipe=recipe, data_dir=data_dir, partial=final.with_name(final.name + ".partial"), final=final,
-               inputs=inputs, inputs_hash=artifacts.hash_json(inputs),
-               plan=shard_plan(lengths, recipe.capture.shard_tokens), stored=stored,
-               layer_ids=inputs["layer_ids"], num_layers=num_layers, hidden_size=hidden, vocab_size=vsize,
-               fingerprint=fp, data_manifest=data_manifest)
-
-
-def _sidecar(directory: Path, i: int) -> Path:
-    return directory / f"shard-{i:05d}.json"
-
-
-def _valid_shard(directory: Path, i: int, job: Job, check_sha: bool = True) -> dict | None:
-    side = _sidecar(directory, i)
-    f = directory / shards.SHARD_PATTERN.format(i)
-    if not side.is_file() or not f.is_file():
-        return None
-    try:
-        rec = json.loads(side.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if rec.get("inputs_hash") != job.inputs_hash or rec.get("rows") != list(job.plan[i]) or \
-            f.stat().st_size != rec.get("bytes"):
-        return None
-    if check_sha and shards.sha256_file(f) != rec.get("sha256"):
-        return None
-    return rec
-
-
-def setup_partial(job: Job, force: bool) -> None:
-    """Create (or keep, for resume) `features.partial/`; reuse valid shards of an earlier `features/` output."""
-    if artifacts.partial_dir(job.partial, job.inputs_hash, job.inputs, force):
-        if not force and job.final.is_dir():  # an earlier output with the same inputs: keep its valid shards
-            for i in range(len(job.plan)):
-                if _valid_shard(job.final, i, job) is not None:
-                    for p in (job.final / shards.SHARD_PATTERN.format(i), _sidecar(job.final, i)):
-                        try:
-                            os.link(p, job.partial / p.name)
-                        except OSError:
-                            shutil.copy2(p, job.partial / p.name)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -193,7 +51,7 @@ def setup_partial(job: Job, force: bool) -> None:
 
 def _capture_shard(job: Job, target: Any, request: Any, i: int, bar: Any) -> dict:
     """Run the target over the rows of shard i and write it atomically (+ its sidecar)."""
-    ds = _dataset(job)
+    ds = job_dataset(job)
     a, b = job.plan[i]
     rows = ds.select(range(a, b))
     ids_list = [list(map(int, x)) for x in rows["input_ids"]]
@@ -257,7 +115,7 @@ def _capture_shard(job: Job, target: Any, request: Any, i: int, bar: Any) -> dic
            "inputs_hash": job.inputs_hash, "forward_seconds": round(t_fwd, 3),
            "quant_sq_err": {k: v for k, v in err.items() if v[1] > 0},
            "topk_mass": mass if cap.teacher == "topk" else None}
-    write_json_atomic(_sidecar(job.partial, i), rec)
+    write_json_atomic(sidecar_path(job.partial, i), rec)
     return rec
 
 
@@ -268,27 +126,16 @@ def _cumsum(values: Any) -> Any:
         yield acc
 
 
-_DATASETS: dict[str, Any] = {}
-
-
-def _dataset(job: Job) -> Any:
-    key = str(job.data_dir)
-    if key not in _DATASETS:
-        _DATASETS.clear()
-        _DATASETS[key] = artifacts.load_token_dataset(job.data_dir, "training data", job.vocab_size)[0]
-    return _DATASETS[key]
-
-
 def capture_rank(job: Job, rank: int, world: int, device: str | None = None) -> dict:
     """Write this rank's shards (skipping complete ones); returns counts for the summary."""
     mine = [i for i in range(len(job.plan)) if i % world == rank]
-    todo = [i for i in mine if _valid_shard(job.partial, i, job) is None]
+    todo = [i for i in mine if valid_shard(job.partial, i, job) is None]
     stats = {"shards_written": 0, "shards_reused": len(mine) - len(todo), "tokens": 0, "forward_seconds": 0.0}
     if not todo:
         return stats
     target = load_target(job.recipe.target, device=device)
     request = feature_request(job.recipe, job.num_layers)
-    lengths = _dataset(job)["input_ids"]
+    lengths = job_dataset(job)["input_ids"]
     total = sum(len(lengths[r]) for i in todo for r in range(*job.plan[i]))
     with tqdm(total=total, desc=f"capture[{rank}/{world}]" if world > 1 else "capture", unit=" tok",
               unit_scale=True, dynamic_ncols=True, position=rank) as bar:
@@ -308,11 +155,11 @@ def finalize(job: Job, seconds: float, rank_stats: dict | None = None) -> dict:
     """Check every shard, write token_freq / vocab / manifest into the partial dir, move it into place."""
     recs = []
     for i in range(len(job.plan)):
-        rec = _valid_shard(job.partial, i, job, check_sha=False)
+        rec = valid_shard(job.partial, i, job, check_sha=False)
         if rec is None:
             raise SpeculatorsError(f"capture did not complete shard {i} in {job.partial}; re-run capture to resume")
         recs.append(rec)
-    train_c, val_c = split_counts(_dataset(job), job.vocab_size, job.recipe.data.val_fraction, job.recipe.seed)
+    train_c, val_c = split_counts(job_dataset(job), job.vocab_size, job.recipe.data.val_fraction, job.recipe.seed)
     forced = always_included_ids(job.recipe, job.data_manifest, job.vocab_size)
     vocab.save_token_freq(job.partial, train_c, forced, {"split": "train", "val_fraction":
                                                          job.recipe.data.val_fraction, "seed": job.recipe.seed})

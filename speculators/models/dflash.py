@@ -18,7 +18,7 @@ Training: every head row of `forward_train` is an anchor (with `max_anchors`, `t
 per sequence, uniformly without replacement); the loss weights are decay**k (DFlash's exp(-k/gamma): gamma 7 is
 decay 0.8669). Runtime: the context keys/values of each committed position are written once (`absorb`; rejected
 drafts never enter them), and `propose` runs the whole block in one pass; its K laws do not depend on the path, so
-every tree kind applies (`drafting.MarginalStepper`: chains, sampled trees, top-k and best-first trees).
+every tree kind applies (`steppers.MarginalStepper`: chains, sampled trees, top-k and best-first trees).
 
 Not here: the loss, file I/O (io.py), tree policies and verification (drafting.py, serving/), the export files
 (export/vllm.py).
@@ -36,7 +36,7 @@ from torch import nn
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, Speculator, TargetWeights, step_rows
-from speculators.models.drafting import MarginalStepper, propose_tree, root_only
+from speculators.models.drafting import propose_tree, root_only
 from speculators.models.io import tensor_digest
 from speculators.models.layers import (
     DecoderLayer,
@@ -53,6 +53,7 @@ from speculators.models.layers import (
     train_positions,
     verifier_info,
 )
+from speculators.models.steppers import MarginalStepper
 from speculators.target import default_tap_layers, validate_layer_ids
 
 if TYPE_CHECKING:

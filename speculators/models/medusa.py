@@ -7,7 +7,7 @@ Architecture (reference medusa-mtp-tree-verify.md §1, vllm-speculators.md §2.6
   weight and bias zero-initialised, so an untrained head is the identity), then its own `lm_heads.{h}` [V, H]
   (initialised from the target lm_head, trainable, always saved).
 Runtime: the heads read the last absorbed hidden state, and every node at depth d gets head d's law whatever its
-path (`drafting.MarginalStepper`); trees are static choices (default: derived from measured per-head top-k accuracy
+path (`steppers.MarginalStepper`); trees are static choices (default: derived from measured per-head top-k accuracy
 via `set_choices_from_accuracy`, else a typical profile), dynamic top-k, best-first (DDTree) trees, chains or
 sampled trees.
 
@@ -26,8 +26,10 @@ from torch import nn
 
 from speculators.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, Speculator, TargetWeights, select_rows
-from speculators.models.drafting import MarginalStepper, medusa_choices_from_accuracy, propose_tree, root_only
+from speculators.models.drafting import propose_tree, root_only
 from speculators.models.layers import check_full_vocab, dtype_name, native_options, target_dims, verifier_info
+from speculators.models.static_trees import medusa_choices_from_accuracy
+from speculators.models.steppers import MarginalStepper
 
 if TYPE_CHECKING:
     from speculators.config import SpeculatorConfig, TreeConfig
@@ -155,7 +157,7 @@ class MedusaSpeculator(Speculator):
         self.choices = [list(map(int, c)) for c in choices] if choices is not None else None
 
     def set_choices_from_accuracy(self, topk_accuracy: Sequence[Sequence[float]], budget: int) -> list[list[int]]:
-        """Derive and store the static tree from measured per-head top-k accuracy (drafting.py)."""
+        """Derive and store the static tree from measured per-head top-k accuracy (static_trees.py)."""
         self.set_choices(medusa_choices_from_accuracy(topk_accuracy, budget))
         return self.choices or []
 

@@ -36,17 +36,16 @@ instead of timing-driven. Equal seeds do NOT give equal tokens with and without 
 not per sample path).
 
 Several requests share each target forward through `batching.generate_batch` / `batching.BatchRunner`, which drive the same
-per-request coroutine (`request`) that `stream` drives alone. Not here: CUDA graphs, paged KV, penalties /
+per-request coroutine (`request`) that `stream` drives alone. The steps around a cycle (opening a request, drafting,
+observing, closing) are in cycle_steps.py. Not here: CUDA graphs, paged KV, penalties /
 grammars, HTTP (server.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,8 +56,9 @@ from speculators.core.trees import DraftTree, ancestor_mask
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
 from speculators.models.drafting import TREE_KINDS
-from speculators.runtime.adaptive import AcceptanceMemory, AdaptiveDepth, CostModel
-from speculators.runtime.calibration import SAMPLED_KINDS, calibrate_drafting, calibrate_verification
+from speculators.runtime.adaptive import AcceptanceMemory, CostModel
+from speculators.runtime.calibration import SAMPLED_KINDS
+from speculators.runtime.cycle_steps import close_request, draft_tree, is_chain, observe_cycle, open_request
 from speculators.runtime.drafters.load import (
     DrafterInfo,
     NoDrafter,
@@ -66,11 +66,12 @@ from speculators.runtime.drafters.load import (
     depth_tree,
     load_drafter,
     paired_target,
-    prune_tree,
 )
-from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.forward.memory import check_fits
 from speculators.runtime.forward.module_runner import make_runner
+from speculators.runtime.forward.target_cache import StaticKVCache
+from speculators.runtime.forward.target_rows import TargetRows, TokenLogprob, first_child_chain
+from speculators.runtime.forward.target_runner import ForwardOutput, Segment
 from speculators.runtime.requests import (
     GenerateOutput,
     GenerationStats,
@@ -82,42 +83,10 @@ from speculators.runtime.requests import (
     final_text,
     take_committed,
 )
-from speculators.runtime.forward.target_rows import TargetRows, TokenLogprob, first_child_chain
-from speculators.runtime.forward.target_runner import ForwardOutput, Segment
 from speculators.runtime.verify.lossless import verify_tree_lazy
 from speculators.target import eos_token_ids, load_target
 
 DEFAULT_MAX_LEN = 8192
-
-
-def _is_chain(parents: torch.Tensor) -> bool:
-    return parents.tolist() == list(range(-1, parents.shape[0] - 1))
-
-
-def _absorb_pending(drafter: Any, state: Any, pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
-    """Hand the drafter every pending committed position at once (consecutive positions concatenate)."""
-    if len(pending) == 1:
-        features, next_tokens = pending[0]
-    else:
-        keys = pending[0][0].keys()
-        features = {k: torch.cat([f[k] for f, _ in pending]) for k in keys}
-        next_tokens = torch.cat([n for _, n in pending])
-    drafter.absorb(state, features, next_tokens)
-    pending.clear()
-
-
-@dataclass
-class _RequestState:
-    """What one request's cycle loop carries from one cycle to the next."""
-
-    generator: torch.Generator  # the request's random stream (drafting and verification)
-    draft_state: Any  # the drafter's per-request state (its KV cache)
-    pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]  # committed positions the drafter has not absorbed
-    ctrl: AdaptiveDepth
-    root: int  # the last committed token (not yet in the target's cache)
-    wants_ids: bool  # the drafter absorbs token ids with the features
-    enders: set[int]  # EOS ids + the request's stop_token_ids
-    temperature: float  # 0 = greedy: the key of the engine's acceptance memory
 
 
 class Engine:
@@ -308,18 +277,18 @@ class Engine:
         output). One cycle: draft a tree from the root (the last committed token), verify it with one target
         forward, commit the accepted path + the next token, hand those positions to the drafter."""
         t0 = time.perf_counter()
-        req = self._open_request(prompt_ids, params, stats, slot)
+        req = open_request(self, prompt_ids, params, stats, slot)
         while True:
             remaining = params.max_new_tokens - len(out)
             t_draft = time.perf_counter()
             kind, depth = req.ctrl.choose_plan(remaining)
-            tree, t_propose = self._draft(req, kind, depth, remaining, params, slot.cache)
+            tree, t_propose = draft_tree(self, req, kind, depth, remaining, params, slot.cache)
             t_verify = time.perf_counter()
             # the forward also runs the output head for the root's first-child chain, the rows verification reads
             # first (shared with the other requests of a batched forward: one product for all of them)
             chain_rows = first_child_chain(tree.parents)
             head_rows = torch.tensor(chain_rows, dtype=torch.long)
-            if tree.size == 1 or _is_chain(tree.parents):
+            if tree.size == 1 or is_chain(tree.parents):
                 call = VerifyForward(Segment(slot.cache, tree.tokens, logit_rows=head_rows))
             else:
                 call = VerifyForward(Segment(slot.cache, tree.tokens, tree.depths, ancestor_mask(tree.parents),
@@ -330,7 +299,7 @@ class Engine:
             path = [0, *accepted]
             slot.cache.commit(path)
             t_done = time.perf_counter()
-            self._observe(req, stats.acceptance, tree, (kind, depth), len(accepted), call.shared,
+            observe_cycle(self, req, stats.acceptance, tree, (kind, depth), len(accepted), call.shared,
                           (t_draft, t_propose, t_verify, t_accept, t_done))
             if not out:
                 stats.first_token_seconds = t_done - t0
@@ -342,7 +311,7 @@ class Engine:
             if logprobs is not None:  # committed token j was drawn from the target's law at node path[j]
                 logprobs.extend(rows.token_logprobs(path[:len(new)], new, int(params.logprobs or 0)))
             if finish:
-                self._close_request(req, stats)
+                close_request(self, req, stats)
                 yield new, finish
                 return
             if self.speculative:
@@ -353,78 +322,6 @@ class Engine:
                 req.pending.append((feats, torch.tensor(committed, dtype=torch.long, device=self.device)))
             yield new, None
             req.root = int(next_token)
-
-    def _open_request(self, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats, slot: Slot
-                      ) -> _RequestState:
-        """Prefill the slot, hand the prompt's positions to the drafter, calibrate costs on the first request, and
-        set up the depth controller (a seeded sampled request gets fixed depths: reproducible)."""
-        t0 = time.perf_counter()
-        generator = torch.Generator()
-        generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
-        drafter, t = self.drafter, self.tree
-        # the drafter's own cache also holds its speculative nodes past the committed positions
-        state = drafter.new_state(self.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8, self.device)
-        wants_ids = getattr(drafter, "needs_token_ids", False)
-        features, stats.reused_prefix_tokens = slot.prefill(self.runner, prompt_ids, reuse_prefix=self.prefix_caching,
-                                                            capture=self.speculative)
-        # committed positions the drafter has not absorbed yet: absorbed in one batch right before the next
-        # proposal, so plain cycles (speculation off) cost what plain decoding costs
-        pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
-        if len(prompt_ids) > 1 and self.speculative:
-            ids = torch.tensor(prompt_ids, dtype=torch.long)
-            pending.append(({**features, "input_ids": ids[:-1]} if wants_ids else features, ids[1:].to(self.device)))
-        if self.speculative and self.adaptive and not self.cost.calibrated:
-            calibrate_verification(self, prompt_ids[-1], slot.cache)
-            if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)
-                _absorb_pending(drafter, state, pending)
-            calibrate_drafting(self, drafter, state, prompt_ids[-1])
-        stats.prefill_seconds = time.perf_counter() - t0
-        seeded = params.seed is not None and not params.greedy
-        adaptive = self.adaptive and not seeded
-        kinds, depth = self.kinds_for(params, adaptive), self.tree.depth if self.speculative else 0
-        temperature = 0.0 if params.greedy else params.temperature
-        prior = {kind: self.acceptance_memory.estimates(temperature, kind, depth) for kind in kinds}
-        ctrl = AdaptiveDepth(cost=self.cost, max_depth=depth, max_new_tokens=params.max_new_tokens, enabled=adaptive,
-                             prior=prior, kinds=kinds)
-        if seeded and self.adaptive and ctrl.mode.startswith("fixed"):
-            ctrl.mode += " (seeded sampled request: reproducible)"
-        return _RequestState(generator, state, pending, ctrl, prompt_ids[-1], wants_ids,
-                             self.eos_ids | set(params.stop_token_ids or ()), temperature)
-
-    def _draft(self, req: _RequestState, kind: str, depth: int, remaining: int, params: SamplingParams,
-               cache: StaticKVCache) -> tuple[DraftTree, float]:
-        """This cycle's tree (the root alone at depth 0: plain decoding) and when its proposal started."""
-        if depth == 0:
-            return DraftTree.root_only(req.root, "greedy" if params.greedy else "deterministic"), time.perf_counter()
-        if req.pending:
-            t = time.perf_counter()
-            one_cycle = len(req.pending) == 1  # the last cycle's tokens only (not a plain streak's backlog)
-            _absorb_pending(self.drafter, req.draft_state, req.pending)
-            if one_cycle:
-                self.cost.observe_absorb(time.perf_counter() - t)
-        t_propose = time.perf_counter()
-        tree = self.drafter.propose(req.draft_state, req.root, self.tree_for(depth, kind), params, req.generator)
-        # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
-        return prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free), t_propose
-
-    def _observe(self, req: _RequestState, acc: AcceptanceStats, tree: DraftTree, plan: tuple[str, int],
-                 accepted: int, shared: bool, times: tuple[float, float, float, float, float]) -> None:
-        """Feed one cycle's timings to the request's stats, its depth controller and the engine's cost model."""
-        (kind, depth), (t_draft, t_propose, t_verify, t_accept, t_done) = plan, times
-        acc.draft_seconds += t_verify - t_draft
-        acc.verify_seconds += t_accept - t_verify
-        acc.accept_seconds += t_done - t_accept
-        if tree.max_depth > 0:  # the controller models the drafter's own depths (not a graft beyond them)
-            req.ctrl.observe(min(tree.max_depth, depth), min(accepted, depth), kind)
-            self.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose, kind)
-        if not shared:  # a forward shared with other requests says little about this tree's cost
-            self.cost.observe_cycle(tree.size, t_done - t_verify, kind if tree.max_depth > 0 else "")
-
-    def _close_request(self, req: _RequestState, stats: GenerationStats) -> None:
-        stats.adaptive = req.ctrl.report()
-        cycles = sum(req.ctrl.kind_histogram.values())  # the next requests start from this one's acceptance too
-        for kind, counts in req.ctrl.counts.items():
-            self.acceptance_memory.add(req.temperature, kind, counts, cycles)
 
     def tree_for(self, depth: int, kind: str | None = None) -> TreeConfig:
         """The tree settings of one cycle: the chosen kind (default: the configured one) at the chosen depth

@@ -24,7 +24,6 @@ from speculators.core.trees import depths_of
 from speculators.errors import SpeculatorsError
 from speculators.models.drafting import (
     TREE_KINDS,
-    MarginalStepper,
     build_best_first_tree,
     build_dynamic_tree,
     build_sampled_tree,
@@ -33,6 +32,7 @@ from speculators.models.drafting import (
     to_target_logits,
     tree_verify_mode,
 )
+from speculators.models.steppers import MarginalStepper
 from speculators.runtime.verify.lossless import verify_tree
 
 GREEDY = SamplingParams(temperature=0.0)

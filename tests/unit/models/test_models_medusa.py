@@ -21,7 +21,7 @@ from speculators.core.sampling import SamplingParams
 from speculators.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.models.base import FeatureRequest
-from speculators.models.drafting import default_choices, medusa_choices_from_accuracy
+from speculators.models.static_trees import default_choices, medusa_choices_from_accuracy
 
 
 def _batch(target, b=2, t=10, seed=0):

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 import torch
 
 from speculators.core.trees import depths_of
-from speculators.models.drafting import MarginalStepper, build_best_first_tree
+from speculators.models.drafting import build_best_first_tree
+from speculators.models.steppers import MarginalStepper
 from speculators.runtime.verify.lossless import Tree, walk_tree
 
 Row = tuple  # a probability row: tuple of Fraction or float, one entry per token
