@@ -1,7 +1,8 @@
 """The house rules of DESIGN §2, read from the source (AST): a rule that breaks fails here, naming the file.
 
 - Imports point downward only (docs/architecture.md): cli -> pipeline -> stages and apps (data, train, evaluate,
-  export; serving, oracle; house) -> runtime -> models -> shared (core/, config, target, metrics, errors, logs).
+  export; serving, oracle; house) -> runtime -> models -> shared (core/, config, options, target, metrics, errors,
+  logs).
   Stages and apps use each other only as a DAG; the apps (`serving`, `oracle`) never import `train` or `data`;
   `runtime` imports no stage or app; `models` imports no runtime; shared modules import nothing above them.
 - Every pipeline stage is a module `speculators.<room>.<stage>` with `enabled`, `is_complete` and `run`.
@@ -285,6 +286,20 @@ def test_every_stage_keeps_the_contract() -> None:
         defined = _defined_names(stage.module) or set()
         broken += [f"{stage.module} has no {fn}()" for fn in ("enabled", "is_complete", "run") if fn not in defined]
     assert not broken, "\n".join(broken)
+
+
+def test_files_and_functions_stay_small() -> None:
+    big = []
+    for module, path in _modules().items():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_FILE_LINES:
+            big.append(f"{path.relative_to(PACKAGE.parent)}: {lines} lines (> {MAX_FILE_LINES})")
+        for node in ast.walk(_tree(module)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    big.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.name}() {length} lines")
+    assert not big, "\n".join(big)
 
 
 def test_file_names_are_unique() -> None:
