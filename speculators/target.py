@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from speculators.core.atomic import write_text_atomic
 from speculators.core.hashing import sha256_file
 from speculators.errors import SpeculatorsError
 
@@ -376,9 +377,7 @@ def dir_content_hash(directory: Path) -> str:
         h.update(_file_sha256(directory / name, cache).encode())
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache))
-        tmp.replace(cache_path)
+        write_text_atomic(cache_path, json.dumps(cache))
     except OSError:
         pass
     return h.hexdigest()

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from speculators.core.atomic import write_text_atomic
 from speculators.errors import PairingError, SpeculatorsError
 
 PAIRING_FILE = "pairing.json"
@@ -58,11 +58,7 @@ def pairing_record(*, target: dict, family: str, layer_ids: list[int] | None, dr
 
 
 def write_pairing(directory: str | Path, record: dict) -> Path:
-    path = Path(directory) / PAIRING_FILE
-    tmp = path.with_name(f".{PAIRING_FILE}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
-    return path
+    return write_text_atomic(Path(directory) / PAIRING_FILE, json.dumps(record, indent=2, sort_keys=False) + "\n")
 
 
 def read_pairing(directory: str | Path) -> dict:

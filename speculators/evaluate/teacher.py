@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,11 +33,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from speculators.core.atomic import write_text_atomic
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.errors import SpeculatorsError
-from speculators.runtime.forward import support as runtime_support
 from speculators.runtime.batch_generate import EngineGenerator, crosscheck
+from speculators.runtime.forward import support as runtime_support
 from speculators.runtime.forward.memory import work_max_len
 from speculators.target import cache_kwarg, eos_token_ids, forward_with_taps
 
@@ -104,10 +104,8 @@ def _load_cache(path: Path, key: str) -> tuple[dict[str, list[int]], dict | None
 
 def _save_cache(path: Path, key: str, sequences: dict[str, list[int]], check: dict | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"format": CONTINUATIONS_FORMAT, "key": key, "crosscheck": check,
-                               "sequences": sequences}))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps({"format": CONTINUATIONS_FORMAT, "key": key, "crosscheck": check,
+                                        "sequences": sequences}))
 
 
 def crosscheck_record(path: Path) -> dict | None:

@@ -1,4 +1,4 @@
-"""The bundled runtime's generation loop (DESIGN §7): prefill, then draft -> verify -> commit cycles.
+"""The bundled runtime's generation loop (docs/architecture.md §7): prefill, then draft -> verify -> commit cycles.
 
     engine = Engine.from_pretrained(target="data/targets/stdlib-lm", speculator=None | dir | "ngram")
     out = engine.generate("def f(x):", SamplingParams(max_new_tokens=64, temperature=0))
@@ -19,7 +19,7 @@ Per request (batch 1 here; batching.py runs several in lockstep), one code path 
 3. EOS, a `stop_token_ids` token or a stop string inside the committed tokens truncates the output there;
    `max_new_tokens` caps it.
 
-What holds, in which dtype (DESIGN §7):
+What holds, in which dtype (docs/architecture.md §7):
 - Every dtype: lossless in distribution. The output is distributed exactly as sampling the target rows the verify
   forward computed, with the same temperature / top-k / top-p, whatever the drafter (verification is exact; tested
   by chi-square through deep trees in float32 and bfloat16).
