@@ -10,6 +10,7 @@ This module does not run stages, read files or import torch.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -46,7 +47,7 @@ class DataSource:
 
 @dataclass
 class RegenerateConfig:
-    """Self-distillation: the target rewrites the assistant turns (DESIGN §1)."""
+    """Self-distillation: the target rewrites the assistant turns (docs/architecture.md §1)."""
 
     enabled: bool = False
     # engine: in-process on the bundled runtime (continuous batching + drafting, runtime/batch_generate.py);
@@ -88,7 +89,7 @@ class DataConfig:
 
 @dataclass
 class CaptureConfig:
-    """What `capture` stores per token (DESIGN §1, issue 3 storage goals)."""
+    """What `capture` stores per token (docs/architecture.md §1, issue 3 storage goals)."""
 
     mode: Literal["offline", "online"] = "offline"  # online: taps computed inside the training step, no disk
     layer_ids: list[int] | None = None  # EAGLE-3 taps: residual stream ENTERING these layers; None = [2, N//2, N-3]
@@ -172,6 +173,30 @@ class TreeConfig:
     verify: Literal["sequence", "token"] = "sequence"
 
 
+TREE_KINDS: tuple[str, ...] = typing.get_args(typing.get_type_hints(TreeConfig)["kind"])
+
+
+def tree_config(kind: str | None, depth: int | None, topk: int | None, budget: int | None, adaptive: bool | None,
+                base: TreeConfig | None = None) -> TreeConfig | None:
+    """The drafting settings the tree flags ask for (`--tree --depth --topk --budget --adaptive`) over `base` (default:
+    `TreeConfig()`; a drafter's own tree to change only what is given); None when no flag is given (each drafter
+    keeps its own). A chain drafts one node per level: top-k 1, and its depth as budget unless one is given."""
+    if all(v is None for v in (kind, depth, topk, budget, adaptive)):
+        return None
+    if kind is not None and kind not in TREE_KINDS:
+        raise SpeculatorsError(f"--tree must be one of {', '.join(TREE_KINDS)}, got {kind!r}")
+    if any(v is not None and v < 1 for v in (depth, topk, budget)):
+        raise SpeculatorsError(f"--depth must be >= 1 (and --topk, --budget too), got depth={depth}, topk={topk}, "
+                               f"budget={budget}")
+    base = base if base is not None else TreeConfig()
+    kind = kind or base.kind
+    depth = depth if depth is not None else base.depth
+    chain = kind == "chain"
+    return dataclasses.replace(base, kind=kind, depth=depth, topk=1 if chain else (topk or base.topk),
+                               budget=depth if chain and budget is None else (budget or base.budget),
+                               adaptive=base.adaptive if adaptive is None else adaptive)
+
+
 # prompt-lookup nodes the runtime grafts onto a speculator's trees by default (runtime/drafters/graft.py); measured on the
 # house target's 10-epoch EAGLE-3 (5 rows x 5 cohorts, T = 0): tau 3.24 -> 3.48 with 3 nodes (6: 3.43), tokens/s
 # +1.3% (6: +2.1%) — small, since every extra verified node costs target time on a CPU
@@ -209,9 +234,10 @@ class ExportConfig:
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
 
 
-def _help(text: str) -> dict:
-    """Field metadata: the help text the CLI shows for a setting (one place for recipe, server and flags)."""
-    return {"help": text}
+def _help(text: str, cli: bool = True) -> dict:
+    """Field metadata: the help text the CLI shows for a setting (one place for recipe, server and flags);
+    `cli=False`: a recipe-only setting, no flag."""
+    return {"help": text, "cli": cli}
 
 
 @dataclass
@@ -255,7 +281,7 @@ class ServeConfig:
         "serve a speculator trained on another target revision (never another tokenizer)"))
     ngram_graft: int = field(default=DEFAULT_NGRAM_GRAFT, metadata=_help(
         "graft at most this many prompt-lookup (n-gram) nodes onto a speculator's trees (0: off)"))
-    tree: TreeConfig = field(default_factory=TreeConfig, metadata=_help("draft tree settings (recipe only)"))
+    tree: TreeConfig = field(default_factory=TreeConfig, metadata=_help("draft tree settings (recipe only)", False))
 
     def validate(self) -> None:
         """One-line SpeculatorsError for a setting out of range."""

@@ -30,6 +30,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from speculators.house import corpus, tasks
 from speculators.house.tokenizer import END_OF_TEXT, render_chat, train_tokenizer
+from speculators.options import BuildHouseOptions
 
 log = logging.getLogger(__name__)
 
@@ -305,21 +306,21 @@ def greedy_samples(model, tokenizer, data: dict, n: int = 3) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def build(out: Path, workloads: Path, datasets: Path, code_datasets: Path, steps: int | None = None,
-          data_only: bool = False) -> None:
-    """Rebuild the house target into `out` (and the workloads / datasets it is held out from); `data_only` writes
-    the data files only. `speculators build-house` calls this."""
+def build(opts: BuildHouseOptions) -> None:
+    """Rebuild the house target into `opts.out` (and the workloads / datasets it is held out from); `data_only`
+    writes the data files only. `speculators build-house` calls this."""
+    workloads, datasets, code_datasets, data_only = opts.workloads, opts.datasets, opts.code_datasets, opts.data_only
     cfg = BuildConfig()
-    if steps is not None:
-        cfg.steps = steps
+    if opts.steps is not None:
+        cfg.steps = opts.steps
     torch.set_num_threads(cfg.threads)
-    out = Path(out)
+    out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "build.log"
     # --data-only must not truncate the shipped model's build log (it rewrites data files only)
     log_fh = None if data_only else log_path.open("w")
 
-    def log(msg: str) -> None:
+    def note(msg: str) -> None:
         log.info(msg)
         if log_fh is not None:
             log_fh.write(msg + "\n")
@@ -330,25 +331,25 @@ def build(out: Path, workloads: Path, datasets: Path, code_datasets: Path, steps
     counts = write_workloads(data["held_tasks"], Path(workloads), cfg.workload_rows_per_cohort, cfg.seed)
     n_chat = write_chat_dataset(data["train_tasks"], Path(datasets), cfg.dataset_rows, cfg.seed)
     n_code = write_code_dataset(data["train_files"], Path(code_datasets), cfg.code_dataset_rows, cfg.seed)
-    log(f"corpus: {len(data['train_files'])} train files, {len(data['held_files'])} held-out files, "
-        f"{len(data['train_tasks'])} train chat tasks; workloads {counts}; chat dataset rows {n_chat}; "
-        f"code dataset rows {n_code}")
+    note(f"corpus: {len(data['train_files'])} train files, {len(data['held_files'])} held-out files, "
+         f"{len(data['train_tasks'])} train chat tasks; workloads {counts}; chat dataset rows {n_chat}; "
+         f"code dataset rows {n_code}")
     if data_only:
         return
 
     docs = training_documents(data, cfg)
     tokenizer = train_tokenizer(docs, cfg.vocab_size)
-    log(f"tokenizer: vocab {len(tokenizer)} ({time.time() - t_start:.0f}s)")
+    note(f"tokenizer: vocab {len(tokenizer)} ({time.time() - t_start:.0f}s)")
     token_docs = tokenizer(docs, add_special_tokens=False)["input_ids"]
     eot = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
     inputs, labels = pack(token_docs, cfg.seq_len, eot)
     n_tokens = inputs.numel()
-    log(f"stream: {n_tokens} tokens in {inputs.shape[0]} sequences of {cfg.seq_len}; "
-        f"{sum(len(d.encode()) for d in docs) / n_tokens:.2f} bytes/token")
+    note(f"stream: {n_tokens} tokens in {inputs.shape[0]} sequences of {cfg.seq_len}; "
+         f"{sum(len(d.encode()) for d in docs) / n_tokens:.2f} bytes/token")
     model = make_model(cfg, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {n_params} parameters")
-    history = train(model, inputs, labels, cfg, log)
+    note(f"model: {n_params} parameters")
+    history = train(model, inputs, labels, cfg, note)
     train_s = time.time() - t_start
     report = heldout_report(model, tokenizer, data, cfg)
     report["samples"] = greedy_samples(model, tokenizer, data)
@@ -369,5 +370,5 @@ def build(out: Path, workloads: Path, datasets: Path, code_datasets: Path, steps
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    log(json.dumps({k: report[k] for k in ("per_cohort_loss", "heldout_code_bits_per_byte", "build_seconds")}))
+    note(json.dumps({k: report[k] for k in ("per_cohort_loss", "heldout_code_bits_per_byte", "build_seconds")}))
     log_fh.close()

@@ -14,9 +14,10 @@
 5. With `check_rows` (real target + real speculator only), the same rows run through `speculators bench`'s own
    code (plain decoding and fixed-depth chains, adaptive off) and the predicted speedup is printed next to the
    measured one (profile_check.py).
-Writes `profile.json` and `profile.md` to `out` (atomically) and returns the Markdown.
+Writes `profile.json` and `profile.md` to `out` (atomically) and returns the Markdown (cli.py prints it).
 
-Not here: the model (oracle.py), the timing (costs.py), the formatting (profile_report.py).
+Not here: option parsing and printing (cli.py), the model (oracle.py), the timing (costs.py), the formatting
+(profile_report.py).
 """
 
 from __future__ import annotations
@@ -31,16 +32,17 @@ import torch
 from speculators.config import TargetConfig, TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.models import FAMILIES
+from speculators.options import DTYPES, ProfileOptions, choices, ints
 from speculators.oracle import costs as measure
-from speculators.runtime.adaptive import CostModel
-from speculators.runtime.drafters.load import default_tree, load_drafter
-from speculators.runtime.engine import Engine
-from speculators.runtime.drafters.model_free import NoDrafter
-from speculators.runtime.forward.module_runner import make_runner
-from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, schedule
 from speculators.oracle.check import check_against_bench
+from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, schedule
 from speculators.oracle.profile_report import build_report, write_report
 from speculators.oracle.shapes import random_drafter, random_target
+from speculators.runtime.adaptive import CostModel
+from speculators.runtime.drafters.load import default_tree, load_drafter
+from speculators.runtime.drafters.model_free import NoDrafter
+from speculators.runtime.engine import Engine
+from speculators.runtime.forward.module_runner import make_runner
 from speculators.target import load_target, resolve_device, resolve_dtype
 
 PROFILE_FORMAT = "speculators.profile/v1"
@@ -192,22 +194,25 @@ def vllm_schedule(prediction: list[dict], drafter: Any) -> list[dict]:
     return schedule(prediction, fixed)
 
 
-def profile_command(*, target: str | None, shape: str | None, speculator: str | None, acceptance: str | None,
-                    families: list[str], device: str, dtype: str, batch_sizes: list[int] | None,
-                    nodes: list[int] | None, context_len: int, budget_s: float, max_depth: int, temperature: float,
-                    check_rows: int, check_depths: list[int], workloads: str, out: Path | None,
-                    draft_dtype: str = "auto") -> tuple[dict, str]:
-    """Run the profile (see the module docstring); (its report, the Markdown)."""
+def profile_command(opts: ProfileOptions) -> tuple[dict, str]:
+    """Run the profile `opts` describes (see the module docstring); (its report, the Markdown)."""
+    if opts.dtype not in DTYPES:
+        raise SpeculatorsError(f"--dtype must be auto, float32, bfloat16 or float16, got {opts.dtype!r}")
+    families = choices(opts.families, "--families", FAMILIES) if opts.families else []
+    target, shape, speculator, acceptance = opts.target, opts.shape, opts.speculator, opts.acceptance
+    device, context_len, budget_s, check_rows = opts.device, opts.context_len, opts.budget_s, opts.check_rows
     dev_type = "cuda" if (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())) else "cpu"
     grid_b, grid_n = GRIDS[dev_type]
-    batch_sizes, nodes = batch_sizes or grid_b, nodes or grid_n
-    _check_args(target, shape, batch_sizes, nodes, context_len, budget_s, max_depth, check_rows, speculator,
+    batch_sizes = ints(opts.batch_sizes, "--batch-sizes") or grid_b
+    nodes = ints(opts.nodes, "--nodes") or grid_n
+    check_depths = ints(opts.check_depths, "--check-depths") or []
+    _check_args(target, shape, batch_sizes, nodes, context_len, budget_s, opts.max_depth, check_rows, speculator,
                 acceptance)
-    acc: Acceptance | None = load_acceptance(acceptance, temperature) if acceptance else None
-    depth = max(max_depth, len(acc.chain)) if acc else max_depth
-    loaded = _load_target(target, shape, device, dtype)
+    acc: Acceptance | None = load_acceptance(acceptance, opts.temperature) if acceptance else None
+    depth = max(opts.max_depth, len(acc.chain)) if acc else opts.max_depth
+    loaded = _load_target(target, shape, device, opts.dtype)
     wanted = families or ([acc.family] if acc and acc.family in FAMILIES else list(FAMILIES))
-    drafters = _drafters(loaded, speculator, wanted, depth, draft_dtype)
+    drafters = _drafters(loaded, speculator, wanted, depth, opts.draft_dtype)
     primary = acc.family if acc is not None and acc.family in drafters else next(iter(drafters))
     costs, extras = measure_costs(loaded, drafters, primary, batch_sizes, nodes, context_len, budget_s, depth)
     predictions = {}
@@ -217,7 +222,7 @@ def profile_command(*, target: str | None, shape: str | None, speculator: str | 
     check = None
     if check_rows:
         check = check_against_bench(loaded, str(speculator), acc, costs, primary, extras["prefill"],
-                                    check_depths, check_rows, workloads)
+                                    check_depths, check_rows, opts.workloads)
     report = build_report(
         loaded=loaded, name=target or f"shape:{shape}", device=device_name(str(loaded.device)),
         context_len=context_len, drafters=drafters, costs=costs, extras=extras, acceptance=acc,
@@ -225,4 +230,4 @@ def profile_command(*, target: str | None, shape: str | None, speculator: str | 
         check=check,
         budget_s=budget_s)
     report["format"] = PROFILE_FORMAT
-    return report, write_report(report, out)
+    return report, write_report(report, opts.out)

@@ -16,8 +16,8 @@ For every temperature, every method generates every row once after one unmeasure
                their cycles the exact expected accepted drafts of both verifiers on that very tree and target rows
                (`verify_expect.expected_accepted`), as "paired_tau" {token, sequence} — free of the coin noise that
                makes live tau of two separate runs differ by several percent
-`tree` (`speculators bench --tree chain --depth K --no-adaptive`) replaces the speculators' own drafting settings,
-e.g. the fixed-depth chains `speculators profile` predicts; `include_hf=False` (`--no-hf`) leaves out the HF rows.
+The tree flags (`speculators bench --tree chain --depth K --no-adaptive`) replace the speculators' own drafting
+settings, e.g. the fixed-depth chains `speculators profile` predicts; `--no-hf` leaves out the HF rows.
 With `batch` B > 1, every runtime method also generates all rows once more with up to B requests sharing each
 target forward (`<method>@batchB` rows, cohort "all" only: throughput of the whole set, as a server under
 concurrent load sees it; at T = 0 their tokens are checked against `plain` too).
@@ -26,16 +26,17 @@ and overall (wall clock including prefill, generated tokens only; also per CPU-s
 processes sharing the cores do not inflate),
 the ratios to `plain` and to `hf`, and for runtime methods tau and per-position acceptance
 (`metrics.AcceptanceStats`). At T = 0 it also counts rows whose tokens differ from `plain` (lossless check).
-Prints a table; with `out` writes `bench.json` and `bench.md` there (atomically).
+Returns the report and its Markdown table (cli.py prints it); with `out` writes `bench.json` and `bench.md` there
+(atomically).
 
-Not here: generation itself (engine.py), evaluation of checkpoints (speculators.evaluate).
+Not here: option parsing and printing (cli.py), generation itself (engine.py), evaluation of checkpoints
+(speculators.evaluate).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -44,11 +45,13 @@ from typing import Any
 
 import torch
 
-from speculators.config import TargetConfig, TreeConfig
+from speculators.config import TargetConfig, TreeConfig, tree_config
+from speculators.core.atomic import write_text_atomic
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.metrics import AcceptanceStats
+from speculators.options import BenchOptions, floats
 from speculators.runtime.batch_generate import TREE_ROOM
 from speculators.runtime.batching import generate_batch
 from speculators.runtime.drafters.load import paired_target
@@ -225,65 +228,77 @@ def bench_target(target: str | None, speculators: list[str]) -> TargetConfig:
     return paired_target(speculators[0] if speculators else None)
 
 
-def bench_command(*, target: str | None, speculators: list[str], workloads: str, rows_per_cohort: int,
-                  temperatures: list[float], device: str, dtype: str, out: Path | None, seed: int,
-                  ngram_graft: int = 0, batch: int = 0, tree: TreeConfig | None = None,
-                  include_hf: bool = True, compare_verify: bool = False) -> dict:
-    """Run the benchmark, print its table, write `bench.json` / `bench.md` to `out` if given; return the report.
-    `tree` replaces each speculator's default drafting settings (e.g. a fixed-depth chain with adaptive off, as
-    `speculators profile` predicts); `include_hf=False` leaves out the Hugging Face rows; `compare_verify` adds the
-    verifier comparisons at T > 0."""
-    if rows_per_cohort < 1:
-        raise SpeculatorsError(f"--rows-per-cohort must be >= 1, got {rows_per_cohort}")
-    if batch < 0:
-        raise SpeculatorsError(f"--batch must be >= 0 (0 or 1: no batched rows), got {batch}")
+def bench_command(opts: BenchOptions) -> tuple[dict, str]:
+    """Run the benchmark `opts` describes, write `bench.json` / `bench.md` to `opts.out` if given; (the report, its
+    Markdown table). The tree flags replace each speculator's default drafting settings (e.g. a fixed-depth chain
+    with adaptive off, as `speculators profile` predicts); `hf=False` leaves out the Hugging Face rows;
+    `compare_verify` adds the verifier comparisons at T > 0."""
+    temperatures = floats(opts.temperatures, "--temperatures")
+    tree = tree_config(opts.tree, opts.depth, opts.topk, opts.budget, opts.adaptive)
+    if opts.rows_per_cohort < 1:
+        raise SpeculatorsError(f"--rows-per-cohort must be >= 1, got {opts.rows_per_cohort}")
+    if opts.batch < 0:
+        raise SpeculatorsError(f"--batch must be >= 0 (0 or 1: no batched rows), got {opts.batch}")
     if not temperatures or any(t < 0 for t in temperatures):
         raise SpeculatorsError(f"--temperatures must be non-negative numbers, got {temperatures}")
+    speculators = opts.speculator or []
     threads = torch.get_num_threads()  # set by the caller (`speculators bench --threads`); every method shares it
-    target_cfg = bench_target(target, speculators)
-    loaded = load_target(dataclasses.replace(target_cfg, device=device, dtype=dtype))
-    rows = bench_rows(loaded, workloads, rows_per_cohort)
+    target_cfg = bench_target(opts.target, speculators)
+    loaded = load_target(dataclasses.replace(target_cfg, device=opts.device, dtype=opts.dtype))
+    rows = bench_rows(loaded, opts.workloads, opts.rows_per_cohort)
     # every engine's KV caches hold the longest row and its draft trees, not the target's whole context
     max_len = work_max_len([len(ids) for _, ids, _ in rows], [n for _, _, n in rows], TREE_ROOM)
+    methods = _methods(loaded, speculators, tree, opts, temperatures, max_len)
+    report: dict[str, Any] = {
+        "target": target_cfg.name_or_path, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
+        "threads": threads, "machine": platform.processor() or platform.machine(),
+        "rows_per_cohort": opts.rows_per_cohort, "rows": len(rows), "workloads": opts.workloads, "seed": opts.seed,
+        "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "batch": opts.batch, "results": {},
+        "speculator_tree": None if tree is None else dataclasses.asdict(tree),
+    }
+    for temperature in temperatures:
+        report["results"][str(temperature)] = _run_temperature(methods, rows, temperature, opts.seed, opts.batch,
+                                                               loaded.model)
+    text = format_report(report)
+    if opts.out is not None:
+        write_json_and_markdown(opts.out, "bench", report, text)
+    return report, text
+
+
+def _methods(loaded: Any, speculators: list[str], tree: TreeConfig | None, opts: BenchOptions,
+             temperatures: list[float], max_len: int) -> list[Method]:
+    """plain, ngram, each speculator (and its grafted and verifier-comparison variants), then the HF rows."""
     methods = [Method("plain", "runtime", Engine.from_pretrained(loaded, None, max_len=max_len)),
                Method("ngram", "runtime", Engine.from_pretrained(loaded, "ngram", max_len=max_len))]
     for path in speculators:
         engine = Engine.from_pretrained(loaded, path, ngram_graft=0, tree=tree, max_len=max_len)  # the speculator
         methods.append(Method(f"{engine.info.family}:{Path(path).name}", "runtime", engine))
-        if ngram_graft:  # the same speculator with prompt-lookup nodes grafted onto its trees
-            grafted = Engine.from_pretrained(loaded, path, ngram_graft=ngram_graft, tree=tree, max_len=max_len)
+        if opts.ngram_graft:  # the same speculator with prompt-lookup nodes grafted onto its trees
+            grafted = Engine.from_pretrained(loaded, path, ngram_graft=opts.ngram_graft, tree=tree, max_len=max_len)
             methods.append(Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
-        if compare_verify and any(t > 0 for t in temperatures):
+        if opts.compare_verify and any(t > 0 for t in temperatures):
             methods += _verify_methods(loaded, path, f"{engine.info.family}:{Path(path).name}", tree, max_len)
-    if include_hf:
+    if opts.hf:
         methods += [Method("hf", "hf"), Method("hf-assisted", "hf-assisted")]
-    report: dict[str, Any] = {
-        "target": target_cfg.name_or_path, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
-        "threads": threads, "machine": platform.processor() or platform.machine(),
-        "rows_per_cohort": rows_per_cohort, "rows": len(rows), "workloads": workloads, "seed": seed,
-        "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "batch": batch, "results": {},
-        "speculator_tree": None if tree is None else dataclasses.asdict(tree),
-    }
-    all_methods = methods
-    for temperature in temperatures:
-        methods = [m for m in all_methods if temperature > 0 or not m.sampled_only]
-        outputs = run_methods(methods, rows, temperature, seed, loaded.model)
-        batched = _run_batched(methods, rows, temperature, batch) if batch > 1 else []
-        if temperature == 0:  # greedy: every method must produce plain decoding's tokens
-            for method, outs in zip(methods[1:], outputs[1:], strict=True):
-                for (cohort, _, _), got, want in zip(rows, outs, outputs[0], strict=True):
-                    if got != want:
-                        method.cells[cohort].mismatched_rows += 1
-                        method.cells["all"].mismatched_rows += 1
-            for method, outs in batched:
-                method.cells["all"].mismatched_rows = sum(got != want for got, want in zip(outs, outputs[0],
-                                                                                           strict=True))
-        report["results"][str(temperature)] = _summarise(methods + [m for m, _ in batched])
-    text = format_report(report)
-    print(text)
-    if out is not None:
-        write_json_and_markdown(out, "bench", report, text)
-    return report
+    return methods
+
+
+def _run_temperature(all_methods: list[Method], rows: list[tuple[str, list[int], int]], temperature: float,
+                     seed: int, batch: int, model: Any) -> dict:
+    """Every method at one temperature (the verifier comparisons at T > 0 only), checked against `plain` at
+    T = 0; the summary per cohort."""
+    methods = [m for m in all_methods if temperature > 0 or not m.sampled_only]
+    outputs = run_methods(methods, rows, temperature, seed, model)
+    batched = _run_batched(methods, rows, temperature, batch) if batch > 1 else []
+    if temperature == 0:  # greedy: every method must produce plain decoding's tokens
+        for method, outs in zip(methods[1:], outputs[1:], strict=True):
+            for (cohort, _, _), got, want in zip(rows, outs, outputs[0], strict=True):
+                if got != want:
+                    method.cells[cohort].mismatched_rows += 1
+                    method.cells["all"].mismatched_rows += 1
+        for method, outs in batched:
+            method.cells["all"].mismatched_rows = sum(got != want for got, want in zip(outs, outputs[0], strict=True))
+    return _summarise(methods + [m for m, _ in batched])
 
 
 def _summarise(methods: list[Method]) -> dict:
@@ -341,10 +356,6 @@ def format_report(report: dict) -> str:
 
 
 def write_json_and_markdown(out: Path, stem: str, report: dict, text: str) -> None:
-    """`out/<stem>.json` and `out/<stem>.md`, each written to a temp file and renamed into place."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    """`out/<stem>.json` and `out/<stem>.md`, each written atomically (core/atomic.py)."""
     for name, content in ((f"{stem}.json", json.dumps(report, indent=2) + "\n"), (f"{stem}.md", text + "\n")):
-        tmp = out / f".{name}.tmp{os.getpid()}"
-        tmp.write_text(content)
-        os.replace(tmp, out / name)
+        write_text_atomic(Path(out) / name, content)

@@ -8,8 +8,9 @@ forward if any, forward, loss, backward, optimizer; evaluation and checkpoint wr
 (the same work divided by the process's CPU time: comparable on a shared, loaded machine), peak memory (max RSS on
 CPU, max CUDA allocated on GPU), steps, final loss, and the capture time.
 
-`python -m speculators.cli worker-train-bench RECIPE` is the per-family child (`child_main`); it prints
-one JSON line. This module does not parse options (cli.py does) and writes only under its work dir.
+`python -m speculators.cli worker-train-bench RECIPE FILE` is the per-family child (`child_main`); it
+writes its result JSON to FILE (`<work dir>/<family>/result.json`), which the parent reads. `bench_command` returns
+the results and their table; it does not parse options or print (cli.py does) and writes only under its work dir.
 """
 
 from __future__ import annotations
@@ -24,19 +25,20 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
+from speculators.core.atomic import write_json_atomic
 from speculators.data import capture, prepare
 from speculators.errors import SpeculatorsError
 from speculators.models import FAMILIES
+from speculators.options import TrainBenchOptions, choices
 from speculators.recipes import dump_recipe, load_recipe
 from speculators.target import check_target_location
 from speculators.train.loop import train
 
 log = logging.getLogger(__name__)
 
-RESULT_PREFIX = "TRAIN_BENCH_RESULT "
+RESULT_FILE = "result.json"  # each family's child writes its result here (under the work dir)
 
 
 def _family_recipe(family: str, target: str, rows: str, steps: int, mode: str, batch_size: int | None,
@@ -64,43 +66,49 @@ def _rows_file(source: Path, n: int, out: Path) -> Path:
     return out
 
 
-def bench_command(*, target: str = "data/targets/stdlib-lm", families: list[str] | None = None, steps: int = 20,
-                  batch_size: int | None = None, mode: str = "offline",
-                  data: str = "data/datasets/stdlib-chat/train.jsonl", rows: int | None = None,
-                  recipes_dir: str = "recipes", out: Path | None = None, threads: int | None = None) -> list[dict]:
-    """Run the benchmark and print the table; returns one result dict per family."""
-    fams = list(families or FAMILIES)
-    unknown = [f for f in fams if f not in FAMILIES]
-    if unknown:
-        raise SpeculatorsError(f"train-bench: unknown families {unknown}; choose from {', '.join(FAMILIES)}")
-    if mode not in ("offline", "online"):
-        raise SpeculatorsError(f"train-bench: --mode must be offline or online, got {mode!r}")
-    if steps < 1:
+def bench_command(opts: TrainBenchOptions) -> tuple[list[dict], Table]:
+    """Run the benchmark `opts` describes; (one result dict per family, the table cli.py prints). The results are
+    also written to `<work dir>/train-bench.json`."""
+    fams = choices(opts.families, "--families", FAMILIES)
+    if opts.mode not in ("offline", "online"):
+        raise SpeculatorsError(f"train-bench: --mode must be offline or online, got {opts.mode!r}")
+    if opts.steps < 1:
         raise SpeculatorsError("train-bench: --steps must be >= 1")
-    check_target_location(target)
-    if not Path(data).is_file():
-        raise SpeculatorsError(f"train-bench: data file {data} not found")
-    work = Path(out) if out else Path(tempfile.mkdtemp(prefix="speculators-train-bench-"))
+    check_target_location(opts.target)
+    if not Path(opts.data).is_file():
+        raise SpeculatorsError(f"train-bench: data file {opts.data} not found")
+    work = Path(opts.out) if opts.out else Path(tempfile.mkdtemp(prefix="speculators-train-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    n_rows = rows or max(64, int(steps * (batch_size or 8) * 1.15) + 16)
-    rows_file = _rows_file(Path(data), n_rows, work / "rows.jsonl")
+    n_rows = opts.rows or max(64, int(opts.steps * (opts.batch_size or 8) * 1.15) + 16)
+    rows_file = _rows_file(Path(opts.data), n_rows, work / "rows.jsonl")
     env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
+    if opts.threads:
+        env["OMP_NUM_THREADS"] = str(opts.threads)
     results = []
     for family in fams:
         run_dir = work / family / "run"
-        recipe_file = _family_recipe(family, target, str(rows_file), steps, mode, batch_size, run_dir,
-                                     Path(recipes_dir))
-        log.info("[train-bench] %s: %s, %d steps ...", family, mode, steps)
-        proc = subprocess.run([sys.executable, "-m", "speculators.cli", "worker-train-bench", str(recipe_file)], env=env,
-                              capture_output=True, text=True, check=False)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)), None)
-        if proc.returncode != 0 or line is None:
-            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise SpeculatorsError(f"train-bench: {family} failed: {tail}")
-        results.append(json.loads(line[len(RESULT_PREFIX):]))
-    table = Table(title=f"training benchmark: {target} ({mode}, {steps} steps, 1 process)", title_justify="left")
+        recipe_file = _family_recipe(family, opts.target, str(rows_file), opts.steps, opts.mode, opts.batch_size,
+                                     run_dir, Path(opts.recipes_dir))
+        log.info("[train-bench] %s: %s, %d steps ...", family, opts.mode, opts.steps)
+        results.append(_run_child(family, recipe_file, work / family / RESULT_FILE, env))
+    write_json_atomic(work / "train-bench.json", results)
+    log.info("[train-bench] results: %s", work / "train-bench.json")
+    return results, _table(results, f"training benchmark: {opts.target} ({opts.mode}, {opts.steps} steps, 1 process)")
+
+
+def _run_child(family: str, recipe_file: Path, result_file: Path, env: dict[str, str]) -> dict:
+    """One family in its own process (`worker-train-bench`), which writes its result JSON to `result_file`."""
+    result_file.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "speculators.cli", "worker-train-bench", str(recipe_file),
+                           str(result_file)], env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not result_file.is_file():
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SpeculatorsError(f"train-bench: {family} failed: {tail}")
+    return json.loads(result_file.read_text())
+
+
+def _table(results: list[dict], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
     for col in ("family", "batch", "tokens/s per process", "tokens per CPU-s", "peak memory MiB", "final loss",
                 "capture s", "train s"):
         table.add_column(col, justify="right" if col != "family" else "left")
@@ -110,14 +118,11 @@ def bench_command(*, target: str = "data/targets/stdlib-lm", families: list[str]
                       f"{cpu:.0f}" if cpu else "-",
                       f"{r['peak_memory_mb']:.0f}", f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
                       f"{r['capture_seconds']:.1f}", f"{r['train_seconds']:.1f}")
-    Console().print(table)
-    (work / "train-bench.json").write_text(json.dumps(results, indent=2) + "\n")
-    log.info("[train-bench] results: %s", work / "train-bench.json")
-    return results
+    return table
 
 
-def child_main(recipe_file: str, overrides: list[str]) -> int:
-    """One family: capture (offline mode) + train, then print the result line."""
+def child_main(recipe_file: str, overrides: list[str], result_file: str | Path) -> int:
+    """One family: capture (offline mode) + train, then write the result JSON to `result_file`."""
     recipe = load_recipe(recipe_file, overrides)
     prepare.run(recipe)
     capture_s = 0.0
@@ -132,7 +137,7 @@ def child_main(recipe_file: str, overrides: list[str]) -> int:
               "peak_memory_mb": summary["peak_memory_mb"], "final_loss": summary["final_loss"],
               "train_seconds": summary["train_seconds"], "capture_seconds": round(capture_s, 1),
               "val_simulated_tau": summary["val_simulated_tau"], "threads": _threads()}
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    write_json_atomic(result_file, result)
     return 0
 
 
