@@ -51,6 +51,7 @@ from speculators.core.atomic import atomic_dir, write_json_atomic
 from speculators.core.checkpoints import describe_incomplete, list_checkpoints, read_pointer, step_number, write_pointer
 from speculators.core.pairing import check_pairing, draft_revision, read_pairing
 from speculators.core.sampling import SamplingParams
+from speculators.core.tracking import log_evaluation, wandb_options
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.evaluate import baselines as baseline_runs
@@ -70,10 +71,9 @@ from speculators.evaluate.tally import CeilingTally, SpeculatorTally
 from speculators.evaluate.teacher import EvalSequence, continuations, crosscheck_record, teacher_pass
 from speculators.models.io import load_speculator, target_weights
 from speculators.recipes import to_dict
-from speculators.runtime.forward import support as runtime_support
 from speculators.runtime.drafters.ngram import ngram_propose
+from speculators.runtime.forward import support as runtime_support
 from speculators.target import fingerprint_target, load_target
-from speculators.core.tracking import log_evaluation, wandb_options
 
 EVAL_FORMAT = "speculators.eval/v1"
 

@@ -23,11 +23,11 @@ from typing import Any
 
 from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
-from speculators.runtime.adaptive import CostModel
-from speculators.serving.bench import Method, bench_rows, run_methods
-from speculators.oracle.costs import clock_name
-from speculators.runtime.engine import Engine
 from speculators.oracle.cost_model import Acceptance, Costs, cost_model, expected_seconds
+from speculators.oracle.costs import clock_name
+from speculators.runtime.adaptive import CostModel
+from speculators.runtime.engine import Engine
+from speculators.serving.bench import Method, bench_rows, run_methods
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from speculators.errors import SpeculatorsError
 from speculators.metrics import committed_distribution, per_position_from_reach, simulated_tau
-from speculators.runtime.adaptive import CostModel
 from speculators.oracle.costs import DrafterCosts
+from speculators.runtime.adaptive import CostModel
 
 
 @dataclass

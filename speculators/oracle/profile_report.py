@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from speculators.serving.bench import write_json_and_markdown
-from speculators.oracle.costs import clock_name
 from speculators.oracle.cost_model import Acceptance, Costs
+from speculators.oracle.costs import clock_name
+from speculators.serving.bench import write_json_and_markdown
 
 
 def _ms(x: float) -> float:

@@ -32,8 +32,8 @@ from typing import Any
 from speculators.core.sampling import SamplingParams
 from speculators.errors import SpeculatorsError
 from speculators.runtime.engine import Engine
-from speculators.runtime.requests import GenerateOutput, Slot, StreamChunk, VerifyForward
 from speculators.runtime.forward.target_runner import ForwardOutput
+from speculators.runtime.requests import GenerateOutput, Slot, StreamChunk, VerifyForward
 
 Emit = Callable[[StreamChunk | BaseException | None], None]
 

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from speculators.runtime.requests import GenerateOutput
 from speculators.runtime.forward.target_rows import TokenLogprob
+from speculators.runtime.requests import GenerateOutput
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat `top_logprobs`

@@ -36,12 +36,12 @@ from fastapi import Request  # module level: FastAPI resolves handler annotation
 from speculators.config import ServeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.errors import SpeculatorsError
-from speculators.serving import openai_api as api
 from speculators.runtime.batching import BatchWorker
 from speculators.runtime.engine import Engine
+from speculators.runtime.requests import GenerateOutput, StreamChunk
+from speculators.serving import openai_api as api
 from speculators.serving.http_guard import RequestGuard
 from speculators.serving.openai_api import APIError
-from speculators.runtime.requests import GenerateOutput, StreamChunk
 from speculators.serving.server_metrics import CLIENT_GONE, Admission, ServerMetrics
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})

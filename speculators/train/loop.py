@@ -45,6 +45,7 @@ from transformers import get_scheduler
 from speculators.config import Recipe, TrainConfig
 from speculators.core.atomic import write_text_atomic
 from speculators.core.checkpoints import step_name
+from speculators.core.tracking import Tracker, wandb_options
 from speculators.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.recipes import to_dict
@@ -61,7 +62,6 @@ from speculators.train.batches import BatchPlan, OfflineFeatures, OnlineFeatures
 from speculators.train.checkpoint import SUMMARY_FILE
 from speculators.train.loss import TeacherShape, VocabMap, speculator_loss
 from speculators.train.setup import Setup, check_signature, load_setup, train_signature
-from speculators.core.tracking import Tracker, wandb_options
 from speculators.train.validation import acceptance_rows, evaluate_heldout
 
 # ----------------------------------------------------------------------------------------------------------------

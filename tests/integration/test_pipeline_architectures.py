@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from speculators.config import TreeConfig
-from speculators.serving import Engine, SamplingParams
 from speculators.runtime.forward.module_runner import ModuleTargetRunner
+from speculators.serving import Engine, SamplingParams
 from tests.conftest import make_tiny_target
 from tests.unit.runtime.oracle_drafter import chi_square_p, exact_prefix_law
 from tests.unit.runtime.runtime_helpers import hf_greedy, hf_model, loaded_target, single_thread  # noqa: F401

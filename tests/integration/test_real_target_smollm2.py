@@ -19,8 +19,8 @@ from speculators.core.sampling import SamplingParams
 from speculators.core.target_sources import read_provenance, resolve_target_source
 from speculators.core.workloads import load_workloads
 from speculators.evaluate.teacher import encode_row
-from speculators.serving import Engine
 from speculators.runtime.batching import generate_batch
+from speculators.serving import Engine
 from speculators.target import dir_content_hash, load_target
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ import pytest
 
 from speculators.config import TreeConfig
 from speculators.core.workloads import load_workloads
-from speculators.serving import Engine, SamplingParams
 from speculators.runtime.batching import generate_batch
+from speculators.serving import Engine, SamplingParams
 from tests.unit.runtime.runtime_helpers import (  # noqa: F401
     FAMILIES,
     hf_greedy,

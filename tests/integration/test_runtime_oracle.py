@@ -19,11 +19,11 @@ import pytest
 
 from speculators.config import TreeConfig
 from speculators.core.sampling import sample
-from speculators.serving import Engine, SamplingParams
 from speculators.runtime.adaptive import CostModel
 from speculators.runtime.batching import BatchRunner, generate_batch
 from speculators.runtime.drafters.load import DrafterInfo
 from speculators.runtime.requests import StreamChunk
+from speculators.serving import Engine, SamplingParams
 from tests.unit.runtime.oracle_drafter import CycleLog, OracleDrafter, chi_square_p, exact_prefix_law
 from tests.unit.runtime.runtime_helpers import hf_greedy, hf_model, loaded_target, single_thread, top2_margin  # noqa: F401
 

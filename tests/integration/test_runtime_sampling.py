@@ -22,9 +22,9 @@ from speculators.config import TreeConfig
 from speculators.core.sampling import logits_to_probs, sample
 from speculators.models.base import FeatureRequest
 from speculators.models.drafting import propose_tree
-from speculators.serving import Engine, SamplingParams
 from speculators.runtime.batching import generate_batch
 from speculators.runtime.drafters.model_free import NgramDrafter
+from speculators.serving import Engine, SamplingParams
 from tests.unit.runtime.oracle_drafter import chi_square_p, exact_prefix_law
 from tests.unit.runtime.runtime_helpers import hf_model, loaded_target, make_speculator_dir, single_thread  # noqa: F401
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators.export import launch_plan as launch
 from speculators.export import export as export_stage
+from speculators.export import launch_plan as launch
 
 torch.set_num_threads(1)
 

@@ -17,8 +17,9 @@ from speculators.core.checkpoints import write_pointer  # noqa: E402
 from speculators.core.pairing import read_pairing  # noqa: E402
 from speculators.errors import SpeculatorsError  # noqa: E402
 from speculators.evaluate import evaluate as acceptance  # noqa: E402
-from speculators.export import mtp_stitch as mtp, vllm  # noqa: E402
 from speculators.export import export as export_stage  # noqa: E402
+from speculators.export import mtp_stitch as mtp  # noqa: E402
+from speculators.export import vllm
 from speculators.export.validate import validate_vllm_export  # noqa: E402
 from speculators.target import load_target  # noqa: E402
 

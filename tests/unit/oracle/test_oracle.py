@@ -10,8 +10,6 @@ import pytest
 
 from speculators.errors import SpeculatorsError
 from speculators.metrics import simulated_tau
-from speculators.runtime.adaptive import AdaptiveDepth, CostModel
-from speculators.oracle.costs import DrafterCosts
 from speculators.oracle.cost_model import (
     Acceptance,
     Costs,
@@ -22,6 +20,8 @@ from speculators.oracle.cost_model import (
     predict,
     schedule,
 )
+from speculators.oracle.costs import DrafterCosts
+from speculators.runtime.adaptive import AdaptiveDepth, CostModel
 
 
 def _costs(fwd_base: float = 0.010, per_token: float = 0.0005, draft_step: float = 0.0004,

@@ -10,9 +10,9 @@ import torch
 from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
 from speculators.oracle import costs as measure
-from speculators.runtime.engine import Engine
-from speculators.runtime.drafters.model_free import NoDrafter
 from speculators.oracle.shapes import random_drafter, random_target, shape_config, shape_names
+from speculators.runtime.drafters.model_free import NoDrafter
+from speculators.runtime.engine import Engine
 from speculators.runtime.forward.target_runner import TargetRunner
 from tests.unit.runtime.runtime_helpers import single_thread  # noqa: F401
 

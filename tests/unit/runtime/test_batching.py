@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from speculators.errors import SpeculatorsError
-from speculators.serving import Engine, SamplingParams
 from speculators.runtime.batching import BatchRunner, generate_batch
+from speculators.serving import Engine, SamplingParams
 from tests.unit.runtime.runtime_helpers import loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
 PROMPTS = ["def f(x):", "a b c a b c a b", "import os\nimport sys\n", "x = 1\ny = 2\nz =", "class A:\n    def"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from speculators.config import TreeConfig
 from speculators.metrics import simulated_tau
-from speculators.serving import Engine, SamplingParams
 from speculators.runtime.adaptive import AcceptanceMemory, AdaptiveDepth, CostModel
+from speculators.serving import Engine, SamplingParams
 from tests.unit.runtime.runtime_helpers import hf_greedy, loaded_target, single_thread  # noqa: F401
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from speculators.errors import PairingError, SpeculatorsError
-from speculators.serving import Engine
 from speculators.runtime.drafters.load import _FINGERPRINTS
+from speculators.serving import Engine
 from tests.conftest import make_tiny_target
 from tests.unit.runtime.runtime_helpers import loaded_target, make_speculator_dir, single_thread  # noqa: F401
 

@@ -8,8 +8,8 @@ import pytest
 
 from speculators.config import TreeConfig
 from speculators.errors import SpeculatorsError
-from speculators.serving import Engine, SamplingParams
 from speculators.runtime.batching import generate_batch
+from speculators.serving import Engine, SamplingParams
 from tests.unit.runtime.runtime_helpers import loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]

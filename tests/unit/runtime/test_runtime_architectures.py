@@ -15,8 +15,8 @@ import pytest
 
 from speculators.config import TreeConfig
 from speculators.core.sampling import sample
-from speculators.serving import Engine, SamplingParams
 from speculators.runtime.forward.module_runner import ModuleTargetRunner, TargetRunner
+from speculators.serving import Engine, SamplingParams
 from tests.conftest import TINY_EXTRAS, make_tiny_target
 from tests.unit.runtime.oracle_drafter import OracleDrafter, chi_square_p, exact_prefix_law
 from tests.unit.runtime.runtime_helpers import hf_greedy, hf_model, loaded_target, make_speculator_dir, single_thread  # noqa: F401

@@ -14,8 +14,8 @@ import torch
 from speculators.config import ServeConfig
 from speculators.serving import Engine, SamplingParams
 from speculators.serving.server import create_app
-from tests.unit.serving.live_server import LiveServer
 from tests.unit.runtime.runtime_helpers import hf_model, loaded_target, single_thread  # noqa: F401
+from tests.unit.serving.live_server import LiveServer
 
 CHAT = [{"role": "user", "content": "def f(x): def f(x): def f(x):"}]
 

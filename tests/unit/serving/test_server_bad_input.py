@@ -15,8 +15,8 @@ from speculators.config import ServeConfig
 from speculators.errors import SpeculatorsError
 from speculators.serving import Engine
 from speculators.serving.server import create_app
-from tests.unit.serving.live_server import LiveServer, read_response
 from tests.unit.runtime.runtime_helpers import loaded_target, single_thread  # noqa: F401
+from tests.unit.serving.live_server import LiveServer, read_response
 
 CHAT = [{"role": "user", "content": "hello"}]
 PROMPT = {"prompt": "x", "max_tokens": 2}
@@ -237,8 +237,8 @@ def test_a_client_that_disconnects_frees_its_slot(long_engine: Engine) -> None:
 def test_context_and_batch_that_do_not_fit_are_refused_at_start(engine: Engine, tiny_llama) -> None:
     """serve.max_model_len sizes each running request's KV cache; more caches than memory holds
     (max_batch_size of them) are refused when the app is made, in one line, before any is allocated."""
-    from speculators.serving.commands import _engine
     from speculators.runtime.forward.memory import available_bytes
+    from speculators.serving.commands import _engine
 
     with pytest.raises(SpeculatorsError, match="serve.max_model_len must be >= 2"):
         ServeConfig(max_model_len=1).validate()
