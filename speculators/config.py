@@ -88,6 +88,20 @@ class DataConfig:
 
 
 @dataclass
+class CaptureVllmConfig:
+    """`capture.backend: vllm`: the vLLM engine that captures (its python is the recipe's `vllm.python`)."""
+
+    tensor_parallel_size: int = 1  # vLLM's own parallelism flags, passed through
+    data_parallel_size: int = 1
+    max_num_seqs: int = 64  # rows vLLM schedules at once
+    rows_per_request: int = 64  # rows sent to the engine per message (one reply: one file per row)
+    threads: int = 2  # CPU build: OMP threads of the engine
+    kv_cache_gb: float = 2.0  # CPU build: VLLM_CPU_KVCACHE_SPACE
+    enforce_eager: bool = True  # no graph capture / compile (CPU; quick start)
+    startup_timeout: float = 900.0  # seconds for the engine to come up
+
+
+@dataclass
 class CaptureConfig:
     """What `capture` stores per token (docs/architecture.md §1, issue 3 storage goals)."""
 
@@ -99,6 +113,14 @@ class CaptureConfig:
     shard_tokens: int = 65536
     batch_size: int = 8
     num_processes: int = 1  # > 1: `accelerate launch` that many capture processes (each rank writes its shards)
+    # hf: Hugging Face forwards in this process (small targets); vllm: vLLM's extract_hidden_states method in the
+    # vLLM environment (big targets: its kernels, tensor / data parallelism; data/vllm_capture.py)
+    backend: Literal["hf", "vllm"] = "hf"
+    vllm: CaptureVllmConfig = field(default_factory=CaptureVllmConfig)
+    # multi-node capture into one shared run_dir: node r of n writes shards r, r + n, ...; whichever node finds
+    # every shard complete writes the manifest (run capture once more anywhere after all nodes finished)
+    node_rank: int = 0
+    num_nodes: int = 1
 
 
 @dataclass

@@ -22,6 +22,7 @@ over the shards, finalises the output and is the stage's entry point. What to st
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -35,8 +36,9 @@ from speculators.core.atomic import replace_dir, write_json_atomic
 from speculators.core.workers import accelerate_command, run_workers
 from speculators.data import artifacts, shards, vocab
 from speculators.data.capture_job import Job, job_dataset, make_job, setup_partial, sidecar_path, valid_shard
-from speculators.data.features import compute_features, feature_request
+from speculators.data.features import HfFeatures, feature_request
 from speculators.data.token_counts import always_included_ids, split_counts, workload_counts
+from speculators.data.vllm_capture import VllmFeatures, vllm_python
 from speculators.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.recipes import dump_recipe
@@ -49,8 +51,8 @@ TOPK_MASS_WARNING = 0.9  # the summary says so when the stored top-k holds less 
 # per-rank work
 
 
-def _capture_shard(job: Job, target: Any, request: Any, i: int, bar: Any) -> dict:
-    """Run the target over the rows of shard i and write it atomically (+ its sidecar)."""
+def _capture_shard(job: Job, source: Any, i: int, bar: Any) -> dict:
+    """Features of the rows of shard i from `source` (HfFeatures / VllmFeatures), written atomically (+ sidecar)."""
     ds = job_dataset(job)
     a, b = job.plan[i]
     rows = ds.select(range(a, b))
@@ -58,48 +60,31 @@ def _capture_shard(job: Job, target: Any, request: Any, i: int, bar: Any) -> dic
     mask_list = [list(map(int, x)) for x in rows["loss_mask"]]
     row_ids = list(rows["id"])
     cap = job.recipe.capture
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    order = sorted(range(len(ids_list)), key=lambda r: (-len(ids_list[r]), r))
     per_row: dict[int, dict[str, torch.Tensor]] = {}
-    t_fwd = 0.0
+    seconds_before = source.seconds
     err = {"taps": [0.0, 0.0], "last_hidden": [0.0, 0.0]}
     mass = [0.0, 0]
-    for start in range(0, len(order), cap.batch_size):
-        batch = order[start:start + cap.batch_size]
-        width = max(len(ids_list[r]) for r in batch)
-        inp = torch.full((len(batch), width), pad, dtype=torch.long)
-        att = torch.zeros((len(batch), width), dtype=torch.long)
-        for j, r in enumerate(batch):
-            inp[j, : len(ids_list[r])] = torch.tensor(ids_list[r])
-            att[j, : len(ids_list[r])] = 1
-        t0 = time.time()
-        feats = compute_features(target.model, inp.to(target.device), att.to(target.device), request,
-                                 teacher=cap.teacher, topk=cap.teacher_topk,
-                                 need_last_hidden="last_hidden" in job.stored)
-        feats = {k: v.cpu() for k, v in feats.items()}  # one device->host copy per tensor and batch
-        t_fwd += time.time() - t0
-        for j, r in enumerate(batch):
-            n = len(ids_list[r])
-            mask = torch.tensor(mask_list[r], dtype=torch.int8)
-            out: dict[str, torch.Tensor] = {}
-            for name in job.stored:
-                x = feats[name][j, :n]  # [T, W]
-                shards.check_finite(name, x, f"row {row_ids[r]!r}")
-                enc = shards.encode_hidden(x, cap.storage, name, job.hidden_size)
-                back = shards.decode_hidden(enc, name)
-                err[name][0] += float((back - x).pow(2).sum())
-                err[name][1] += float(x.pow(2).sum())
-                out.update(enc)
-            if cap.teacher == "topk":
-                pos = shards.teacher_positions(mask)
-                lp = feats["teacher_topk_logprobs"][j, :n][pos]  # [M_row, k]
-                out["teacher_topk_ids"] = feats["teacher_topk_ids"][j, :n][pos].to(
-                    shards.topk_id_dtype(job.vocab_size))
-                out["teacher_topk_logprobs"] = lp.to(torch.float16)
-                mass[0] += float(lp.exp().sum())
-                mass[1] += int(pos.sum())
-            per_row[r] = out
-        bar.update(sum(len(ids_list[r]) for r in batch))
+    for r, feats in source.rows(ids_list):
+        mask = torch.tensor(mask_list[r], dtype=torch.int8)
+        out: dict[str, torch.Tensor] = {}
+        for name in job.stored:
+            x = feats[name]  # [T, W]
+            shards.check_finite(name, x, f"row {row_ids[r]!r}")
+            enc = shards.encode_hidden(x, cap.storage, name, job.hidden_size)
+            back = shards.decode_hidden(enc, name)
+            err[name][0] += float((back - x).pow(2).sum())
+            err[name][1] += float(x.pow(2).sum())
+            out.update(enc)
+        if cap.teacher == "topk":
+            pos = shards.teacher_positions(mask)
+            lp = feats["teacher_topk_logprobs"][pos]  # [M_row, k]
+            out["teacher_topk_ids"] = feats["teacher_topk_ids"][pos].to(shards.topk_id_dtype(job.vocab_size))
+            out["teacher_topk_logprobs"] = lp.to(torch.float16)
+            mass[0] += float(lp.exp().sum())
+            mass[1] += int(pos.sum())
+        per_row[r] = out
+        bar.update(len(ids_list[r]))
+    t_fwd = source.seconds - seconds_before
     tensors: dict[str, torch.Tensor] = {
         "input_ids": torch.tensor([t for x in ids_list for t in x], dtype=torch.int32),
         "loss_mask": torch.tensor([t for x in mask_list for t in x], dtype=torch.int8),
@@ -126,21 +111,35 @@ def _cumsum(values: Any) -> Any:
         yield acc
 
 
+def _feature_source(job: Job, device: str | None) -> Any:
+    """The recipe's capture backend as a context manager around an object with `rows()` and `seconds`."""
+    cap = job.recipe.capture
+    request = feature_request(job.recipe, job.num_layers)
+    if cap.backend == "vllm":
+        return VllmFeatures(job, request, vllm_python(job.recipe))
+    target = load_target(job.recipe.target, device=device)
+    return contextlib.nullcontext(HfFeatures(target, request, teacher=cap.teacher, topk=cap.teacher_topk,
+                                             batch_size=cap.batch_size,
+                                             need_last_hidden="last_hidden" in job.stored))
+
+
 def capture_rank(job: Job, rank: int, world: int, device: str | None = None) -> dict:
-    """Write this rank's shards (skipping complete ones); returns counts for the summary."""
+    """Write this rank's shards (skipping complete ones); returns counts for the summary. With
+    `capture.num_nodes` > 1 the ranks of every node count: node n's rank r is rank n * world + r."""
+    cap = job.recipe.capture
+    rank, world = cap.node_rank * world + rank, world * cap.num_nodes
     mine = [i for i in range(len(job.plan)) if i % world == rank]
     todo = [i for i in mine if valid_shard(job.partial, i, job) is None]
     stats = {"shards_written": 0, "shards_reused": len(mine) - len(todo), "tokens": 0, "forward_seconds": 0.0}
     if not todo:
         return stats
-    target = load_target(job.recipe.target, device=device)
-    request = feature_request(job.recipe, job.num_layers)
     lengths = job_dataset(job)["input_ids"]
     total = sum(len(lengths[r]) for i in todo for r in range(*job.plan[i]))
-    with tqdm(total=total, desc=f"capture[{rank}/{world}]" if world > 1 else "capture", unit=" tok",
-              unit_scale=True, dynamic_ncols=True, position=rank) as bar:
+    with _feature_source(job, device) as source, \
+            tqdm(total=total, desc=f"capture[{rank}/{world}]" if world > 1 else "capture", unit=" tok",
+                 unit_scale=True, dynamic_ncols=True, position=rank % 8) as bar:
         for i in todo:
-            rec = _capture_shard(job, target, request, i, bar)
+            rec = _capture_shard(job, source, i, bar)
             stats["shards_written"] += 1
             stats["tokens"] += rec["tokens"]
             stats["forward_seconds"] += rec["forward_seconds"]
@@ -301,5 +300,14 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         return summary_of(manifest, "done")
     setup_partial(job, force)
     stats = capture_rank(job, 0, 1)
+    missing = missing_shards(job)
+    if missing:  # other nodes' shards (capture.num_nodes > 1): the last node to finish writes the manifest
+        return {"status": f"partial: this node's shards done, {len(missing)} of {len(job.plan)} shards from other "
+                          f"nodes still missing; run capture again once every node has finished", **stats}
     manifest = finalize(job, time.time() - t0, stats)
     return summary_of(manifest, "done")
+
+
+def missing_shards(job: Job) -> list[int]:
+    """Shards of the plan with no complete file in the partial dir yet (another node's, or not yet written)."""
+    return [i for i in range(len(job.plan)) if valid_shard(job.partial, i, job, check_sha=False) is None]

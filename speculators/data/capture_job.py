@@ -71,6 +71,16 @@ def _validate_capture_cfg(recipe: Recipe, vocab_size: int) -> None:
         raise SpeculatorsError("capture.shard_tokens, capture.batch_size and capture.num_processes must be >= 1")
     if c.teacher == "topk" and not 1 <= c.teacher_topk <= vocab_size:
         raise SpeculatorsError(f"capture.teacher_topk={c.teacher_topk} must be in [1, {vocab_size}]")
+    if not 0 <= c.node_rank < c.num_nodes:
+        raise SpeculatorsError(f"capture.node_rank={c.node_rank} must be in [0, capture.num_nodes={c.num_nodes})")
+    if c.backend == "vllm" and c.num_processes != 1:
+        raise SpeculatorsError("capture.backend=vllm runs one vLLM engine per node; set its parallelism with "
+                               "capture.vllm.tensor_parallel_size / data_parallel_size, not capture.num_processes")
+    v = c.vllm
+    if min(v.tensor_parallel_size, v.data_parallel_size, v.max_num_seqs, v.rows_per_request, v.threads) < 1 or \
+            v.kv_cache_gb <= 0:
+        raise SpeculatorsError("capture.vllm: tensor_parallel_size, data_parallel_size, max_num_seqs, "
+                               "rows_per_request and threads must be >= 1, kv_cache_gb > 0")
     if c.mode != "offline":
         raise SpeculatorsError("capture.mode is 'online': taps are computed inside the training step, there is "
                                "nothing to capture (set capture.mode=offline to write shards)")
@@ -115,6 +125,8 @@ def make_job(recipe: Recipe) -> Job:
         "shard_tokens": recipe.capture.shard_tokens, "batch_size": recipe.capture.batch_size,
         "group_size": shards.group_size_for(hidden) if recipe.capture.storage == "int8" else None,
     }
+    if recipe.capture.backend != "hf":  # the engine that ran the target (absent = HF, as before this key existed)
+        inputs["backend"] = recipe.capture.backend
     lengths = row_lengths(ds)
     final = recipe.paths.features
     return Job(recipe=recipe, data_dir=data_dir, partial=final.with_name(final.name + ".partial"), final=final,

@@ -51,7 +51,7 @@ def run_rank(recipe: str, overrides: list[str], force: bool) -> None:
         log.error("[rank %d] %s", rank, exc)
         sys.exit(2)
     acc.wait_for_everyone()
-    if rank == 0:
+    if rank == 0 and not capture.missing_shards(job):  # other nodes' shards missing: the last node finalises
         try:
             capture.finalize(job, time.time() - t0, {"processes": world})
         except SpeculatorsError as exc:

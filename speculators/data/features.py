@@ -4,12 +4,16 @@
 - `stored_features`: the feature names a capture with that request and teacher writes ("taps", "last_hidden").
 - `compute_features`: one target forward -> float32 features (+ the top-k or full-logits teacher). Capture calls
   it offline (capture.py); the training loop calls it online (`capture.mode: online`, train/batches.py).
+- `HfFeatures`: capture's Hugging Face backend: rows in padded batches (longest first) -> per-row features, the
+  interface vllm_capture.VllmFeatures shares (`rows(ids_list)` yields (row index, features), `seconds`).
 
 Nothing here writes files or knows shard formats (shards.py).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,3 +65,34 @@ def compute_features(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     elif teacher == "logits":
         res["logits"] = out.logits.float()
     return res
+
+
+class HfFeatures:
+    """Per-row float32 features from Hugging Face forwards of `target` (batches of `batch_size` rows)."""
+
+    def __init__(self, target: Any, request: Any, *, teacher: str, topk: int, batch_size: int,
+                 need_last_hidden: bool) -> None:
+        self.target, self.request, self.teacher, self.topk = target, request, teacher, topk
+        self.batch_size, self.need_last_hidden = batch_size, need_last_hidden
+        self.seconds = 0.0
+
+    def rows(self, ids_list: list[list[int]]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        tok = self.target.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        order = sorted(range(len(ids_list)), key=lambda r: (-len(ids_list[r]), r))
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            width = max(len(ids_list[r]) for r in batch)
+            inp = torch.full((len(batch), width), pad, dtype=torch.long)  # [B, T]
+            att = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T]
+            for j, r in enumerate(batch):
+                inp[j, : len(ids_list[r])] = torch.tensor(ids_list[r])
+                att[j, : len(ids_list[r])] = 1
+            t0 = time.time()
+            feats = compute_features(self.target.model, inp.to(self.target.device), att.to(self.target.device),
+                                     self.request, teacher=self.teacher, topk=self.topk,
+                                     need_last_hidden=self.need_last_hidden)
+            feats = {k: v.cpu() for k, v in feats.items()}  # one device->host copy per tensor and batch
+            self.seconds += time.time() - t0
+            for j, r in enumerate(batch):
+                yield r, {k: v[j, : len(ids_list[r])] for k, v in feats.items()}

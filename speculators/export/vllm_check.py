@@ -36,6 +36,7 @@ from typing import Any
 from speculators.config import Recipe
 from speculators.core.atomic import write_json_atomic, write_text_atomic
 from speculators.core.pairing import draft_revision, read_pairing
+from speculators.core.vllm_env import find_vllm_python, server_env
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.errors import SpeculatorsError
 from speculators.evaluate.chain_prediction import (
@@ -54,12 +55,10 @@ from speculators.export.vllm_consumer import (
     VllmServer,
     complete_ids,
     counts_between,
-    find_vllm_python,
     is_vllm_cpu,
     repaired_env,
     served_model,
     server_args,
-    server_env,
     spec_counters,
 )
 from speculators.metrics import ChainCounts

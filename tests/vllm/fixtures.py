@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from speculators.export.vllm_consumer import VllmServer, find_vllm_python, server_args, server_env
+from speculators.core.vllm_env import find_vllm_python, server_env
+from speculators.export.vllm_consumer import VllmServer, server_args
 from tests.conftest import HOUSE_TARGET
 
 REPO = Path(__file__).resolve().parents[2]

