@@ -9,6 +9,9 @@
 #   5. `speculators profile` of the house target with a DFlash export (a block drafter: one forward drafts the whole
 #      block, k = block size - 1): predicted vs measured speedup (needs DFLASH; `bench` then runs it too).
 #   Random heads of every family, DFlash included, are timed on the Llama-3.1-8B shape in step 3 either way.
+#   6. capture-vllm: both capture backends on the same house rows (scripts/capture_backends.py): tokens/s of HF
+#      forwards and of vLLM's extract_hidden_states, and the per-tap difference (needs vLLM: VLLM_PYTHON, or a
+#      $PYTHON that imports vllm on the GPU image).
 # With --cpu the same steps run on the CPU with small shapes and budgets (a CI test runs it: it cannot rot).
 #
 # usage: scripts/gpu_check.sh [--cpu]
@@ -18,7 +21,9 @@
 #                   .gpu-carry/house-eagle3
 #        DFLASH     a trained house DFlash export dir (`speculators export` of recipes/house-dflash.yaml; its
 #                   report.json gives the acceptance), e.g. carried as .gpu-carry/house-dflash
-#        STEPS      comma-separated subset of: pytest,bench,profile-shape,profile-house,profile-dflash (default: all)
+#        VLLM_PYTHON the interpreter of a vLLM environment for step 6 (default on a GPU: $PYTHON when it imports vllm)
+#        STEPS      comma-separated subset of: pytest,bench,profile-shape,profile-house,profile-dflash,capture-vllm
+#                   (default: all)
 #        PYTHON     the interpreter (default: .venv/bin/python when `make install` made it, else python3 — the
 #                   device image's, which holds torch with CUDA; the repo goes on PYTHONPATH, nothing is installed
 #                   except wheels carried in .whl/, as the device notes describe)
@@ -27,7 +32,7 @@ cd "$(dirname "$0")/.." || exit 2
 MODE=gpu
 [ "${1:-}" = "--cpu" ] && MODE=cpu
 OUT="${OUT:-runs/gpu-check-$MODE}"
-STEPS="${STEPS:-pytest,bench,profile-shape,profile-house,profile-dflash}"
+STEPS="${STEPS:-pytest,bench,profile-shape,profile-house,profile-dflash,capture-vllm}"
 SPECULATOR="${SPECULATOR:-}"
 DFLASH="${DFLASH:-}"
 mkdir -p "$OUT"
@@ -132,12 +137,23 @@ if [ -n "$DFLASH" ]; then
 else
   echo "== profile-dflash: skipped (no DFLASH: the check needs a trained DFlash export)"
 fi
+VLLM_PY="${VLLM_PYTHON:-}"
+if [ -z "$VLLM_PY" ] && [ "$MODE" = gpu ] && "$PY" -c "import vllm" 2>/dev/null; then VLLM_PY="$PY"; fi
+if [ -n "$VLLM_PY" ]; then
+  export SPECULATORS_VLLM_PYTHON="$VLLM_PY"
+  step capture-vllm 600 "$PY" scripts/capture_backends.py \
+    recipes/house-eagle3.yaml "run_dir=$WORK/capture" data.regenerate.enabled=false data.sources.0.max_rows=256 \
+    data.sources.1.max_rows=64 "target.device=$DEVICE" target.dtype=float32 capture.teacher=topk
+else
+  echo "== capture-vllm: skipped (no vLLM environment: set VLLM_PYTHON)"
+fi
 
 # the records: flat in $OUT (the device tool returns at most 8 files, two folders deep)
 [ -f "$WORK/bench/bench.json" ] && cp "$WORK/bench/bench.json" "$OUT/bench.json"
 [ -f "$WORK/profile-shape/profile.json" ] && cp "$WORK/profile-shape/profile.json" "$OUT/profile-$SHAPE_NAME.json"
 [ -f "$WORK/profile-house/profile.json" ] && cp "$WORK/profile-house/profile.json" "$OUT/profile-house.json"
 [ -f "$WORK/profile-dflash/profile.json" ] && cp "$WORK/profile-dflash/profile.json" "$OUT/profile-dflash.json"
+[ -f "$WORK/capture/backends/report.json" ] && cp "$WORK/capture/backends/report.json" "$OUT/capture-backends.json"
 {
   echo "## GPU tests (tests/gpu)"
   echo
@@ -158,7 +174,7 @@ PY
   fi
   echo
   for md in "$WORK/bench/bench.md" "$WORK/profile-shape/profile.md" "$WORK/profile-house/profile.md" \
-            "$WORK/profile-dflash/profile.md"; do
+            "$WORK/profile-dflash/profile.md" "$WORK/capture/backends/report.md"; do
     [ -f "$md" ] && { cat "$md"; echo; }
   done
   echo "## Steps"
