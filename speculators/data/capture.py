@@ -38,7 +38,8 @@ from speculators.data import artifacts, shards, vocab
 from speculators.data.capture_job import Job, job_dataset, make_job, setup_partial, sidecar_path, valid_shard
 from speculators.data.features import HfFeatures, feature_request
 from speculators.data.token_counts import always_included_ids, split_counts, workload_counts
-from speculators.data.vllm_capture import VllmFeatures, vllm_python
+from speculators.data.vllm_capture import VllmFeatures
+from speculators.data.vllm_engine import vllm_python
 from speculators.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.recipes import dump_recipe
@@ -116,7 +117,7 @@ def _feature_source(job: Job, device: str | None) -> Any:
     cap = job.recipe.capture
     request = feature_request(job.recipe, job.num_layers)
     if cap.backend == "vllm":
-        return VllmFeatures(job, request, vllm_python(job.recipe))
+        return VllmFeatures(job, request)
     target = load_target(job.recipe.target, device=device)
     return contextlib.nullcontext(HfFeatures(target, request, teacher=cap.teacher, topk=cap.teacher_topk,
                                              batch_size=cap.batch_size,
@@ -298,6 +299,8 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         _launch(recipe, force)
         manifest = artifacts.read_manifest(job.final, shards.FEATURES_FORMAT, "features")
         return summary_of(manifest, "done")
+    if recipe.capture.backend == "vllm":
+        vllm_python(recipe)  # the vLLM environment exists, before anything is written
     setup_partial(job, force)
     stats = capture_rank(job, 0, 1)
     missing = missing_shards(job)

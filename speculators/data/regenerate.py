@@ -16,7 +16,10 @@ Backends (`data.regenerate.backend`):
   (`serving.runtime_support.runtime_refusal`) is regenerated as `local` runs, with one log line saying why;
 - `local`: batched in-process `model.generate` (left padding) on the target's device;
 - `openai`: any OpenAI-compatible server (vLLM, SGLang, `speculators serve`) at `data.regenerate.endpoint`, through
-  the `openai` client (regen_openai.py; the endpoint and the model are checked before the first row).
+  the `openai` client (regen_openai.py; the endpoint and the model are checked before the first row);
+- `vllm`: a vLLM engine this stage starts in the vLLM environment (regen_vllm.py, vllm_engine.py); with
+  `capture.backend: vllm` too, `speculators run` keeps it up for capture, which then reuses the prompts and answers
+  it just computed (prefix cache): one vLLM launch for both data stages.
 Sampling: temperature / top_p / max_new_tokens from the recipe, seeded from `recipe.seed`. Several temperatures
 (`data.regenerate.temperature: [0.0, 1.0]`): every row is regenerated once per temperature and written once per
 temperature (ids `<id>@T=<t>`, `schemas.copy_id`), so the draft sees the contexts of greedy and of sampling
@@ -50,8 +53,11 @@ from speculators.core.sampling import SamplingParams
 from speculators.data import artifacts
 from speculators.data.prepare import RowEncoder, make_encoder
 from speculators.data.regen_openai import OpenAIBackend
-from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState, Turn
+from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState
+from speculators.data.regen_tokens import TokenBackend
+from speculators.data.regen_vllm import VllmBackend
 from speculators.data.schemas import Conversation, RowError, copy_id
+from speculators.data.vllm_engine import release
 from speculators.errors import SpeculatorsError
 from speculators.runtime.batch_generate import EngineGenerator, crosscheck
 from speculators.runtime.forward.support import runtime_refusal
@@ -66,19 +72,13 @@ MAX_LISTED_FAILURES = 100
 # backends
 
 
-class LocalBackend:
+class LocalBackend(TokenBackend):
     """Batched `model.generate` with left padding on the target's device — or, with `backend: engine`, the
-    bundled runtime (`serving.batch_generate.EngineGenerator`) on the same loaded target."""
+    bundled runtime (`runtime.batch_generate.EngineGenerator`) on the same loaded target."""
 
     def __init__(self, recipe: Recipe) -> None:
-        self.recipe = recipe
         self.target = load_target(recipe.target)
-        self.tok = self.target.tokenizer
-        self.encoder = make_encoder(recipe, self.tok)
-        self.encoder._probe_terminator()
-        self.terminators = set(self.encoder.terminators)
-        self.stop_ids = sorted(self.terminators | {int(i) for i in self.tok.all_special_ids if i is not None})
-        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.stop_ids[0]
+        super().__init__(recipe, self.target.tokenizer)
         self.engine: Any = None
         self.crosscheck: dict | None = None
         refusal = runtime_refusal(self.target) if recipe.data.regenerate.backend == "engine" else None
@@ -89,35 +89,19 @@ class LocalBackend:
             # a request's prompt + budget stay within data.max_length (run_chunk), so the KV caches need no more
             self.engine = EngineGenerator(self.target, rg.drafter, rg.concurrency, recipe.data.max_length)
 
-    def prompt_ids(self, st: RowState) -> list[int]:
-        if st.conv.is_chat:
-            return self.encoder.prompt_ids(st.history, st.conv.tools)
-        ids = list(self.tok(st.conv.prompt, add_special_tokens=True)["input_ids"])
-        return ids[:-1] if ids and ids[-1] == self.tok.eos_token_id else ids
-
-    def generate(self, prompts: list[list[int]], max_new: list[int], seed: int, temperature: float) -> list[Turn]:
+    def generate_ids(self, prompts: list[list[int]], max_new: list[int], seed: int,
+                     temperature: float) -> list[list[int]]:
         hf, engine = partial(self.hf_ids, temperature=temperature), partial(self.engine_ids, temperature=temperature)
         if self.engine is None:
-            gens = hf(prompts, max_new, seed)
-        else:
-            n = min(self.recipe.data.regenerate.crosscheck_rows, len(prompts)) if self.crosscheck is None else 0
-            gens = []
-            if n > 0:  # the first rows run through both backends, side by side; the engine's answers are kept
-                self.crosscheck, gens = crosscheck(
-                    partial(self.hf_batches, prompts[:n], max_new[:n], seed, temperature=temperature),
-                    partial(engine, prompts[:n], max_new[:n], seed), temperature == 0)
-                self.crosscheck["temperature"] = temperature
-            gens += engine(prompts[n:], max_new[n:], seed + n)
-        turns = []
-        for gen in gens:
-            stop = next((t for t, x in enumerate(gen) if x in self.stop_ids), None)
-            body = gen if stop is None else gen[:stop]
-            finished = stop is not None and gen[stop] in self.terminators
-            text = self.tok.decode(body, skip_special_tokens=False)
-            same = list(self.tok(text, add_special_tokens=False)["input_ids"]) == body
-            turns.append(Turn(text=text, finished=finished, tokens=len(body) + int(stop is not None),
-                              retokenized_same=same))
-        return turns
+            return hf(prompts, max_new, seed)
+        n = min(self.recipe.data.regenerate.crosscheck_rows, len(prompts)) if self.crosscheck is None else 0
+        gens = []
+        if n > 0:  # the first rows run through both backends, side by side; the engine's answers are kept
+            self.crosscheck, gens = crosscheck(
+                partial(self.hf_batches, prompts[:n], max_new[:n], seed, temperature=temperature),
+                partial(engine, prompts[:n], max_new[:n], seed), temperature == 0)
+            self.crosscheck["temperature"] = temperature
+        return gens + engine(prompts[n:], max_new[n:], seed + n)
 
     def engine_ids(self, prompts: list[list[int]], max_new: list[int], seed: int,
                    temperature: float) -> list[list[int]]:
@@ -159,37 +143,6 @@ class LocalBackend:
             stop = next((t for t, x in enumerate(gen) if x in self.stop_ids), None)
             gens.append(gen if stop is None else gen[: stop + 1])
         return gens
-
-    def run_chunk(self, states: list[RowState], seed: int) -> None:
-        rg, max_len = self.recipe.data.regenerate, self.recipe.data.max_length
-        round_ = 0
-        while True:
-            active = [st for st in states if st.needs_generation]
-            if not active:
-                return
-            prompts, budgets, ready = [], [], []
-            for st in active:
-                try:
-                    p = self.prompt_ids(st)
-                except Exception as exc:  # noqa: BLE001 - template errors on a regenerated history
-                    st.fail(f"cannot render the conversation: {(str(exc).splitlines() or ['?'])[0]}", permanent=True)
-                    continue
-                budget = min(rg.max_new_tokens, max_len - len(p) - 1)  # room for the end-of-turn token
-                if budget < 1:
-                    st.cut()
-                    continue
-                prompts.append(p)
-                budgets.append(budget)
-                ready.append(st)
-            for k, t in enumerate(rg.temperatures):  # one generation call per temperature (own seeds)
-                group = [j for j, st in enumerate(ready) if st.temperature == t]
-                if not group:
-                    continue
-                turns = self.generate([prompts[j] for j in group], [budgets[j] for j in group],
-                                      seed * 1_000_003 + round_ + 7919 * k, t)
-                for j, turn in zip(group, turns, strict=True):
-                    ready[j].accept(turn)
-            round_ += 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -324,6 +277,8 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     rg = recipe.data.regenerate
     if rg.backend in ("local", "engine"):
         backend: Any = LocalBackend(recipe)
+    elif rg.backend == "vllm":
+        backend = VllmBackend(recipe)
     else:
         backend = OpenAIBackend(recipe)
         backend.check()  # the endpoint and the model, before the first row
@@ -340,6 +295,8 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
                     out_dir, failed[0].id, failed[0].error)
     else:
         store.remove()
+    if rg.backend == "vllm":  # the engine stays up for capture when capture runs through vLLM too
+        release(recipe, keep=recipe.capture.backend == "vllm")
     return summary_of(manifest, "done")
 
 

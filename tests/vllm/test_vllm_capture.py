@@ -5,6 +5,7 @@ rows, within the storage quantisation, through the same validation, manifest and
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -75,3 +76,37 @@ def test_vllm_capture_without_a_vllm_environment_is_one_error_line(tmp_path: Pat
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and lines[-1].startswith("error: ") and "vLLM environment" in lines[-1], res.stderr
     assert not (tmp_path / "novllm" / "features").exists()
+
+
+def test_one_vllm_launch_regenerates_and_captures(tmp_path: Path, vllm_python: Path) -> None:
+    """`speculators run` with both data stages on vLLM starts one engine: it writes the answers at T = 0 (the same as
+    the bundled runtime's greedy answers) and then captures the regenerated rows (equal to an HF capture of them)."""
+    rows = {"sources": [{"path": str(REPO / "data" / "datasets" / "stdlib-chat" / "train.jsonl"), "max_rows": 8}],
+            "max_length": 384}
+    regen = {"enabled": True, "temperature": 0.0, "max_new_tokens": 48}
+    both = write_recipe(tmp_path / "both.yaml", tmp_path / "both", data={**rows, "regenerate": {**regen,
+                        "backend": "vllm"}}, capture={"layer_ids": [2, 4, 7], "backend": "vllm", "teacher": "topk",
+                        "teacher_topk": 8}, speculator={"family": "eagle3"}, vllm={"python": str(vllm_python)})
+    cli("run", str(both), "--only", "prepare,regenerate,capture")
+    log = (tmp_path / "both" / "logs" / "vllm-engine.log").read_text()
+    assert log.count("== speculators: vLLM engine start") == 1, "regenerate and capture did not share one engine"
+    assert not list((tmp_path / "both").glob(".vllm-engine-*")), "the exchange directory was left behind"
+    ref = write_recipe(tmp_path / "ref.yaml", tmp_path / "ref", data={**rows, "regenerate": {**regen,
+                       "backend": "engine", "crosscheck_rows": 0}}, capture={"layer_ids": [2, 4, 7],
+                       "teacher": "topk", "teacher_topk": 8}, speculator={"family": "eagle3"})
+    cli("run", str(ref), "--only", "prepare,regenerate")
+    import datasets
+
+    mine = datasets.load_from_disk(str(tmp_path / "both" / "regenerated"))
+    theirs = datasets.load_from_disk(str(tmp_path / "ref" / "regenerated"))
+    same = sum(a == b for a, b in zip(mine["input_ids"], theirs["input_ids"], strict=True))
+    assert len(mine) == 8 and same >= 7, f"vLLM's greedy answers equal the runtime's on {same} of 8 rows"
+    # capture the vLLM-regenerated rows with HF forwards too: the shared engine's capture equals it
+    hf = write_recipe(tmp_path / "hf.yaml", tmp_path / "both", data={**rows, "regenerate": {**regen,
+                      "backend": "vllm"}}, capture={"layer_ids": [2, 4, 7], "teacher": "topk", "teacher_topk": 8},
+                      speculator={"family": "eagle3"}, vllm={"python": str(vllm_python)})
+    shutil.copytree(tmp_path / "both" / "features", tmp_path / "vllm-features")
+    cli("capture", str(hf), "--force")
+    report = compare_features(tmp_path / "both" / "features", tmp_path / "vllm-features")
+    assert all(t["mean_relative_error"] < 1e-4 for t in report["taps"]), report
+    assert report["teacher"]["top1_agreement"] >= 0.99, report

@@ -1,5 +1,6 @@
-"""Runs inside the vLLM environment (never imported by `speculators`): one vLLM engine that captures hidden states
-for `speculators capture` with `capture.backend: vllm` (data/vllm_capture.py starts it and speaks to it).
+"""Runs inside the vLLM environment (never imported by `speculators`): one vLLM engine that regenerates answers
+(`data.regenerate.backend: vllm`) and captures hidden states (`capture.backend: vllm`) for the data stages
+(data/vllm_engine.py starts it and speaks to it).
 
     CAPTURE_CONFIG=config.json CAPTURE_REPLY_FD=N python capture_main.py
 
@@ -10,7 +11,11 @@ ids (`hidden_states [T, L, H]`, ids ascending: id k < N = the residual entering 
 output before the final norm) and, when `topk` > 0, its prompt log-probs give the target's top-k next-token
 log-probs at every position. The reply, one JSON line on the reply fd, names one safetensors file per row in `out_dir`
 (`hidden_states`, `token_ids` and, with top-k, `topk_ids [T, k]` / `topk_logprobs [T, k]`); vLLM's own files are
-removed. `{"ready": ...}` is the first line once the engine is up; `{"error": ...}` and exit 1 on any failure.
+removed. `{"batch": B, "generate": [[prompt ids], ...], "params": [{max_tokens, temperature, top_p, seed}, ...],
+"stop_token_ids": [...]}` samples one answer per prompt and replies `{"outputs": [[token ids], ...]}` (the hidden
+states vLLM writes for those requests are deleted). Prefix caching is on: a capture of a regenerated row recomputes
+only what the generation did not (the cached blocks keep their hidden states). `{"ready": ...}` is the first line
+once the engine is up; `{"error": ...}` and exit 1 on any failure.
 vLLM's logs go to stdout / stderr, never to the reply fd.
 """
 
@@ -39,6 +44,7 @@ def _engine(cfg: dict) -> LLM:
                tensor_parallel_size=int(cfg["tensor_parallel_size"]),
                data_parallel_size=int(cfg["data_parallel_size"]), max_num_seqs=int(cfg["max_num_seqs"]),
                trust_remote_code=bool(cfg["trust_remote_code"]), max_logprobs=max(topk, 1),
+               enable_prefix_caching=True,
                speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                    "draft_model_config": {"hf_config": {
                                        "eagle_aux_hidden_state_layer_ids": list(cfg["layer_ids"])}}},
@@ -89,6 +95,21 @@ def _run_batch(llm: LLM, cfg: dict, batch: int, rows: list[list[int]]) -> list[s
     return files
 
 
+def _generate(llm: LLM, rows: list[list[int]], params: list[dict], stop_ids: list[int]) -> list[list[int]]:
+    sampling = [SamplingParams(max_tokens=int(p["max_tokens"]), temperature=float(p["temperature"]),
+                               top_p=float(p["top_p"]), seed=int(p["seed"]), stop_token_ids=stop_ids,
+                               detokenize=False) for p in params]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sampling, use_tqdm=False)
+    answers = []
+    for out in outs:
+        path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        if path:  # the prompt's hidden states: not asked for here
+            load_hidden_states(path)
+            cleanup_hidden_states(path)
+        answers.append([int(t) for t in out.outputs[0].token_ids])
+    return answers
+
+
 def main() -> int:
     with open(os.environ["CAPTURE_CONFIG"]) as fh:
         cfg = json.load(fh)
@@ -102,9 +123,11 @@ def main() -> int:
                 continue
             request = json.loads(line)
             t0 = time.time()
-            files = _run_batch(llm, cfg, int(request["batch"]), request["rows"])
-            reply.write(json.dumps({"batch": request["batch"], "files": files,
-                                    "seconds": round(time.time() - t0, 3)}) + "\n")
+            if "generate" in request:
+                out = {"outputs": _generate(llm, request["generate"], request["params"], request["stop_token_ids"])}
+            else:
+                out = {"files": _run_batch(llm, cfg, int(request["batch"]), request["rows"])}
+            reply.write(json.dumps({"batch": request["batch"], **out, "seconds": round(time.time() - t0, 3)}) + "\n")
         return 0
     except Exception as exc:  # one line for the parent; the traceback goes to the log
         traceback.print_exc()
