@@ -13,23 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from speculators.data import capture, prepare, regenerate
 from speculators.data.feature_compare import compare_features
+from speculators.oracle.profile import device_name
 from speculators.recipes import load_recipe
-
-
-def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def main(argv: list[str]) -> int:
@@ -59,7 +50,7 @@ def main(argv: list[str]) -> int:
         rows[backend] = {"tokens": tokens, "forward_tokens_per_s": t["forward_tokens_per_s"],
                          "wall_seconds": t["wall_seconds"], "wall_tokens_per_s": round(tokens / t["wall_seconds"], 1)}
     equivalence = compare_features(root / "hf" / "features", root / "vllm" / "features")
-    report = {"cpu": _cpu(), "target": recipe.target.name_or_path, "backends": rows,
+    report = {"cpu": device_name("cpu"), "target": recipe.target.name_or_path, "backends": rows,
               "vllm_over_hf_forward": round(rows["vllm"]["forward_tokens_per_s"] / rows["hf"]["forward_tokens_per_s"], 3),
               "vllm_over_hf_wall": round(rows["vllm"]["wall_tokens_per_s"] / rows["hf"]["wall_tokens_per_s"], 3),
               "equivalence": equivalence}

@@ -1,5 +1,5 @@
 """The vLLM environment as seen from ours: where its interpreter is, the environment its processes run under, and
-vLLM's own error line in a process log. vLLM runs in its own virtual environment (`.venv-vllm`, `make vllm-env`:
+vLLM's own error line in a process log, and stopping one of its process groups. vLLM runs in its own virtual environment (`.venv-vllm`, `make vllm-env`:
 it pins other transformers versions), so nothing here imports vLLM; the stages that use it (capture with
 `capture.backend: vllm`, vllm-check) start its processes with these.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 VLLM_PYTHON_ENV = "SPECULATORS_VLLM_PYTHON"
@@ -54,3 +56,19 @@ def last_error_line(log: Path) -> str:
         return raised[0][:400]
     errors = [ln for ln in lines if re.search(r"(Error|Exception|error:)", ln) and not ln.startswith(("File ", "raise "))]
     return (errors or lines or ["empty log"])[-1][:400]
+
+
+def stop_process_group(proc: subprocess.Popen, waits: tuple[float, float] = (30.0, 10.0)) -> None:
+    """SIGTERM a vLLM process's whole group (started with `start_new_session`), then SIGKILL what is left."""
+    for sig, wait in zip((signal.SIGTERM, signal.SIGKILL), waits, strict=True):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

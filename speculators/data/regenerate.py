@@ -296,7 +296,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     else:
         store.remove()
     if rg.backend == "vllm":  # the engine stays up for capture when capture runs through vLLM too
-        release(recipe, keep=recipe.capture.backend == "vllm")
+        release(backend.vllm_engine, keep=recipe.capture.backend == "vllm")
     return summary_of(manifest, "done")
 
 

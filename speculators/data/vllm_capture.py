@@ -90,7 +90,7 @@ class VllmFeatures:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        release(self.job.recipe, keep=False)
+        release(self.engine, keep=False)
 
     # ------------------------------------------------------------------------------------------------------------
     # rows -> features

@@ -5,7 +5,7 @@ hidden states with the KV blocks: measured bit-identical to a fresh forward).
 
 - `engine_for(recipe)`: the recipe's engine, started on first use (`vllm_side/capture_main.py` in the vLLM
   environment: the `extract_hidden_states` method at capture's layer ids, the top-k teacher, prefix caching) and
-  kept in this process's registry; `release(recipe, keep=...)` stops it unless the next stage will use it (then the
+  kept in this process's registry; `release(engine, keep=...)` stops it unless the next stage will use it (then the
   registry stops it when the process exits).
 - `VllmEngine.capture(rows)` -> one safetensors file per row (hidden states, token ids, top-k teacher);
   `VllmEngine.generate(rows, params, stop_ids)` -> generated token ids per row (`params`: max_tokens, temperature,
@@ -23,21 +23,19 @@ import math
 import os
 import select
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import AutoConfig
 
 from speculators.config import Recipe
-from speculators.core.vllm_env import find_vllm_python, last_error_line, server_env
-from speculators.data.features import feature_request
+from speculators.core.vllm_env import find_vllm_python, last_error_line, server_env, stop_process_group
+from speculators.data.features import feature_request, stored_features
 from speculators.errors import SpeculatorsError
-from speculators.target import text_config
+from speculators.target import resolve_device, resolve_dtype, text_config
 
 VLLM_SIDE = Path(__file__).resolve().parent / "vllm_side"
 REQUEST_TIMEOUT_S = 3600.0  # one message of rows
@@ -66,8 +64,8 @@ def engine_config(recipe: Recipe) -> dict[str, Any]:
     n = num_layers(recipe)
     request = feature_request(recipe, n)
     taps = list(request.tap_layer_ids) if request.tap_layer_ids else []
-    need_last = bool(request.last_hidden) or cap.teacher == "hidden"
-    dtype = target.dtype if target.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
+    need_last = "last_hidden" in stored_features(request, cap.teacher)
+    dtype = str(resolve_dtype(target.dtype, resolve_device(target.device))).removeprefix("torch.")
     return {"model": target.name_or_path, "revision": target.revision, "dtype": dtype, "seed": recipe.seed,
             "max_model_len": recipe.data.max_length + 1, "layer_ids": sorted(set(taps) | ({n} if need_last else set())),
             "topk": cap.teacher_topk if cap.teacher == "topk" else 0,
@@ -81,6 +79,7 @@ class VllmEngine:
 
     def __init__(self, recipe: Recipe, config: dict[str, Any]) -> None:
         self.recipe, self.config = recipe, config
+        self.key = json.dumps(config, sort_keys=True)  # its place in the registry
         self.python = vllm_python(recipe)  # before anything is written
         self.proc: subprocess.Popen | None = None
         self.replies: Any = None
@@ -121,16 +120,10 @@ class VllmEngine:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
-                self.proc.stdin.close()
+                self.proc.stdin.close()  # end of input: the engine loop returns
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                for sig in (signal.SIGTERM, signal.SIGKILL):
-                    try:
-                        os.killpg(self.proc.pid, sig)
-                        self.proc.wait(timeout=30)
-                        break
-                    except (ProcessLookupError, subprocess.TimeoutExpired):
-                        continue
+                stop_process_group(self.proc, (30.0, 30.0))
         if self.replies is not None:
             self.replies.close()
             self.replies = None
@@ -172,22 +165,19 @@ class VllmEngine:
 def engine_for(recipe: Recipe) -> VllmEngine:
     """The recipe's running engine (started on first use, then shared by the stages that ask the same config)."""
     config = engine_config(recipe)
-    key = json.dumps(config, sort_keys=True)
-    engine = _ENGINES.get(key)
+    engine = _ENGINES.get(json.dumps(config, sort_keys=True))
     if engine is None or engine.proc is None or engine.proc.poll() is not None:
         engine = VllmEngine(recipe, config).start()
-        _ENGINES[key] = engine
+        _ENGINES[engine.key] = engine
     return engine
 
 
-def release(recipe: Recipe, *, keep: bool) -> None:
-    """Stop the recipe's engine unless `keep` (a later stage of this process uses it; exit stops it then)."""
-    if keep:
+def release(engine: VllmEngine | None, *, keep: bool) -> None:
+    """Stop `engine` unless `keep` (a later stage of this process uses it; exit stops it then)."""
+    if engine is None or keep:
         return
-    key = json.dumps(engine_config(recipe), sort_keys=True)
-    engine = _ENGINES.pop(key, None)
-    if engine is not None:
-        engine.stop()
+    _ENGINES.pop(engine.key, None)
+    engine.stop()
 
 
 @atexit.register

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import time
 import urllib.error
@@ -38,7 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from speculators.core.vllm_env import last_error_line
+from speculators.core.vllm_env import last_error_line, stop_process_group
 from speculators.errors import SpeculatorsError
 from speculators.metrics import ChainCounts
 
@@ -121,18 +120,8 @@ class VllmServer:
                                f"{last_error_line(self.log)} (log {self.log})")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        if self.proc is not None:
+            stop_process_group(self.proc)
 
     def __enter__(self) -> VllmServer:
         return self.start()
