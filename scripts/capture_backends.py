@@ -20,7 +20,7 @@ from pathlib import Path
 from speculators.data import capture, prepare, regenerate
 from speculators.data.feature_compare import compare_features
 from speculators.oracle.profile import device_name
-from speculators.recipes import load_recipe
+from speculators.core.recipes import load_recipe
 
 
 def main(argv: list[str]) -> int:

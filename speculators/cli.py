@@ -22,12 +22,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from speculators import options as o
-from speculators.config import ServeConfig, setting_help
-from speculators.errors import SpeculatorsError
-from speculators.logs import configure
+from speculators.core import options as o
+from speculators.core.config import ServeConfig, setting_help
+from speculators.core.errors import SpeculatorsError
+from speculators.core.logs import configure
 from speculators.pipeline import STAGES, run_pipeline, run_stage
-from speculators.recipes import dump_recipe, load_recipe
+from speculators.core.recipes import dump_recipe, load_recipe
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train, evaluate, export and serve speculative-decoding speculators.")

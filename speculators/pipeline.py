@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from speculators.config import Recipe
-from speculators.errors import SpeculatorsError
+from speculators.core.config import Recipe
+from speculators.core.errors import SpeculatorsError
 
 
 @dataclass(frozen=True)

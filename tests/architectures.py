@@ -12,7 +12,7 @@ The per-architecture overrides make each family's peculiarities non-trivial: emb
 sliding windows, MoE, post-norms, latent attention, linear attention. These are where "the residual stream entering
 layer k" could differ between an architecture's Hugging Face forward and vLLM's, and where vLLM's CPU kernels have
 constraints. tests/conftest.py's `TINY_EXTRAS` (hidden 64, head size 16, 512 positions: the bundled runtime's tests)
-is too small for vLLM's CPU kernels. llama4_text is absent: `speculators.target.decoder_layers` finds no layers in
+is too small for vLLM's CPU kernels. llama4_text is absent: `speculators.core.target.decoder_layers` finds no layers in
 it, because transformers 5.25's `Llama4ForCausalLM.get_decoder()` returns the causal LM itself.
 """
 

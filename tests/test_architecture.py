@@ -1,8 +1,8 @@
 """The house rules of docs/architecture.md §2, read from the source (AST): a rule that breaks fails here, naming the file.
 
 - Imports point downward only (docs/architecture.md): cli -> pipeline -> stages and apps (data, train, evaluate,
-  export; serving, oracle; house) -> runtime -> models -> shared (core/, config, options, target, metrics, errors,
-  logs).
+  export; serving, oracle; house) -> runtime -> models -> shared (core/: config, options, recipes, target, metrics,
+  errors, logs, ...).
   Stages and apps use each other only as a DAG; the apps (`serving`, `oracle`) never import `train` or `data`;
   `runtime` imports no stage or app; `models` imports no runtime; shared modules import nothing above them.
 - Every pipeline stage is a module `speculators.<room>.<stage>` with `enabled`, `is_complete` and `run`.
@@ -31,7 +31,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "speculators"
 
-SHARED = {"core", "config", "options", "recipes", "target", "metrics", "errors", "logs", ""}
+SHARED = {"core", ""}
 STAGES = {"data", "train", "evaluate", "export", "serving", "oracle", "house"}
 RANK = {"cli": 5, "pipeline": 4, **{s: 3 for s in STAGES}, "runtime": 2, "models": 1, **{s: 0 for s in SHARED}}
 FORBIDDEN_STAGE_EDGES = {(app, stage) for app in ("serving", "oracle") for stage in ("train", "data")}
@@ -125,7 +125,7 @@ def test_imports_point_downward_only() -> None:
         me = _group(module)
         for dep in _edges(module):
             them = _group(dep)
-            if me == them:
+            if me == them or not {me, them} <= RANK.keys():  # a room with no rank: test_every_module_is_in_a_known_room
                 continue
             if RANK[them] > RANK[me] or (RANK[them] == RANK[me] and me not in STAGES and them not in SHARED):
                 broken.append(f"{module} -> {dep} (an arrow back up: {me or 'speculators'} is below {them})")
@@ -146,6 +146,21 @@ def test_stages_use_each_other_as_a_dag() -> None:
 def test_no_import_circle_between_files() -> None:
     graph = {m: _edges(m) for m in _modules()}
     assert not _cycles(graph), "import circles:\n" + "\n".join(" -> ".join(c) for c in _cycles(graph))
+
+
+def _package(module: str) -> str:
+    """The folder a module's file sits in, as a dotted name (a package's `__init__` sits in its own)."""
+    return module if _modules()[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def test_no_import_circle_between_folders() -> None:
+    """Folders too import one way: the root holds only what sits above every room (cli, pipeline), never a module
+    the rooms share (those live in core/), so no room and the root import each other."""
+    graph: dict[str, set[str]] = {}
+    for module in _modules():
+        graph.setdefault(_package(module), set()).update(
+            _package(dep) for dep in _edges(module) if _package(dep) != _package(module))
+    assert not _cycles(graph), "folder circles:\n" + "\n".join(" -> ".join(c) for c in _cycles(graph))
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -253,8 +268,8 @@ def test_import_speculators_stays_light(heavy: str) -> None:
 
 
 def test_the_rules_catch_a_broken_house(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The checks above are not vacuous: on a copy of the package with a model importing serving, a circle and an
-    argparse import, each of them fails."""
+    """The checks above are not vacuous: on a copy of the package with a model importing serving, a circle, a module the
+    rooms share left at the root, and an argparse import, each of them fails."""
     copy = tmp_path / "speculators"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "models" / "upward.py").write_text("from speculators.runtime.engine import Engine\n")
@@ -263,11 +278,14 @@ def test_the_rules_catch_a_broken_house(tmp_path: Path, monkeypatch: pytest.Monk
     (copy / "core" / "stale.py").write_text("from speculators.core.atomic import no_such_writer\n")
     (copy / "core" / "late.py").write_text("def f():\n    import json\n    return json\n")
     (copy / "core" / "own_writer.py").write_text("def put(tmp, final):\n    tmp.replace(final)\n")
+    (copy / "shared_at_root.py").write_text("LIMIT = 1\n")
+    (copy / "core" / "reads_root.py").write_text("from speculators.shared_at_root import LIMIT\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy)
     for fn in (_modules, _tree):
         fn.cache_clear()
     try:
         for check in (test_imports_point_downward_only, test_no_import_circle_between_files,
+                      test_every_module_is_in_a_known_room, test_no_import_circle_between_folders,
                       test_only_cli_parses_arguments, test_every_internal_import_resolves, test_imports_sit_at_the_top,
                       test_one_atomic_writer):
             with pytest.raises(AssertionError):

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from speculators.core.atomic import write_text_atomic
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "pairing.json")

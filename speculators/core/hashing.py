@@ -1,7 +1,7 @@
 """Content hashes of files: `sha256_file(path)` reads a file in 4 MiB chunks and returns its hex sha256.
 
 Used by the data stages' manifests, the target fingerprint and the packaged-target checks. Not here: what a hash is
-compared with, or any cache of hashes (speculators.target keeps one keyed by file stat).
+compared with, or any cache of hashes (speculators.core.target keeps one keyed by file stat).
 """
 
 from __future__ import annotations

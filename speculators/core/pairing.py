@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from speculators.core.atomic import write_text_atomic
-from speculators.errors import PairingError, SpeculatorsError
+from speculators.core.errors import PairingError, SpeculatorsError
 
 PAIRING_FILE = "pairing.json"
 PAIRING_FORMAT = "speculators.pairing/v1"

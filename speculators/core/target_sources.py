@@ -15,7 +15,7 @@ content hash). The folder appears atomically under `cache_root()/targets/`; a se
 - `is_target_source(name_or_path)`, `resolve_target_source(name_or_path) -> str` (the folder, or the input unchanged
   when it is neither source), `fetch_packaged(name)`, `convert_gguf(path)`, `cache_root()`.
 
-Not here: loading the folder as a target (speculators.target), pairing fingerprints (computed from the folder like
+Not here: loading the folder as a target (speculators.core.target), pairing fingerprints (computed from the folder like
 any other local target).
 """
 
@@ -38,8 +38,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from speculators.core.atomic import atomic_dir, write_json_atomic
 from speculators.core.hashing import sha256_file
-from speculators.errors import SpeculatorsError
-from speculators.target import dir_content_hash
+from speculators.core.errors import SpeculatorsError
+from speculators.core.target import dir_content_hash
 
 PACKAGE_PREFIX = "package:"
 PROVENANCE = "provenance.json"

@@ -40,7 +40,7 @@ from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker
 
 from speculators.core.atomic import write_text_atomic
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 JSONL_NAME = "metrics.jsonl"
 RUN_ID_FILE = "wandb-run-id"

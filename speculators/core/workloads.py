@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 _ROLES = ("system", "user", "assistant", "tool")
 

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from speculators.core.atomic import write_json_atomic
 from speculators.core.hashing import sha256_file
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 PREPARED_FORMAT = "speculators.prepared/v1"
 MANIFEST = "manifest.json"

@@ -23,11 +23,11 @@ from typing import Any
 import pyarrow.compute as pc
 from transformers import AutoConfig
 
-from speculators.config import Recipe
+from speculators.core.config import Recipe
 from speculators.data import artifacts, shards
 from speculators.data.features import feature_request, stored_features
-from speculators.errors import SpeculatorsError
-from speculators.target import check_target_location, fingerprint_target, load_tokenizer, text_config
+from speculators.core.errors import SpeculatorsError
+from speculators.core.target import check_target_location, fingerprint_target, load_tokenizer, text_config
 
 
 @dataclass

@@ -21,8 +21,8 @@ import torch
 from accelerate import Accelerator
 
 from speculators.data import capture
-from speculators.errors import SpeculatorsError
-from speculators.recipes import load_recipe
+from speculators.core.errors import SpeculatorsError
+from speculators.core.recipes import load_recipe
 
 log = logging.getLogger(__name__)
 

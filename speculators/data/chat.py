@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from speculators.data.schemas import Conversation
-from speculators.errors import SpeculatorsError
-from speculators.target import eos_token_ids
+from speculators.core.errors import SpeculatorsError
+from speculators.core.target import eos_token_ids
 
 _SENTINEL = "\u2063SPECULATORSSENTINEL{}\u2063"
 _PROBE_USER = "Probe question."

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from speculators.data.shards import FeatureStore
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from speculators.config import Recipe
+from speculators.core.config import Recipe
 from speculators.models import SPECULATORS
-from speculators.target import forward_with_taps
+from speculators.core.target import forward_with_taps
 
 TOPK_CHUNK_ELEMENTS = 1 << 26  # logits converted to float32 at a time for the top-k teacher (256 MiB)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from speculators.config import DataConfig, Recipe
+from speculators.core.config import DataConfig, Recipe
 from speculators.core.atomic import replace_dir, write_json_atomic
 from speculators.data import artifacts
 from speculators.data.chat import ChatEncoder, RowEncodeError
@@ -35,8 +35,8 @@ from speculators.data.schemas import (
     source_fingerprint,
     source_kind,
 )
-from speculators.errors import SpeculatorsError
-from speculators.target import load_tokenizer, saved_eos_token_ids, tokenizer_hash
+from speculators.core.errors import SpeculatorsError
+from speculators.core.target import load_tokenizer, saved_eos_token_ids, tokenizer_hash
 
 MAX_LISTED_BAD_ROWS = 100
 

@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import PurePosixPath
 from typing import Any
 
-from speculators.config import Recipe
+from speculators.core.config import Recipe
 from speculators.data.regen_rows import RowFailed, RowState, Turn
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 log = logging.getLogger(__name__)
 _PERMANENT = (400, 413, 422)  # the server refuses this row's request as invalid: the same answer every time

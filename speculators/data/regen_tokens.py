@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speculators.config import Recipe
+from speculators.core.config import Recipe
 from speculators.data.prepare import make_encoder
 from speculators.data.regen_rows import RowState, Turn
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from speculators.core.hashing import sha256_file
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 ROLES = ("system", "user", "assistant", "tool")
 # message keys passed through to chat templates (anything else is dropped)

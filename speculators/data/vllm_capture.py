@@ -31,11 +31,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from speculators.config import TargetConfig
+from speculators.core.config import TargetConfig
 from speculators.data.capture_job import Job
 from speculators.data.vllm_engine import engine_for, release
-from speculators.errors import SpeculatorsError
-from speculators.target import final_norm, load_target
+from speculators.core.errors import SpeculatorsError
+from speculators.core.target import final_norm, load_target
 
 
 def _checkpoint_tensor(directory: Path, key: str) -> torch.Tensor | None:

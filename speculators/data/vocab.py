@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from speculators.core.atomic import atomic_path
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 TOKEN_FREQ_FILE = "token_freq.safetensors"
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from speculators import metrics
-from speculators.config import TreeConfig
+from speculators.core import metrics
+from speculators.core.config import TreeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.evaluate.chain_prediction import sequence_chain_cycles
 from speculators.evaluate.live import LiveRun, load_engine, run_live

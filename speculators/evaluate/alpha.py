@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculators import metrics
+from speculators.core import metrics
 from speculators.core.sampling import SamplingParams, logits_to_probs
 
 Proposer = Callable[[list[int], int], list[int]]
@@ -182,7 +182,7 @@ def teacher_ceilings(teacher_logits: torch.Tensor, prompt_len: int, params: Samp
 
 @dataclass
 class AlphaAccumulator:
-    """Collects alpha/valid matrices per cohort and summarizes them with `speculators.metrics`."""
+    """Collects alpha/valid matrices per cohort and summarizes them with `speculators.core.metrics`."""
 
     depth: int
     alphas: dict[str, list[torch.Tensor]] = field(default_factory=dict)

@@ -34,14 +34,14 @@ from typing import Any
 
 import torch
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.evaluate.alpha import speculator_alpha
 from speculators.evaluate.drafts import draft_logits
 from speculators.evaluate.replay import Z95, CycleCounts, chain_weights, replay_chain
 from speculators.evaluate.teacher import EvalSequence, continuations, encode_row, greedy_tokens, teacher_pass
-from speculators.metrics import ChainCounts, walk_chain
+from speculators.core.metrics import ChainCounts, walk_chain
 
 GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0)
 
@@ -105,7 +105,7 @@ def predict_sampled_rows(spec: Any, target: Any, rows: Sequence[WorkloadRow], k:
                          seed: int, draft: str = "argmax") -> list[ChainCounts]:
     """vLLM's expected chain-k counters per row at `temperature` > 0 (module docstring); `draft` "sampled" for
     vLLM's probabilistic drafting verified token by token (importance weights, `replay.chain_weights`). `target` is
-    the loaded target (`speculators.target.LoadedTarget`); `seed` fixes the continuations (`teacher.row_seed`)."""
+    the loaded target (`speculators.core.target.LoadedTarget`); `seed` fixes the continuations (`teacher.row_seed`)."""
     spec = spec.float().eval()
     depth = min(int(k), int(spec.num_steps))
     longer = [dataclasses.replace(r, max_new_tokens=r.max_new_tokens + depth) for r in rows]

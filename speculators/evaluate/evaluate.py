@@ -8,7 +8,7 @@ For every row of `recipe.evaluate.workloads` and every temperature in `recipe.ev
   3. every checkpoint's `forward_train` gives per-step draft logits, scored per position and depth by
      `alpha.speculator_alpha` (and at T > 0 by `alpha.speculator_block_alpha`: block verification of the same sampled
      chain); the n-gram baseline (`serving.ngram.ngram_propose`) by `alpha.ngram_alpha`;
-  4. per cohort: chain reach -> a_k -> simulated tau (`speculators.metrics`, via `alpha.summarize`).
+  4. per cohort: chain reach -> a_k -> simulated tau (`speculators.core.metrics`, via `alpha.summarize`).
 Then `select.choose_best` picks the highest mean simulated tau at `evaluate.select_temperature`, the bundled
 runtime measures live acceptance of that checkpoint and of the n-gram drafter (`evaluate.live`), and the stage
 writes eval/<step>/{report.json, report.md, per_position.png, tau.png}, eval/selection.json, eval/report.md,
@@ -46,14 +46,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from speculators.config import Recipe
+from speculators.core.config import Recipe
 from speculators.core.atomic import atomic_dir, write_json_atomic
 from speculators.core.checkpoints import describe_incomplete, list_checkpoints, read_pointer, step_number, write_pointer
 from speculators.core.pairing import check_pairing, draft_revision, read_pairing
 from speculators.core.sampling import SamplingParams
 from speculators.core.tracking import log_evaluation, wandb_options
 from speculators.core.workloads import WorkloadRow, load_workloads
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.evaluate import baselines as baseline_runs
 from speculators.evaluate.agreement import serving_agreement
 from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
@@ -70,10 +70,10 @@ from speculators.evaluate.select import (
 from speculators.evaluate.tally import CeilingTally, SpeculatorTally
 from speculators.evaluate.teacher import EvalSequence, continuations, crosscheck_record, teacher_pass
 from speculators.models.io import load_speculator, target_weights
-from speculators.recipes import to_dict
+from speculators.core.recipes import to_dict
 from speculators.runtime.drafters.ngram import ngram_propose
 from speculators.runtime.forward import support as runtime_support
-from speculators.target import fingerprint_target, load_target
+from speculators.core.target import fingerprint_target, load_target
 
 EVAL_FORMAT = "speculators.eval/v1"
 

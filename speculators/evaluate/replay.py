@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from speculators import metrics
+from speculators.core import metrics
 from speculators.core.sampling import SamplingParams, logits_to_probs
 from speculators.evaluate.alpha import to_target_vocab
 from speculators.runtime.drafters.load import prune_tree

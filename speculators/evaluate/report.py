@@ -13,7 +13,7 @@ Per checkpoint, `write_checkpoint_report(dir, report)` writes into `eval/<step>/
 runtime's refusal line when there is one, and the chosen one side by side with `evaluate.baselines`) and
 `eval/selection.png` (mean tau per checkpoint, with the recorded loss for reference).
 
-This module formats numbers; it computes none (they come from `speculators.metrics` via `alpha.py`).
+This module formats numbers; it computes none (they come from `speculators.core.metrics` via `alpha.py`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def render_markdown(report: dict) -> str:
               "(committed tokens per target call, bonus included)",
               "- at T > 0: tau of the sampled chain verified token by token (min(1, p/q) per depth) and, as `block "
               "tau`, verified jointly by block verification (Sun et al. 2024; vLLM `rejection_sample_method: "
-              "\"block\"`; never lower), both from the same teacher-forced laws (`speculators.metrics`)",
+              "\"block\"`; never lower), both from the same teacher-forced laws (`speculators.core.metrics`)",
               *runtime_unavailable_line(report.get("runtime_unavailable")), ""]
     live = report.get("live") or {}
     for t in _temps(report):

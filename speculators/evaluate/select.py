@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from speculators.core.checkpoints import step_number
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 SELECTION_FORMAT = "speculators.selection/v1"
 def checkpoint_loss(step_dir: str | Path) -> float | None:

@@ -11,7 +11,7 @@
   also written by HF `generate` in the same process, timed and compared token for token (`crosscheck_record`).
   When the runtime cannot run the target's architecture (`runtime_support.runtime_refusal`), `engine` falls back
   to `local` with one log line naming why (the entries are cached under the `local` key: they are HF's).
-- `teacher_pass`: one forward over prompt + continuation with `speculators.target.forward_with_taps` -> the
+- `teacher_pass`: one forward over prompt + continuation with `speculators.core.target.forward_with_taps` -> the
   features speculators ask for (taps of a union of layer ids, sliced per speculator) and the teacher logits.
 
 This module does not score drafts (see `alpha.py`) and does not touch checkpoints.
@@ -36,11 +36,11 @@ from transformers import DynamicCache
 from speculators.core.atomic import write_text_atomic
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.runtime.batch_generate import EngineGenerator, crosscheck
 from speculators.runtime.forward import support as runtime_support
 from speculators.runtime.forward.memory import work_max_len
-from speculators.target import cache_kwarg, eos_token_ids, forward_with_taps
+from speculators.core.target import cache_kwarg, eos_token_ids, forward_with_taps
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def continuations(target: Any, rows: Sequence[WorkloadRow], temperatures: Sequen
                   target_revision: str, cache_path: Path | None, backend: str = "engine", crosscheck_rows: int = 0,
                   progress: bool = True, concurrency: int = ENGINE_CONCURRENCY) -> dict[float, list[EvalSequence]]:
     """prompt + target continuation of every row at every temperature (cached; see module docstring). `target`
-    is the loaded target (`speculators.target.LoadedTarget`); `engine` on a target the runtime cannot run writes
+    is the loaded target (`speculators.core.target.LoadedTarget`); `engine` on a target the runtime cannot run writes
     them with HF `generate` (`local`) instead."""
     if backend not in CONTINUATION_BACKENDS:
         raise SpeculatorsError(f"evaluate.continuation_backend must be one of {CONTINUATION_BACKENDS}, got {backend!r}")

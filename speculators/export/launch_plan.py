@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from speculators.metrics import per_position_from_reach
+from speculators.core.metrics import per_position_from_reach
 from speculators.oracle.cost_model import merge_buckets
 from speculators.runtime.adaptive import CostModel
-from speculators.target import cache_kwarg
+from speculators.core.target import cache_kwarg
 
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
 

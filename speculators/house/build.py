@@ -30,7 +30,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from speculators.house import corpus, tasks
 from speculators.house.tokenizer import END_OF_TEXT, render_chat, train_tokenizer
-from speculators.options import BuildHouseOptions
+from speculators.core.options import BuildHouseOptions
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 _FAMILY_MODULES = {"eagle3": "speculators.models.eagle3", "medusa": "speculators.models.medusa",
                    "mtp": "speculators.models.mtp", "dflash": "speculators.models.dflash"}

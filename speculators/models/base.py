@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from speculators.config import SpeculatorConfig, TreeConfig
+    from speculators.core.config import SpeculatorConfig, TreeConfig
     from speculators.core.sampling import SamplingParams
     from speculators.core.trees import DraftTree
 

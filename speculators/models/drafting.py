@@ -45,12 +45,12 @@ import torch
 
 from speculators.core.sampling import SamplingParams, logits_to_probs, sample, sample_without_replacement
 from speculators.core.trees import SAMPLED_MODES, DraftTree
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models.static_trees import build_static_tree, default_choices
 from speculators.models.steppers import PathIndependentStepper, Stepper
 
 if TYPE_CHECKING:
-    from speculators.config import TreeConfig
+    from speculators.core.config import TreeConfig
 
 __all__ = ["TREE_KINDS", "propose_tree", "build_chain", "build_dynamic_tree", "build_sampled_tree",
            "build_best_first_tree", "sampled_tree_widths", "root_only", "tree_verify_mode", "to_target_logits"]

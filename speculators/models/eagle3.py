@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, TargetWeights
 from speculators.models.io import tensor_digest
 from speculators.models.layers import (
@@ -45,10 +45,10 @@ from speculators.models.layers import (
     verifier_info,
 )
 from speculators.models.recurrent import RecurrentSpeculator
-from speculators.target import default_tap_layers, validate_layer_ids
+from speculators.core.target import default_tap_layers, validate_layer_ids
 
 if TYPE_CHECKING:
-    from speculators.config import SpeculatorConfig
+    from speculators.core.config import SpeculatorConfig
 
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 SUPPORTED_NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")

@@ -30,10 +30,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from speculators.core.atomic import atomic_dir, atomic_path
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.models.base import Speculator, TargetWeights
-from speculators.target import final_norm, input_embeddings, output_head
+from speculators.core.target import final_norm, input_embeddings, output_head
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

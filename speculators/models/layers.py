@@ -32,13 +32,13 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models.base import TargetWeights
 from speculators.models.kv_cache import AttendFn
-from speculators.target import text_config
+from speculators.core.target import text_config
 
 if TYPE_CHECKING:
-    from speculators.config import SpeculatorConfig
+    from speculators.core.config import SpeculatorConfig
 
 DRAFT_ARCHS = ("llama", "qwen3")
 

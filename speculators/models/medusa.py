@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, Speculator, TargetWeights, select_rows
 from speculators.models.drafting import propose_tree, root_only
 from speculators.models.layers import check_full_vocab, dtype_name, native_options, target_dims, verifier_info
@@ -32,7 +32,7 @@ from speculators.models.static_trees import medusa_choices_from_accuracy
 from speculators.models.steppers import MarginalStepper
 
 if TYPE_CHECKING:
-    from speculators.config import SpeculatorConfig, TreeConfig
+    from speculators.core.config import SpeculatorConfig, TreeConfig
     from speculators.core.sampling import SamplingParams
     from speculators.core.trees import DraftTree
 

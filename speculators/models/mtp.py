@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models.base import FeatureRequest, TargetWeights
 from speculators.models.io import tensor_digest
 from speculators.models.layers import (
@@ -40,7 +40,7 @@ from speculators.models.layers import (
 from speculators.models.recurrent import RecurrentSpeculator
 
 if TYPE_CHECKING:
-    from speculators.config import SpeculatorConfig
+    from speculators.core.config import SpeculatorConfig
 
 
 class SharedHead(nn.Module):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models.base import Speculator, gather_positions, live_rows, select_rows, shift_for_step
 from speculators.models.drafting import propose_tree, root_only
 from speculators.models.fused import FusedStack
@@ -29,7 +29,7 @@ from speculators.models.kv_cache import KVCache
 from speculators.models.layers import DecoderSpec, Rotary, TTTAttention, run_layers, train_mask, train_positions
 
 if TYPE_CHECKING:
-    from speculators.config import TreeConfig
+    from speculators.core.config import TreeConfig
     from speculators.core.sampling import SamplingParams
     from speculators.core.trees import DraftTree
 

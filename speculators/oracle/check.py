@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from speculators.config import TreeConfig
-from speculators.errors import SpeculatorsError
+from speculators.core.config import TreeConfig
+from speculators.core.errors import SpeculatorsError
 from speculators.oracle.cost_model import Acceptance, Costs, cost_model, expected_seconds
 from speculators.oracle.costs import clock_name
 from speculators.runtime.adaptive import CostModel

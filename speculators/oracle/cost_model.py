@@ -30,8 +30,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from speculators.errors import SpeculatorsError
-from speculators.metrics import committed_distribution, per_position_from_reach, simulated_tau
+from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import committed_distribution, per_position_from_reach, simulated_tau
 from speculators.oracle.costs import DrafterCosts
 from speculators.runtime.adaptive import CostModel
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.runtime.batching import BatchRunner
 from speculators.runtime.drafters.load import depth_tree

@@ -11,7 +11,7 @@ Speed does not depend on the weights, so `speculators profile` times a model *sh
   config with random weights (`Speculator.from_target`, on the CPU, as a speculator is loaded), prepared for drafting as the runtime would (`drafters.prepare_for_drafting`: device, drafting dtype). EAGLE-3 gets a reduced draft vocabulary of `draft_vocab_size` ids (32,000 by
   default, the size of published EAGLE-3 heads for Llama-3.1-8B), capped at the target's vocabulary.
 
-Not here: timing (costs.py), the oracle's model (oracle.py). Real checkpoints load through `speculators.target`.
+Not here: timing (costs.py), the oracle's model (oracle.py). Real checkpoints load through `speculators.core.target`.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from speculators.config import SpeculatorConfig, TargetConfig
-from speculators.errors import SpeculatorsError
+from speculators.core.config import SpeculatorConfig, TargetConfig
+from speculators.core.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.models.io import target_weights
 from speculators.runtime.drafters.load import draft_dtype_for, prepare_for_drafting
-from speculators.target import LoadedTarget
+from speculators.core.target import LoadedTarget
 
 SHAPES_DIR = Path(__file__).resolve().parents[2] / "data" / "shapes"
 DEFAULT_DRAFT_VOCAB = 32000
@@ -69,7 +69,7 @@ def _word_tokenizer(vocab_size: int) -> Any:
 
 
 def random_target(name_or_file: str, device: str, dtype: torch.dtype, seed: int = 0) -> Any:
-    """A `speculators.target.LoadedTarget` of the shape with random weights (see the module docstring)."""
+    """A `speculators.core.target.LoadedTarget` of the shape with random weights (see the module docstring)."""
     name, fields = shape_config(name_or_file)
     fields = dict(fields)
     model_type = fields.pop("model_type")

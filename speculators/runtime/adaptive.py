@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from speculators.metrics import simulated_tau
+from speculators.core.metrics import simulated_tau
 
 _BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 

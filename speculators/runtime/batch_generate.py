@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.core.sampling import SamplingParams
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.runtime.batching import BatchRunner
 from speculators.runtime.engine import Engine
 

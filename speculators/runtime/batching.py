@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from speculators.core.sampling import SamplingParams
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.runtime.engine import Engine
 from speculators.runtime.forward.target_runner import ForwardOutput
 from speculators.runtime.requests import GenerateOutput, Slot, StreamChunk, VerifyForward

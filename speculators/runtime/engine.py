@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from speculators.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
+from speculators.core.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
 from speculators.core.sampling import SamplingParams, logits_to_probs
 from speculators.core.trees import DraftTree, ancestor_mask
-from speculators.errors import SpeculatorsError
-from speculators.metrics import AcceptanceStats
+from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import AcceptanceStats
 from speculators.models.drafting import TREE_KINDS
 from speculators.runtime.adaptive import AcceptanceMemory, CostModel
 from speculators.runtime.calibration import SAMPLED_KINDS
@@ -84,7 +84,7 @@ from speculators.runtime.requests import (
     take_committed,
 )
 from speculators.runtime.verify.lossless import verify_tree_lazy
-from speculators.target import eos_token_ids, load_target
+from speculators.core.target import eos_token_ids, load_target
 
 DEFAULT_MAX_LEN = 8192
 
@@ -95,7 +95,7 @@ class Engine:
     def __init__(self, target: Any, drafter: Any = None, *, info: DrafterInfo | None = None,
                  tree: TreeConfig | None = None, max_len: int | None = None, adaptive: bool | None = None,
                  prefix_caching: bool = True) -> None:
-        self.target = target  # speculators.target.LoadedTarget
+        self.target = target  # speculators.core.target.LoadedTarget
         self.tokenizer = target.tokenizer
         self.drafter = drafter if drafter is not None else NoDrafter()
         self.info = info or DrafterInfo(getattr(self.drafter, "name", type(self.drafter).__name__),

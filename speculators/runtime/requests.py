@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from speculators.core.sampling import SamplingParams
-from speculators.errors import SpeculatorsError
-from speculators.metrics import AcceptanceStats
+from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import AcceptanceStats
 from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.forward.target_rows import TokenLogprob
 from speculators.runtime.forward.target_runner import RunnerBase, Segment

@@ -33,9 +33,9 @@ from typing import Any
 
 from fastapi import Request  # module level: FastAPI resolves handler annotations by name
 
-from speculators.config import ServeConfig
+from speculators.core.config import ServeConfig
 from speculators.core.sampling import SamplingParams
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.runtime.batching import BatchWorker
 from speculators.runtime.engine import Engine
 from speculators.runtime.requests import GenerateOutput, StreamChunk

@@ -6,6 +6,7 @@ FSDP, precision), the module wrapper the distributed engines see, and what a run
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import platform
 import resource
@@ -21,16 +22,15 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 from torch import nn
 from transformers.integrations import unset_hf_deepspeed_config
 
-import speculators
-from speculators.config import Recipe
-from speculators.errors import SpeculatorsError
+from speculators.core.config import Recipe
+from speculators.core.errors import SpeculatorsError
 
 # ----------------------------------------------------------------------------------------------------------------
 # environment
 
 
 def package_versions() -> dict:
-    out = {"speculators": getattr(speculators, "__version__", "0"), "torch": torch.__version__,
+    out = {"speculators": importlib.metadata.version("speculators"), "torch": torch.__version__,
            "transformers": transformers.__version__, "accelerate": accelerate.__version__,
            "python": platform.python_version()}
     if "deepspeed" in sys.modules:

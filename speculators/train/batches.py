@@ -31,7 +31,7 @@ import torch
 from speculators.data.artifacts import load_token_dataset
 from speculators.data.features import compute_features
 from speculators.data.shards import split_indices as split
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.train.loss import (
     Teacher,
     TeacherShape,

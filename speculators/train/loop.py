@@ -10,7 +10,7 @@ What it does:
 - Optimisation: AdamW, warmup + cosine/linear/constant schedule (transformers' `get_scheduler`, fast-forwarded on resume),
   gradient accumulation, clipping, bf16 mixed precision on CUDA (fp32 on CPU); loss = `loss.speculator_loss`.
 - Every `eval_every` / `save_every` steps and at the end: held-out teacher-forced per-step accuracy, chain reach,
-  per-position acceptance and simulated tau (`speculators.metrics`), logged with a table + plot; checkpoints
+  per-position acceptance and simulated tau (`speculators.core.metrics`), logged with a table + plot; checkpoints
   (checkpoint.py) with `best` chosen by that simulated tau. Exact resume of model, optimizer, schedule, data
   position and RNG (`train.resume`: auto | never | a path).
 - The summary (steps, tokens/s per process, peak memory, final loss, val acceptance and tau, best checkpoint) is
@@ -42,13 +42,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from speculators.config import Recipe, TrainConfig
+from speculators.core.config import Recipe, TrainConfig
 from speculators.core.atomic import write_text_atomic
 from speculators.core.checkpoints import step_name
 from speculators.core.tracking import Tracker, wandb_options
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models import SPECULATORS
-from speculators.recipes import to_dict
+from speculators.core.recipes import to_dict
 from speculators.train import checkpoint as ck
 from speculators.train.accelerator import (
     configure_deepspeed,

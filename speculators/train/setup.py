@@ -22,18 +22,18 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from speculators.config import Recipe
+from speculators.core.config import Recipe
 from speculators.core.pairing import read_pairing
 from speculators.data import vocab as vocab_mod
 from speculators.data.artifacts import read_manifest
 from speculators.data.shards import FeatureStore
 from speculators.data.vocab import load_vocab
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.models.base import TargetWeights
 from speculators.models.io import family_of, read_speculator_config, target_weights
-from speculators.recipes import to_dict
-from speculators.target import (
+from speculators.core.recipes import to_dict
+from speculators.core.target import (
     eos_token_ids,
     final_norm,
     fingerprint_target,

@@ -29,11 +29,11 @@ from rich.table import Table
 
 from speculators.core.atomic import write_json_atomic
 from speculators.data import capture, prepare
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models import FAMILIES
-from speculators.options import TrainBenchOptions, choices
-from speculators.recipes import dump_recipe, load_recipe
-from speculators.target import check_target_location
+from speculators.core.options import TrainBenchOptions, choices
+from speculators.core.recipes import dump_recipe, load_recipe
+from speculators.core.target import check_target_location
 from speculators.train.loop import train
 
 log = logging.getLogger(__name__)

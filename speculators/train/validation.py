@@ -1,5 +1,5 @@
 """Held-out validation during training: teacher-forced per-step accuracy, chain reach, per-position acceptance and
-simulated tau of the speculator on the split the loop never trains on (`speculators.metrics` formulas), gathered
+simulated tau of the speculator on the split the loop never trains on (`speculators.core.metrics` formulas), gathered
 over every rank, and the table rows the tracker logs. It neither trains nor writes checkpoints.
 """
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from speculators.metrics import chain_reach, per_position_from_reach, simulated_tau
+from speculators.core.metrics import chain_reach, per_position_from_reach, simulated_tau
 from speculators.models.base import step_rows
 from speculators.train.batches import load_batch
 from speculators.train.loss import TOPK, speculator_loss

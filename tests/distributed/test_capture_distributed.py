@@ -11,7 +11,7 @@ import torch
 
 from speculators.data import capture, prepare
 from speculators.data.shards import FeatureStore
-from speculators.recipes import recipe_from_dict
+from speculators.core.recipes import recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "data" / "datasets" / "stdlib-chat" / "train.jsonl"

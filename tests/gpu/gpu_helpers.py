@@ -23,8 +23,8 @@ def hf_model(path: str, device: str, dtype: str):
 
 @functools.lru_cache(maxsize=4)
 def loaded_target(path: str, device: str, dtype: str):
-    from speculators.config import TargetConfig
-    from speculators.target import load_target
+    from speculators.core.config import TargetConfig
+    from speculators.core.target import load_target
 
     return load_target(TargetConfig(name_or_path=path, device=device, dtype=dtype))
 

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.core.workloads import load_workloads
 from speculators.serving import Engine, SamplingParams
 from tests.gpu.gpu_helpers import hf_greedy, loaded_target, near_tie_limit, top2

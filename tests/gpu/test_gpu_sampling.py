@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.serving import Engine
 from tests.gpu.gpu_helpers import loaded_target
 from tests.integration.test_runtime_sampling import (

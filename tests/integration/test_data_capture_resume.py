@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from speculators.data import capture, prepare
-from speculators.recipes import load_recipe
+from speculators.core.recipes import load_recipe
 from tests.conftest import make_tiny_target
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.runtime.forward.module_runner import ModuleTargetRunner
 from speculators.serving import Engine, SamplingParams
 from tests.conftest import make_tiny_target

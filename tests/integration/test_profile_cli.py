@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from speculators.metrics import simulated_tau
+from speculators.core.metrics import simulated_tau
 from tests.integration.cli_helpers import cli, error_line
 from tests.unit.runtime.runtime_helpers import make_speculator_dir
 

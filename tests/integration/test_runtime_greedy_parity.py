@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.core.workloads import load_workloads
 from speculators.runtime.batching import generate_batch
 from speculators.serving import Engine, SamplingParams

@@ -17,7 +17,7 @@ from functools import partial
 
 import pytest
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.core.sampling import sample
 from speculators.runtime.adaptive import CostModel
 from speculators.runtime.batching import BatchRunner, generate_batch

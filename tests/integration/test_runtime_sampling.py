@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.core.sampling import logits_to_probs, sample
 from speculators.models.base import FeatureRequest
 from speculators.models.drafting import propose_tree

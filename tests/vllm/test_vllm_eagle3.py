@@ -28,8 +28,8 @@ from speculators.export.vllm_consumer import (
     served_model,
     spec_counters,
 )
-from speculators.metrics import ChainCounts
-from speculators.recipes import load_recipe
+from speculators.core.metrics import ChainCounts
+from speculators.core.recipes import load_recipe
 from tests.conftest import HOUSE_TARGET
 from tests.vllm.fitting import fitted_export
 from tests.vllm.fixtures import CPU_FIXES, cli
@@ -205,7 +205,7 @@ def test_vllm_refusal_surfaces_as_vllms_own_error_line(export_of, vllm_server, t
     import torch
     from safetensors.torch import load_file, save_file
 
-    from speculators.errors import SpeculatorsError
+    from speculators.core.errors import SpeculatorsError
     from speculators.export.validate import validate_vllm_export
 
     bad = tmp_path / "export-with-d2t"

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from speculators.config import DEFAULT_NGRAM_GRAFT
+from speculators.core.config import DEFAULT_NGRAM_GRAFT
 from speculators.core.trees import SAMPLED_MODES, DraftTree
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.runtime.drafters.model_free import NgramDrafter, NgramState
 from speculators.runtime.drafters.ngram import ngram_continuations
 
 if TYPE_CHECKING:
-    from speculators.config import TreeConfig
+    from speculators.core.config import TreeConfig
     from speculators.core.sampling import SamplingParams
     from speculators.models.base import FeatureRequest
 

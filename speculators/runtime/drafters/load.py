@@ -25,18 +25,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from speculators.config import TargetConfig, TreeConfig
+from speculators.core.config import TargetConfig, TreeConfig
 from speculators.core.pairing import check_pairing, read_pairing
 from speculators.core.trees import DraftTree, depths_of
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models.io import load_speculator, target_weights
 from speculators.models.packed import pack_linears, packed_float16_available
 from speculators.runtime.drafters.graft import NgramGraft
 from speculators.runtime.drafters.model_free import NgramDrafter, NoDrafter
-from speculators.target import base_model, file_stat_key, fingerprint_target
+from speculators.core.target import base_model, file_stat_key, fingerprint_target
 
 if TYPE_CHECKING:
-    from speculators.target import LoadedTarget
+    from speculators.core.target import LoadedTarget
 
 REQUIRED_SPECULATOR_FILES = ("config.json", "model.safetensors", "pairing.json")
 
@@ -133,7 +133,7 @@ _FINGERPRINTS: dict[tuple, dict] = {}
 
 def target_fingerprint(target: LoadedTarget) -> dict:
     """`fingerprint_target(...).to_dict()` of a loaded target, cached in-process by the files' size, mtime, ctime
-    and inode (file hashes are cached on disk by `speculators.target` under the same key)."""
+    and inode (file hashes are cached on disk by `speculators.core.target` under the same key)."""
     cfg = target.cfg
     key = (cfg.name_or_path, cfg.revision, cfg.adapter, cfg.adapter_revision, _stat_key(cfg.name_or_path),
            _stat_key(cfg.adapter) if cfg.adapter else ())

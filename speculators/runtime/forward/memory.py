@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 # what a check leaves free for everything else the process allocates (activations, logits, the allocator's slack)
 SAFETY_FRACTION = 0.85

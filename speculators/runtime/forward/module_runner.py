@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from speculators.core.trees import ancestor_mask, depths_of
-from speculators.errors import SpeculatorsError, UnsupportedTargetError
+from speculators.core.errors import SpeculatorsError, UnsupportedTargetError
 from speculators.models.base import FeatureRequest
 from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.forward.target_runner import (
@@ -45,7 +45,7 @@ from speculators.runtime.forward.target_runner import (
     prefix_tree_mask,
     window_mask,
 )
-from speculators.target import (
+from speculators.core.target import (
     TapRecorder,
     base_model,
     cache_kwarg,

@@ -17,14 +17,14 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from speculators.errors import UnsupportedTargetError
+from speculators.core.errors import UnsupportedTargetError
 from speculators.runtime.forward.module_runner import make_runner
 
 _ANSWERS: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()  # model -> refusal or None
 
 
 def runtime_refusal(target: Any) -> str | None:
-    """None when the bundled runtime can run `target` (a `speculators.target.LoadedTarget`), else why not (one
+    """None when the bundled runtime can run `target` (a `speculators.core.target.LoadedTarget`), else why not (one
     line). The runner is built once per loaded model; the answer is reused."""
     model = target.model
     if model in _ANSWERS:

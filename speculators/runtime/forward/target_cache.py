@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 
 class StaticKVCache:

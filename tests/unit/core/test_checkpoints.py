@@ -15,7 +15,7 @@ from speculators.core.checkpoints import (
     step_number,
     write_pointer,
 )
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 
 def _step(root: Path, step: int, files: tuple[str, ...] = CHECKPOINT_FILES) -> Path:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from speculators.config import Recipe
-from speculators.errors import SpeculatorsError
-from speculators.recipes import dump_recipe, load_recipe, recipe_from_dict, to_dict
+from speculators.core.config import Recipe
+from speculators.core.errors import SpeculatorsError
+from speculators.core.recipes import dump_recipe, load_recipe, recipe_from_dict, to_dict
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators import metrics
+from speculators.core import metrics
 
 
 def test_tau_and_simulated_tau() -> None:

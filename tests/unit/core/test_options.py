@@ -1,4 +1,4 @@
-"""The command options (speculators/options.py) and the one tree-flag builder (config.tree_config): every flag has
+"""The command options (speculators/core/options.py) and the one tree-flag builder (config.tree_config): every flag has
 help, the CLI's flags are the dataclasses' fields, and the tree flags build the same TreeConfig for every command."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import typer
 
-from speculators import options
+from speculators.core import options
 from speculators.cli import app
-from speculators.config import TreeConfig, tree_config
-from speculators.errors import SpeculatorsError
+from speculators.core.config import TreeConfig, tree_config
+from speculators.core.errors import SpeculatorsError
 
 COMMANDS = {"generate": options.GenerateOptions, "serve": options.ServeOptions, "bench": options.BenchOptions,
             "profile": options.ProfileOptions, "train-bench": options.TrainBenchOptions,

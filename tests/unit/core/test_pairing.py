@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from speculators.core.pairing import check_pairing, draft_revision, pairing_record, read_pairing, write_pairing
-from speculators.errors import PairingError, SpeculatorsError
+from speculators.core.errors import PairingError, SpeculatorsError
 
 
 def _target(**kw) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 
-from speculators.recipes import load_recipe, recipe_from_dict, to_dict
+from speculators.core.recipes import load_recipe, recipe_from_dict, to_dict
 from speculators.train.launch import check_accelerate_config
 
 REPO = Path(__file__).resolve().parents[3]

@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from speculators.target import decoder_layers, forward_with_taps, input_embeddings
+from speculators.core.target import decoder_layers, forward_with_taps, input_embeddings
 from tests.architectures import ARCHITECTURES, NUM_LAYERS, tiny_model
 from tests.conftest import HOUSE_TARGET
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators.config import TargetConfig
-from speculators.errors import SpeculatorsError
-from speculators.target import (
+from speculators.core.config import TargetConfig
+from speculators.core.errors import SpeculatorsError
+from speculators.core.target import (
     TapRecorder,
     default_tap_layers,
     fingerprint_target,
@@ -51,7 +51,7 @@ def test_a_causal_lm_whose_get_decoder_is_itself_still_exposes_its_layers() -> N
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from speculators.runtime.forward.module_runner import make_runner
-    from speculators.target import decoder_layers, final_norm
+    from speculators.core.target import decoder_layers, final_norm
 
     cfg = AutoConfig.for_model("llama4_text", vocab_size=300, hidden_size=64, intermediate_size=128,
                                intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4,

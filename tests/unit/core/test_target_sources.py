@@ -15,7 +15,7 @@ from speculators.core.target_sources import (
     is_target_source,
     resolve_target_source,
 )
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 
 @pytest.fixture

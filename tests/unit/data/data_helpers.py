@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from speculators.config import Recipe
-from speculators.recipes import recipe_from_dict
+from speculators.core.config import Recipe
+from speculators.core.recipes import recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[3]
 CHAT = REPO / "data" / "datasets" / "stdlib-chat" / "train.jsonl"

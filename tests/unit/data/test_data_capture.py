@@ -13,8 +13,8 @@ from data_helpers import recipe, write_rows
 from speculators.core.atomic import replace_dir
 from speculators.data import capture, features, prepare
 from speculators.data.shards import FeatureStore
-from speculators.errors import SpeculatorsError
-from speculators.target import load_target
+from speculators.core.errors import SpeculatorsError
+from speculators.core.target import load_target
 
 
 def _hf_hidden(model, ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -25,7 +25,7 @@ def _hf_hidden(model, ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torc
 
 def _hook_inputs(model, layers, ids: torch.Tensor) -> dict[int, torch.Tensor]:
     """The hidden state entering each decoder layer, recorded by our own forward pre-hooks."""
-    from speculators.target import decoder_layers
+    from speculators.core.target import decoder_layers
 
     seen: dict[int, torch.Tensor] = {}
     handles = []

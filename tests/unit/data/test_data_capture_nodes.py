@@ -13,8 +13,8 @@ from data_helpers import recipe, write_rows
 
 from speculators.data import capture, prepare
 from speculators.data.vllm_capture import load_final_norm
-from speculators.errors import SpeculatorsError
-from speculators.target import final_norm, load_target
+from speculators.core.errors import SpeculatorsError
+from speculators.core.target import final_norm, load_target
 
 
 def _shas(features) -> list[str]:

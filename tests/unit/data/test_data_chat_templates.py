@@ -17,7 +17,7 @@ import pytest
 
 from speculators.data.chat import ChatEncoder, RowEncodeError
 from speculators.data.schemas import Conversation
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 HOUSE = Path(__file__).resolve().parents[3] / "data" / "targets" / "stdlib-lm"
 

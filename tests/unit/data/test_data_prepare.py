@@ -13,7 +13,7 @@ from data_helpers import recipe, write_rows
 from speculators.data import prepare
 from speculators.data.chat import ChatEncoder
 from speculators.data.schemas import Conversation, normalize_row
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 
 def _load(path):

@@ -16,7 +16,7 @@ from data_helpers import recipe, write_rows
 from openai_test_server import ModelServer
 
 from speculators.data import prepare, regenerate
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.pipeline import run_pipeline
 
 

@@ -15,8 +15,8 @@ from speculators.data import capture, prepare, regenerate, shards
 from speculators.data.schemas import copy_id, source_row_id
 from speculators.data.shards import FeatureStore
 from speculators.data.token_counts import split_counts
-from speculators.errors import SpeculatorsError
-from speculators.recipes import load_recipe
+from speculators.core.errors import SpeculatorsError
+from speculators.core.recipes import load_recipe
 from speculators.train.batches import FeatureSource, PreparedSource, split_indices
 
 

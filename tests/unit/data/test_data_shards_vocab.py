@@ -10,7 +10,7 @@ import torch
 from data_helpers import recipe, write_rows
 
 from speculators.data import capture, prepare, shards, vocab
-from speculators.errors import PairingError, SpeculatorsError
+from speculators.core.errors import PairingError, SpeculatorsError
 
 
 def test_int8_roundtrip_error_is_half_a_step_per_group():
@@ -132,8 +132,8 @@ def test_feature_store_rejects_nan_and_bad_manifests(tmp_path, captured):
 
 
 def test_check_target_refuses_other_targets(tmp_path, captured, tiny_qwen3):
-    from speculators.config import TargetConfig
-    from speculators.target import fingerprint_target
+    from speculators.core.config import TargetConfig
+    from speculators.core.target import fingerprint_target
 
     store = shards.FeatureStore(captured.paths.features)
     store.check_target(fingerprint_target(captured.target).to_dict())

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from speculators.config import Recipe
+from speculators.core.config import Recipe
 from speculators.core.pairing import pairing_record, write_pairing
 from speculators.models import SPECULATORS
 from speculators.models.io import save_speculator, target_weights
-from speculators.recipes import load_recipe, to_dict
-from speculators.target import fingerprint_target, load_target
+from speculators.core.recipes import load_recipe, to_dict
+from speculators.core.target import fingerprint_target, load_target
 
 REPO = Path(__file__).resolve().parents[3]
 

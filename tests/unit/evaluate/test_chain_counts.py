@@ -14,7 +14,7 @@ from speculators.evaluate.chain_prediction import as_chain_counts, sampled_agree
 from speculators.evaluate.replay import replay_chain
 from speculators.evaluate.report import VLLM_SECTION_HEADING, with_vllm_section
 from speculators.export.vllm_consumer import _COUNTER, counts_between, parse_spec_counters
-from speculators.metrics import ChainCounts, walk_chain
+from speculators.core.metrics import ChainCounts, walk_chain
 
 
 def test_walk_visits_the_positions_an_engine_visits() -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from speculators import metrics
+from speculators.core import metrics
 from speculators.core.sampling import SamplingParams
 from speculators.evaluate.alpha import (
     AlphaAccumulator,

@@ -10,9 +10,9 @@ import torch
 from evalexport_helpers import build_speculator, make_recipe, make_run, save_checkpoint
 
 from speculators.core.checkpoints import read_pointer
-from speculators.errors import PairingError, SpeculatorsError
+from speculators.core.errors import PairingError, SpeculatorsError
 from speculators.evaluate import evaluate as acceptance
-from speculators.target import fingerprint_target, load_target
+from speculators.core.target import fingerprint_target, load_target
 
 torch.set_num_threads(1)
 

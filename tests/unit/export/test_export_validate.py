@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
 from evalexport_helpers import make_run  # noqa: E402
 
-from speculators.errors import SpeculatorsError  # noqa: E402
+from speculators.core.errors import SpeculatorsError  # noqa: E402
 from speculators.export import export as export_stage  # noqa: E402
 from speculators.export.validate import validate_vllm_export  # noqa: E402
 

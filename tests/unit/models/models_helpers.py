@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from speculators.config import SpeculatorConfig
+from speculators.core.config import SpeculatorConfig
 from speculators.models import SPECULATORS
 from speculators.models.io import target_weights
-from speculators.target import forward_with_taps
+from speculators.core.target import forward_with_taps
 
 
 def _tests_conftest():

@@ -16,9 +16,9 @@ from models_helpers import (
     target_features,
 )
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.core.sampling import SamplingParams
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.models import dflash as dflash_module
 from speculators.models.base import FeatureRequest, step_rows

@@ -14,8 +14,8 @@ from models_helpers import (
     target_features,
 )
 
-from speculators.config import SpeculatorConfig
-from speculators.errors import SpeculatorsError
+from speculators.core.config import SpeculatorConfig
+from speculators.core.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.models.base import FeatureRequest
 from speculators.models.io import target_weights

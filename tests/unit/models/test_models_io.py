@@ -16,7 +16,7 @@ from models_helpers import (
 )
 from safetensors.torch import load_file, save_file
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models.base import TargetWeights
 from speculators.models.io import (
     digests_match,
@@ -156,9 +156,9 @@ def test_target_weights_from_hf_and_peft_models():
 
 def test_every_family_on_a_saved_tiny_target(tiny_target_any, tmp_path):
     """The real route: load_target from disk -> target_weights -> from_target -> forward_train -> save -> load."""
-    from speculators.config import SpeculatorConfig, TargetConfig
+    from speculators.core.config import SpeculatorConfig, TargetConfig
     from speculators.models import SPECULATORS
-    from speculators.target import forward_with_taps, load_target
+    from speculators.core.target import forward_with_taps, load_target
 
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_any), device="cpu", dtype="float32"))
     weights = target_weights(loaded.model)

@@ -12,7 +12,7 @@ from models_helpers import (
     tiny_target,
 )
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.models.kv_cache import KVCache, cached_attention
 from speculators.models.layers import (
     DecoderLayer,

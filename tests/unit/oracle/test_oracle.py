@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from speculators.errors import SpeculatorsError
-from speculators.metrics import simulated_tau
+from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import simulated_tau
 from speculators.oracle.cost_model import (
     Acceptance,
     Costs,

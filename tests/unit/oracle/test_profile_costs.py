@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators.config import TreeConfig
-from speculators.errors import SpeculatorsError
+from speculators.core.config import TreeConfig
+from speculators.core.errors import SpeculatorsError
 from speculators.oracle import costs as measure
 from speculators.oracle.shapes import random_drafter, random_target, shape_config, shape_names
 from speculators.runtime.drafters.model_free import NoDrafter

@@ -30,9 +30,9 @@ def hf_model(path: str):
 
 @functools.lru_cache(maxsize=8)
 def loaded_target(path: str):
-    """`speculators.target.load_target` of `path` on CPU fp32, cached per path (engines share it)."""
-    from speculators.config import TargetConfig
-    from speculators.target import load_target
+    """`speculators.core.target.load_target` of `path` on CPU fp32, cached per path (engines share it)."""
+    from speculators.core.config import TargetConfig
+    from speculators.core.target import load_target
 
     return load_target(TargetConfig(name_or_path=str(path), device="cpu", dtype="float32"))
 
@@ -59,11 +59,11 @@ def make_speculator_dir(target_dir: str | Path, family: str, out: str | Path, *,
                         num_steps: int = 3, scale: float = 0.02) -> Path:
     """A randomly initialised speculator of `family` for the target in `target_dir`, saved with its
     pairing.json to `out` (a real checkpoint dir, as training writes it)."""
-    from speculators.config import SpeculatorConfig, TargetConfig
+    from speculators.core.config import SpeculatorConfig, TargetConfig
     from speculators.core.pairing import pairing_record, write_pairing
     from speculators.models import SPECULATORS
     from speculators.models.io import save_speculator, target_weights
-    from speculators.target import fingerprint_target
+    from speculators.core.target import fingerprint_target
 
     model = hf_model(str(target_dir))
     spec_cfg = SpeculatorConfig(family=family, num_steps=num_steps)

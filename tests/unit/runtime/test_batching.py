@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.runtime.batching import BatchRunner, generate_batch
 from speculators.serving import Engine, SamplingParams
 from tests.unit.runtime.runtime_helpers import loaded_target, make_speculator_dir, single_thread  # noqa: F401

@@ -3,8 +3,8 @@ loses (with periodic probes), every choice reported; the engine stays lossless e
 
 from __future__ import annotations
 
-from speculators.config import TreeConfig
-from speculators.metrics import simulated_tau
+from speculators.core.config import TreeConfig
+from speculators.core.metrics import simulated_tau
 from speculators.runtime.adaptive import AcceptanceMemory, AdaptiveDepth, CostModel
 from speculators.serving import Engine, SamplingParams
 from tests.unit.runtime.runtime_helpers import hf_greedy, loaded_target, single_thread  # noqa: F401

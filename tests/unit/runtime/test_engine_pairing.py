@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from speculators.errors import PairingError, SpeculatorsError
+from speculators.core.errors import PairingError, SpeculatorsError
 from speculators.runtime.drafters.load import _FINGERPRINTS
 from speculators.serving import Engine
 from tests.conftest import make_tiny_target

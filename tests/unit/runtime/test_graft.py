@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from speculators.core.trees import DraftTree, depths_of, path_to
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.runtime.drafters.graft import NgramGraft, graft_chain
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.runtime.forward.target_cache import StaticKVCache
 
 

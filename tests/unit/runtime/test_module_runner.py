@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from speculators.errors import SpeculatorsError, UnsupportedTargetError
+from speculators.core.errors import SpeculatorsError, UnsupportedTargetError
 from speculators.models.base import FeatureRequest
 from speculators.runtime.forward import module_runner
 from speculators.runtime.forward.module_runner import ModuleTargetRunner, TargetRunner, make_runner

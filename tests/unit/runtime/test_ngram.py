@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.core.trees import DraftTree, ancestor_mask
 from speculators.runtime.drafters.load import prune_tree

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from speculators.config import TreeConfig
+from speculators.core.config import TreeConfig
 from speculators.core.sampling import sample
 from speculators.runtime.forward.module_runner import ModuleTargetRunner, TargetRunner
 from speculators.serving import Engine, SamplingParams

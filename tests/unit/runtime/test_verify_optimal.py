@@ -149,7 +149,7 @@ def test_metrics_block_formula_predicts_the_walks_acceptance(seed: int) -> None:
     formula (`metrics.block_reach_bounds`) brackets it, and the token-wise formula gives the iid walk's exactly."""
     import torch
 
-    from speculators import metrics
+    from speculators.core import metrics
 
     tables = ToyTables(4, seed, "depth_only")
     depth = len(LONG_CHAIN) - 1

@@ -3,7 +3,7 @@ the house target, on which a speculator of another target would not even load.""
 
 from __future__ import annotations
 
-from speculators.config import TargetConfig
+from speculators.core.config import TargetConfig
 from speculators.serving.bench import bench_target
 from tests.unit.runtime.runtime_helpers import make_speculator_dir
 

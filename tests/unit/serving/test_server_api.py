@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from speculators.config import ServeConfig
+from speculators.core.config import ServeConfig
 from speculators.serving import Engine, SamplingParams
 from speculators.serving.server import create_app
 from tests.unit.runtime.runtime_helpers import hf_model, loaded_target, single_thread  # noqa: F401

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from speculators.config import ServeConfig
-from speculators.errors import SpeculatorsError
+from speculators.core.config import ServeConfig
+from speculators.core.errors import SpeculatorsError
 from speculators.serving import Engine
 from speculators.serving.server import create_app
 from tests.unit.runtime.runtime_helpers import loaded_target, single_thread  # noqa: F401

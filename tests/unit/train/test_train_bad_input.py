@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from tests.unit.train.train_helpers import capture, load, prepare, recipe_dict, run_cli, write_recipe, write_rows
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators.config import Recipe, SpeculatorConfig
+from speculators.core.config import Recipe, SpeculatorConfig
 from speculators.core.checkpoints import step_number
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 from speculators.train import checkpoint as ck
 
 FP = {"name_or_path": "tiny", "revision": "local:abc", "content_hash": "c" * 64, "tokenizer_hash": "t" * 64,

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from speculators.config import TrainConfig
-from speculators.errors import SpeculatorsError
+from speculators.core.config import TrainConfig
+from speculators.core.errors import SpeculatorsError
 from speculators.train.batches import BatchPlan, collate
 from speculators.train.loop import lr_schedule, warmup_steps
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from speculators.core.tracking import Tracker, read_jsonl
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 ROWS = [{"k": 1, "acceptance": 0.6, "chain_reach": 0.6, "top1_accuracy": 0.6},
         {"k": 2, "acceptance": 0.5, "chain_reach": 0.3, "top1_accuracy": 0.4}]
@@ -77,7 +77,7 @@ def test_disabled_tracker_writes_nothing(tmp_path: Path) -> None:
 def test_frozen_target_weights_equal_a_full_load(fixture: str, request) -> None:
     from transformers import AutoModelForCausalLM
 
-    from speculators.config import TargetConfig
+    from speculators.core.config import TargetConfig
     from speculators.models.io import target_weights
     from speculators.train.setup import frozen_target_weights
 
@@ -100,7 +100,7 @@ def test_eos_coverage_check() -> None:
 
 
 def test_train_signature_ignores_launch_and_logging_settings() -> None:
-    from speculators.recipes import load_recipe
+    from speculators.core.recipes import load_recipe
     from speculators.train.setup import train_signature
 
     base = load_recipe(None, [])
@@ -130,7 +130,7 @@ def test_wandb_run_from_the_recipe_with_the_evaluation(tmp_path: Path, caplog) -
     import logging
 
     from speculators.core.tracking import RUN_ID_FILE, log_evaluation, wandb_options
-    from speculators.recipes import load_recipe
+    from speculators.core.recipes import load_recipe
     from tests.unit.train.wandb_records import offline_run
 
     recipe = load_recipe(None, ["train.wandb_project=spec-proj", "train.wandb_entity=spec-team",

@@ -52,7 +52,7 @@ def write_recipe(path: Path, data: dict) -> Path:
 
 
 def load(data: dict):
-    from speculators.recipes import recipe_from_dict
+    from speculators.core.recipes import recipe_from_dict
 
     return recipe_from_dict(json.loads(json.dumps(data)))
 

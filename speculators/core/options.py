@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculators.config import DEFAULT_NGRAM_GRAFT
-from speculators.errors import SpeculatorsError
+from speculators.core.config import DEFAULT_NGRAM_GRAFT
+from speculators.core.errors import SpeculatorsError
 
 
 def option(default: Any, help: str, *, flag: str | None = None, argument: bool = False, cli: bool = True) -> Any:

@@ -26,10 +26,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from speculators.core.atomic import write_text_atomic
 from speculators.core.hashing import sha256_file
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 if TYPE_CHECKING:
-    from speculators.config import TargetConfig
+    from speculators.core.config import TargetConfig
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")

@@ -2,7 +2,7 @@
 
 Every stage reads only its own section plus `target`; `Recipe.paths` says where each stage's output lives under
 `run_dir`. Help texts of settings shared with CLI flags live here (`setting_help`). Reading, checking and writing
-recipe files is `speculators.recipes` (`load_recipe`, `dump_recipe`).
+recipe files is `speculators.core.recipes` (`load_recipe`, `dump_recipe`).
 
 This module does not run stages, read files or import torch.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from speculators.errors import SpeculatorsError
+from speculators.core.errors import SpeculatorsError
 
 # ----------------------------------------------------------------------------------------------------------------
 # sections

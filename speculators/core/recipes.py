@@ -1,4 +1,4 @@
-"""Recipe files: YAML -> a typed, checked `Recipe` (speculators.config), and back.
+"""Recipe files: YAML -> a typed, checked `Recipe` (speculators.core.config), and back.
 
 `load_recipe(path, overrides)` reads a YAML recipe, applies dotted overrides such as `train.lr=3e-4`, and returns a
 typed `Recipe`. Unknown or mistyped keys are errors naming the key and the closest valid one; values are checked
@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
-from speculators.config import Recipe
-from speculators.errors import SpeculatorsError
+from speculators.core.config import Recipe
+from speculators.core.errors import SpeculatorsError
 
 # ----------------------------------------------------------------------------------------------------------------
 # conversion from plain dicts, with strict keys and types
