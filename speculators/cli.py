@@ -26,8 +26,8 @@ from speculators.core import options as o
 from speculators.core.config import ServeConfig, setting_help
 from speculators.core.errors import SpeculatorsError
 from speculators.core.logs import configure
-from speculators.pipeline import STAGES, run_pipeline, run_stage
 from speculators.core.recipes import dump_recipe, load_recipe
+from speculators.pipeline import STAGES, run_pipeline, run_stage
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train, evaluate, export and serve speculative-decoding speculators.")

@@ -25,8 +25,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from speculators.core.atomic import write_text_atomic
-from speculators.core.hashing import sha256_file
 from speculators.core.errors import SpeculatorsError
+from speculators.core.hashing import sha256_file
 
 if TYPE_CHECKING:
     from speculators.core.config import TargetConfig

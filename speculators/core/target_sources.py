@@ -37,8 +37,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from speculators.core.atomic import atomic_dir, write_json_atomic
-from speculators.core.hashing import sha256_file
 from speculators.core.errors import SpeculatorsError
+from speculators.core.hashing import sha256_file
 from speculators.core.target import dir_content_hash
 
 PACKAGE_PREFIX = "package:"

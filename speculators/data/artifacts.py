@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from speculators.core.atomic import write_json_atomic
-from speculators.core.hashing import sha256_file
 from speculators.core.errors import SpeculatorsError
+from speculators.core.hashing import sha256_file
 
 PREPARED_FORMAT = "speculators.prepared/v1"
 MANIFEST = "manifest.json"

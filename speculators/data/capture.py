@@ -31,8 +31,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from speculators.core.config import Recipe
 from speculators.core.atomic import replace_dir, write_json_atomic
+from speculators.core.config import Recipe
+from speculators.core.errors import SpeculatorsError
+from speculators.core.recipes import dump_recipe
+from speculators.core.target import load_target
 from speculators.core.workers import accelerate_command, run_workers
 from speculators.data import artifacts, shards, vocab
 from speculators.data.capture_job import Job, job_dataset, make_job, setup_partial, sidecar_path, valid_shard
@@ -40,10 +43,7 @@ from speculators.data.features import HfFeatures, feature_request
 from speculators.data.token_counts import always_included_ids, split_counts, workload_counts
 from speculators.data.vllm_capture import VllmFeatures
 from speculators.data.vllm_engine import vllm_python
-from speculators.core.errors import SpeculatorsError
 from speculators.models import SPECULATORS
-from speculators.core.recipes import dump_recipe
-from speculators.core.target import load_target
 
 TOPK_MASS_WARNING = 0.9  # the summary says so when the stored top-k holds less of the target's mass on average
 

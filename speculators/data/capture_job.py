@@ -24,10 +24,10 @@ import pyarrow.compute as pc
 from transformers import AutoConfig
 
 from speculators.core.config import Recipe
-from speculators.data import artifacts, shards
-from speculators.data.features import feature_request, stored_features
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import check_target_location, fingerprint_target, load_tokenizer, text_config
+from speculators.data import artifacts, shards
+from speculators.data.features import feature_request, stored_features
 
 
 @dataclass
@@ -115,10 +115,12 @@ def make_job(recipe: Recipe) -> Job:
                                f"({str(data_tok)[:12]}) than target {recipe.target.name_or_path} "
                                f"({fp['tokenizer_hash'][:12]}); re-run prepare (and regenerate) for this target")
     stored = stored_features(request, recipe.capture.teacher)
+    # what the features are made of, not where they sit or who reads them: a copy of the data, or a family storing
+    # the same features (EAGLE-3 and DFlash: the same taps), finds the capture complete
     inputs = {
-        "format": shards.FEATURES_FORMAT, "data_dir": str(data_dir), "data": _data_identity(data_manifest),
+        "format": shards.FEATURES_FORMAT, "data": _data_identity(data_manifest),
         "target_content_hash": fp["content_hash"], "tokenizer_hash": fp["tokenizer_hash"],
-        "dtype": recipe.target.dtype, "family": recipe.speculator.family,
+        "dtype": recipe.target.dtype,
         "layer_ids": list(request.tap_layer_ids) if request.tap_layer_ids else None, "stored": stored,
         "storage": recipe.capture.storage, "teacher": recipe.capture.teacher,
         "teacher_topk": recipe.capture.teacher_topk if recipe.capture.teacher == "topk" else None,

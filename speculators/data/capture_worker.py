@@ -20,9 +20,9 @@ import time
 import torch
 from accelerate import Accelerator
 
-from speculators.data import capture
 from speculators.core.errors import SpeculatorsError
 from speculators.core.recipes import load_recipe
+from speculators.data import capture
 
 log = logging.getLogger(__name__)
 

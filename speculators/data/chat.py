@@ -33,9 +33,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from speculators.data.schemas import Conversation
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import eos_token_ids
+from speculators.data.schemas import Conversation
 
 _SENTINEL = "\u2063SPECULATORSSENTINEL{}\u2063"
 _PROBE_USER = "Probe question."

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from speculators.data.shards import FeatureStore
 from speculators.core.errors import SpeculatorsError
+from speculators.data.shards import FeatureStore
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from speculators.core.config import Recipe
-from speculators.models import SPECULATORS
 from speculators.core.target import forward_with_taps
+from speculators.models import SPECULATORS
 
 TOPK_CHUNK_ELEMENTS = 1 << 26  # logits converted to float32 at a time for the top-k teacher (256 MiB)
 

@@ -20,8 +20,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from speculators.core.config import DataConfig, Recipe
 from speculators.core.atomic import replace_dir, write_json_atomic
+from speculators.core.config import DataConfig, Recipe
+from speculators.core.errors import SpeculatorsError
+from speculators.core.target import load_tokenizer, saved_eos_token_ids, tokenizer_hash
 from speculators.data import artifacts
 from speculators.data.chat import ChatEncoder, RowEncodeError
 from speculators.data.schemas import (
@@ -35,8 +37,6 @@ from speculators.data.schemas import (
     source_fingerprint,
     source_kind,
 )
-from speculators.core.errors import SpeculatorsError
-from speculators.core.target import load_tokenizer, saved_eos_token_ids, tokenizer_hash
 
 MAX_LISTED_BAD_ROWS = 100
 

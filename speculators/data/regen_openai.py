@@ -20,8 +20,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from speculators.core.config import Recipe
-from speculators.data.regen_rows import RowFailed, RowState, Turn
 from speculators.core.errors import SpeculatorsError
+from speculators.data.regen_rows import RowFailed, RowState, Turn
 
 log = logging.getLogger(__name__)
 _PERMANENT = (400, 413, 422)  # the server refuses this row's request as invalid: the same answer every time

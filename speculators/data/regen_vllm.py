@@ -10,9 +10,9 @@ Not here: the row bookkeeping and the output format (regenerate.py), the engine 
 from __future__ import annotations
 
 from speculators.core.config import Recipe
+from speculators.core.target import load_tokenizer
 from speculators.data.regen_tokens import TokenBackend
 from speculators.data.vllm_engine import VllmEngine, engine_for, vllm_python
-from speculators.core.target import load_tokenizer
 
 
 class VllmBackend(TokenBackend):

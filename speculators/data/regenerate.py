@@ -47,9 +47,11 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from speculators.core.config import Recipe
 from speculators.core.atomic import replace_dir, write_json_atomic
+from speculators.core.config import Recipe
+from speculators.core.errors import SpeculatorsError
 from speculators.core.sampling import SamplingParams
+from speculators.core.target import fingerprint_target, load_target, load_tokenizer, tokenizer_hash
 from speculators.data import artifacts
 from speculators.data.prepare import RowEncoder, make_encoder
 from speculators.data.regen_openai import OpenAIBackend
@@ -58,10 +60,8 @@ from speculators.data.regen_tokens import TokenBackend
 from speculators.data.regen_vllm import VllmBackend
 from speculators.data.schemas import Conversation, RowError, copy_id
 from speculators.data.vllm_engine import release
-from speculators.core.errors import SpeculatorsError
 from speculators.runtime.batch_generate import EngineGenerator, crosscheck
 from speculators.runtime.forward.support import runtime_refusal
-from speculators.core.target import fingerprint_target, load_target, load_tokenizer, tokenizer_hash
 
 log = logging.getLogger(__name__)
 

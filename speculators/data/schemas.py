@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculators.core.hashing import sha256_file
 from speculators.core.errors import SpeculatorsError
+from speculators.core.hashing import sha256_file
 
 ROLES = ("system", "user", "assistant", "tool")
 # message keys passed through to chat templates (anything else is dropped)

@@ -34,10 +34,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from speculators.core.atomic import atomic_path
+from speculators.core.errors import PairingError, SpeculatorsError
 from speculators.core.hashing import sha256_file
 from speculators.data.artifacts import read_manifest
 from speculators.data.schemas import source_row_id
-from speculators.core.errors import PairingError, SpeculatorsError
 
 FEATURES_FORMAT = "speculators.features/v1"
 SHARD_PATTERN = "shard-{:05d}.safetensors"

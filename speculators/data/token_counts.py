@@ -17,11 +17,11 @@ import pyarrow as pa
 import torch
 
 from speculators.core.config import Recipe
+from speculators.core.errors import SpeculatorsError
+from speculators.core.target import eos_token_ids, load_tokenizer
 from speculators.core.workloads import load_workloads
 from speculators.data import shards
 from speculators.data.chat import ChatEncoder
-from speculators.core.errors import SpeculatorsError
-from speculators.core.target import eos_token_ids, load_tokenizer
 
 
 def always_included_ids(recipe: Recipe, data_manifest: dict, vocab_size: int) -> list[int]:

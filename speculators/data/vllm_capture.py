@@ -32,10 +32,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from speculators.core.config import TargetConfig
-from speculators.data.capture_job import Job
-from speculators.data.vllm_engine import engine_for, release
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import final_norm, load_target
+from speculators.data.capture_job import Job
+from speculators.data.vllm_engine import engine_for, release
 
 
 def _checkpoint_tensor(directory: Path, key: str) -> torch.Tensor | None:

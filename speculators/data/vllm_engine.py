@@ -32,10 +32,10 @@ from typing import Any
 from transformers import AutoConfig
 
 from speculators.core.config import Recipe
-from speculators.core.vllm_env import find_vllm_python, last_error_line, server_env, stop_process_group
-from speculators.data.features import feature_request, stored_features
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import resolve_device, resolve_dtype, text_config
+from speculators.core.vllm_env import find_vllm_python, last_error_line, server_env, stop_process_group
+from speculators.data.features import feature_request, stored_features
 
 VLLM_SIDE = Path(__file__).resolve().parent / "vllm_side"
 REQUEST_TIMEOUT_S = 3600.0  # one message of rows

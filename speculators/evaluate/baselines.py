@@ -21,11 +21,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from speculators.core.config import Recipe
 from speculators.core.atomic import write_json_atomic
 from speculators.core.checkpoints import read_pointer
-from speculators.core.pairing import draft_revision
+from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
+from speculators.core.pairing import draft_revision
 from speculators.evaluate.select import checkpoint_family
 
 BASELINES_FORMAT = "speculators.eval-baselines/v1"

@@ -35,13 +35,13 @@ from typing import Any
 import torch
 
 from speculators.core.config import TreeConfig
+from speculators.core.metrics import ChainCounts, walk_chain
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
 from speculators.evaluate.alpha import speculator_alpha
 from speculators.evaluate.drafts import draft_logits
 from speculators.evaluate.replay import Z95, CycleCounts, chain_weights, replay_chain
 from speculators.evaluate.teacher import EvalSequence, continuations, encode_row, greedy_tokens, teacher_pass
-from speculators.core.metrics import ChainCounts, walk_chain
 
 GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0)
 

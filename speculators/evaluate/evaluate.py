@@ -46,14 +46,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from speculators.core.config import Recipe
 from speculators.core.atomic import atomic_dir, write_json_atomic
 from speculators.core.checkpoints import describe_incomplete, list_checkpoints, read_pointer, step_number, write_pointer
+from speculators.core.config import Recipe
+from speculators.core.errors import SpeculatorsError
 from speculators.core.pairing import check_pairing, draft_revision, read_pairing
+from speculators.core.recipes import to_dict
 from speculators.core.sampling import SamplingParams
+from speculators.core.target import fingerprint_target, load_target
 from speculators.core.tracking import log_evaluation, wandb_options
 from speculators.core.workloads import WorkloadRow, load_workloads
-from speculators.core.errors import SpeculatorsError
 from speculators.evaluate import baselines as baseline_runs
 from speculators.evaluate.agreement import serving_agreement
 from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
@@ -70,10 +72,8 @@ from speculators.evaluate.select import (
 from speculators.evaluate.tally import CeilingTally, SpeculatorTally
 from speculators.evaluate.teacher import EvalSequence, continuations, crosscheck_record, teacher_pass
 from speculators.models.io import load_speculator, target_weights
-from speculators.core.recipes import to_dict
 from speculators.runtime.drafters.ngram import ngram_propose
 from speculators.runtime.forward import support as runtime_support
-from speculators.core.target import fingerprint_target, load_target
 
 EVAL_FORMAT = "speculators.eval/v1"
 

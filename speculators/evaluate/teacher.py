@@ -34,13 +34,13 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from speculators.core.atomic import write_text_atomic
-from speculators.core.sampling import SamplingParams
-from speculators.core.workloads import WorkloadRow
 from speculators.core.errors import SpeculatorsError
+from speculators.core.sampling import SamplingParams
+from speculators.core.target import cache_kwarg, eos_token_ids, forward_with_taps
+from speculators.core.workloads import WorkloadRow
 from speculators.runtime.batch_generate import EngineGenerator, crosscheck
 from speculators.runtime.forward import support as runtime_support
 from speculators.runtime.forward.memory import work_max_len
-from speculators.core.target import cache_kwarg, eos_token_ids, forward_with_taps
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from speculators.core.config import Recipe
 from speculators.core.atomic import atomic_dir
-from speculators.core.pairing import check_pairing, draft_revision, read_pairing, write_pairing
+from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
+from speculators.core.pairing import check_pairing, draft_revision, read_pairing, write_pairing
+from speculators.core.target import fingerprint_target, load_target
 from speculators.export.mtp_stitch import export_mtp
 from speculators.export.validate import validate_vllm_export
 from speculators.export.vllm import REQUIRED_FILES, check_source, export_vllm, resolve_checkpoint
 from speculators.models import SPECULATORS
-from speculators.core.target import fingerprint_target, load_target
 
 # Speculator.EXPORTER -> fn(recipe, ckpt, family, target, fingerprint, out_dir) -> pairing record
 EXPORTERS: dict[str, Callable[..., dict]] = {"vllm": export_vllm, "mtp": export_mtp}

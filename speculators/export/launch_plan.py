@@ -40,9 +40,9 @@ import torch
 from transformers import DynamicCache
 
 from speculators.core.metrics import per_position_from_reach
+from speculators.core.target import cache_kwarg
 from speculators.oracle.cost_model import merge_buckets
 from speculators.runtime.adaptive import CostModel
-from speculators.core.target import cache_kwarg
 
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
 

@@ -28,10 +28,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from speculators.core.config import Recipe
 from speculators.core.atomic import write_json_atomic, write_text_atomic
-from speculators.core.pairing import draft_revision, pairing_record
+from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
+from speculators.core.pairing import draft_revision, pairing_record
+from speculators.core.recipes import to_dict
+from speculators.core.target import text_config
 from speculators.evaluate.report import render_markdown
 from speculators.export.validate import validate_vllm_export
 from speculators.export.vllm import (
@@ -47,8 +49,6 @@ from speculators.export.vllm import (
     write_weights,
 )
 from speculators.models.io import load_speculator, target_weights
-from speculators.core.recipes import to_dict
-from speculators.core.target import text_config
 
 DEEPSEEK_STYLE = ("deepseek_v3", "deepseek_v32", "glm4_moe")
 QWEN_NEXT_STYLE = ("qwen3_next", "qwen3_5", "qwen3_5_moe")

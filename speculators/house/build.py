@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from speculators.core.options import BuildHouseOptions
 from speculators.house import corpus, tasks
 from speculators.house.tokenizer import END_OF_TEXT, render_chat, train_tokenizer
-from speculators.core.options import BuildHouseOptions
 
 log = logging.getLogger(__name__)
 

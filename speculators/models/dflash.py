@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculators.core.errors import SpeculatorsError
+from speculators.core.target import default_tap_layers, validate_layer_ids
 from speculators.models.base import FeatureRequest, Speculator, TargetWeights, step_rows
 from speculators.models.drafting import propose_tree, root_only
 from speculators.models.io import tensor_digest
@@ -54,7 +55,6 @@ from speculators.models.layers import (
     verifier_info,
 )
 from speculators.models.steppers import MarginalStepper
-from speculators.core.target import default_tap_layers, validate_layer_ids
 
 if TYPE_CHECKING:
     from speculators.core.config import SpeculatorConfig, TreeConfig

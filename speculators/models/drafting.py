@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from speculators.core.errors import SpeculatorsError
 from speculators.core.sampling import SamplingParams, logits_to_probs, sample, sample_without_replacement
 from speculators.core.trees import SAMPLED_MODES, DraftTree
-from speculators.core.errors import SpeculatorsError
 from speculators.models.static_trees import build_static_tree, default_choices
 from speculators.models.steppers import PathIndependentStepper, Stepper
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from speculators.core.errors import SpeculatorsError
+from speculators.core.target import default_tap_layers, validate_layer_ids
 from speculators.models.base import FeatureRequest, TargetWeights
 from speculators.models.io import tensor_digest
 from speculators.models.layers import (
@@ -45,7 +46,6 @@ from speculators.models.layers import (
     verifier_info,
 )
 from speculators.models.recurrent import RecurrentSpeculator
-from speculators.core.target import default_tap_layers, validate_layer_ids
 
 if TYPE_CHECKING:
     from speculators.core.config import SpeculatorConfig

@@ -31,9 +31,9 @@ from safetensors.torch import load_file, save_file
 
 from speculators.core.atomic import atomic_dir, atomic_path
 from speculators.core.errors import SpeculatorsError
+from speculators.core.target import final_norm, input_embeddings, output_head
 from speculators.models import SPECULATORS
 from speculators.models.base import Speculator, TargetWeights
-from speculators.core.target import final_norm, input_embeddings, output_head
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

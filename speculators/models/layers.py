@@ -33,9 +33,9 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from speculators.core.errors import SpeculatorsError
+from speculators.core.target import text_config
 from speculators.models.base import TargetWeights
 from speculators.models.kv_cache import AttendFn
-from speculators.core.target import text_config
 
 if TYPE_CHECKING:
     from speculators.core.config import SpeculatorConfig

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from speculators.core.trees import DraftTree
 from speculators.core.errors import SpeculatorsError
+from speculators.core.trees import DraftTree
 from speculators.models.steppers import Stepper
 
 __all__ = ["build_static_tree", "medusa_choices_from_accuracy", "default_topk_accuracy", "default_choices"]

@@ -31,8 +31,9 @@ import torch
 
 from speculators.core.config import TargetConfig, TreeConfig
 from speculators.core.errors import SpeculatorsError
-from speculators.models import FAMILIES
 from speculators.core.options import DTYPES, ProfileOptions, choices, ints
+from speculators.core.target import load_target, resolve_device, resolve_dtype
+from speculators.models import FAMILIES
 from speculators.oracle import costs as measure
 from speculators.oracle.check import check_against_bench
 from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, schedule
@@ -43,7 +44,6 @@ from speculators.runtime.drafters.load import default_tree, load_drafter
 from speculators.runtime.drafters.model_free import NoDrafter
 from speculators.runtime.engine import Engine
 from speculators.runtime.forward.module_runner import make_runner
-from speculators.core.target import load_target, resolve_device, resolve_dtype
 
 PROFILE_FORMAT = "speculators.profile/v1"
 GRIDS = {  # (batch sizes, verified tokens per sequence) by device type

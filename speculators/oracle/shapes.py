@@ -28,10 +28,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from speculators.core.config import SpeculatorConfig, TargetConfig
 from speculators.core.errors import SpeculatorsError
+from speculators.core.target import LoadedTarget
 from speculators.models import SPECULATORS
 from speculators.models.io import target_weights
 from speculators.runtime.drafters.load import draft_dtype_for, prepare_for_drafting
-from speculators.core.target import LoadedTarget
 
 SHAPES_DIR = Path(__file__).resolve().parents[2] / "data" / "shapes"
 DEFAULT_DRAFT_VOCAB = 32000

@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from speculators.core.config import TreeConfig
-from speculators.core.sampling import SamplingParams
 from speculators.core.errors import SpeculatorsError
+from speculators.core.sampling import SamplingParams
 from speculators.runtime.batching import BatchRunner
 from speculators.runtime.engine import Engine
 

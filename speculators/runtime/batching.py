@@ -29,8 +29,8 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from speculators.core.sampling import SamplingParams
 from speculators.core.errors import SpeculatorsError
+from speculators.core.sampling import SamplingParams
 from speculators.runtime.engine import Engine
 from speculators.runtime.forward.target_runner import ForwardOutput
 from speculators.runtime.requests import GenerateOutput, Slot, StreamChunk, VerifyForward

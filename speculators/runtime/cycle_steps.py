@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from speculators.core.metrics import AcceptanceStats
 from speculators.core.sampling import SamplingParams
 from speculators.core.trees import DraftTree
-from speculators.core.metrics import AcceptanceStats
 from speculators.runtime.adaptive import AdaptiveDepth
 from speculators.runtime.calibration import calibrate_drafting, calibrate_verification
 from speculators.runtime.drafters.load import prune_tree

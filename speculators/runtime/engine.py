@@ -51,10 +51,11 @@ from typing import Any
 import torch
 
 from speculators.core.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
-from speculators.core.sampling import SamplingParams, logits_to_probs
-from speculators.core.trees import DraftTree, ancestor_mask
 from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import AcceptanceStats
+from speculators.core.sampling import SamplingParams, logits_to_probs
+from speculators.core.target import eos_token_ids, load_target
+from speculators.core.trees import DraftTree, ancestor_mask
 from speculators.models.drafting import TREE_KINDS
 from speculators.runtime.adaptive import AcceptanceMemory, CostModel
 from speculators.runtime.calibration import SAMPLED_KINDS
@@ -84,7 +85,6 @@ from speculators.runtime.requests import (
     take_committed,
 )
 from speculators.runtime.verify.lossless import verify_tree_lazy
-from speculators.core.target import eos_token_ids, load_target
 
 DEFAULT_MAX_LEN = 8192
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from speculators.core.sampling import SamplingParams
 from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import AcceptanceStats
+from speculators.core.sampling import SamplingParams
 from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.forward.target_rows import TokenLogprob
 from speculators.runtime.forward.target_runner import RunnerBase, Segment

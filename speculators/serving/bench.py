@@ -45,13 +45,14 @@ from typing import Any
 
 import torch
 
-from speculators.core.config import TargetConfig, TreeConfig, tree_config
 from speculators.core.atomic import write_text_atomic
-from speculators.core.sampling import SamplingParams
-from speculators.core.workloads import load_workloads
+from speculators.core.config import TargetConfig, TreeConfig, tree_config
 from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import AcceptanceStats
 from speculators.core.options import BenchOptions, floats
+from speculators.core.sampling import SamplingParams
+from speculators.core.target import load_target
+from speculators.core.workloads import load_workloads
 from speculators.runtime.batch_generate import TREE_ROOM
 from speculators.runtime.batching import generate_batch
 from speculators.runtime.drafters.load import paired_target
@@ -59,7 +60,6 @@ from speculators.runtime.engine import Engine
 from speculators.runtime.forward.memory import work_max_len
 from speculators.runtime.requests import encode_prompt
 from speculators.runtime.verify.expect import expected_accepted
-from speculators.core.target import load_target
 
 HF_PROMPT_LOOKUP_TOKENS = 10
 

@@ -23,11 +23,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from speculators.core.config import DEFAULT_NGRAM_GRAFT, Recipe, ServeConfig, tree_config
-from speculators.core.sampling import SamplingParams
-from speculators.core.workloads import load_workloads
 from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import AcceptanceStats
 from speculators.core.options import GenerateOptions, ServeOptions
+from speculators.core.sampling import SamplingParams
+from speculators.core.workloads import load_workloads
 from speculators.runtime.batching import generate_batch
 from speculators.runtime.engine import Engine
 from speculators.serving.server import create_app, run_server

@@ -34,8 +34,8 @@ from typing import Any
 from fastapi import Request  # module level: FastAPI resolves handler annotations by name
 
 from speculators.core.config import ServeConfig
-from speculators.core.sampling import SamplingParams
 from speculators.core.errors import SpeculatorsError
+from speculators.core.sampling import SamplingParams
 from speculators.runtime.batching import BatchWorker
 from speculators.runtime.engine import Engine
 from speculators.runtime.requests import GenerateOutput, StreamChunk

@@ -28,10 +28,10 @@ from typing import Any, Protocol
 import pyarrow.compute as pc
 import torch
 
+from speculators.core.errors import SpeculatorsError
 from speculators.data.artifacts import load_token_dataset
 from speculators.data.features import compute_features
 from speculators.data.shards import split_indices as split
-from speculators.core.errors import SpeculatorsError
 from speculators.train.loss import (
     Teacher,
     TeacherShape,

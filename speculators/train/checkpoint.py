@@ -40,8 +40,8 @@ from speculators.core.checkpoints import (
     step_name,
     write_pointer,
 )
-from speculators.core.pairing import pairing_record, read_pairing, write_pairing
 from speculators.core.errors import SpeculatorsError
+from speculators.core.pairing import pairing_record, read_pairing, write_pairing
 from speculators.models.io import family_of, read_speculator_config, save_speculator
 
 POINTER_TMP_RE = re.compile(r"^\..+\.tmp\d+$")  # `write_text_atomic`'s temp of a file such as `best`

@@ -33,9 +33,9 @@ import torch
 import yaml
 
 from speculators.core.config import Recipe
-from speculators.core.workers import accelerate_command, run_workers
 from speculators.core.errors import SpeculatorsError
 from speculators.core.recipes import dump_recipe, load_recipe
+from speculators.core.workers import accelerate_command, run_workers
 from speculators.train.loop import train
 from speculators.train.setup import SHARDS_VERIFIED_ENV, preflight
 

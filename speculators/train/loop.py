@@ -42,13 +42,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from speculators.core.config import Recipe, TrainConfig
 from speculators.core.atomic import write_text_atomic
 from speculators.core.checkpoints import step_name
-from speculators.core.tracking import Tracker, wandb_options
+from speculators.core.config import Recipe, TrainConfig
 from speculators.core.errors import SpeculatorsError
-from speculators.models import SPECULATORS
 from speculators.core.recipes import to_dict
+from speculators.core.tracking import Tracker, wandb_options
+from speculators.models import SPECULATORS
 from speculators.train import checkpoint as ck
 from speculators.train.accelerator import (
     configure_deepspeed,

@@ -23,15 +23,8 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from speculators.core.config import Recipe
-from speculators.core.pairing import read_pairing
-from speculators.data import vocab as vocab_mod
-from speculators.data.artifacts import read_manifest
-from speculators.data.shards import FeatureStore
-from speculators.data.vocab import load_vocab
 from speculators.core.errors import SpeculatorsError
-from speculators.models import SPECULATORS
-from speculators.models.base import TargetWeights
-from speculators.models.io import family_of, read_speculator_config, target_weights
+from speculators.core.pairing import read_pairing
 from speculators.core.recipes import to_dict
 from speculators.core.target import (
     eos_token_ids,
@@ -44,6 +37,13 @@ from speculators.core.target import (
     output_head,
     text_config,
 )
+from speculators.data import vocab as vocab_mod
+from speculators.data.artifacts import read_manifest
+from speculators.data.shards import FeatureStore
+from speculators.data.vocab import load_vocab
+from speculators.models import SPECULATORS
+from speculators.models.base import TargetWeights
+from speculators.models.io import family_of, read_speculator_config, target_weights
 from speculators.train import checkpoint as ck
 from speculators.train.batches import FeatureSource, PreparedSource, split_indices
 

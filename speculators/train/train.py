@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from speculators.core.config import Recipe
 from speculators.core.checkpoints import read_pointer
+from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
 from speculators.train.checkpoint import SUMMARY_FILE
 from speculators.train.launch import launch, needs_launch

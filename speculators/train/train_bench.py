@@ -28,12 +28,12 @@ import torch
 from rich.table import Table
 
 from speculators.core.atomic import write_json_atomic
-from speculators.data import capture, prepare
 from speculators.core.errors import SpeculatorsError
-from speculators.models import FAMILIES
 from speculators.core.options import TrainBenchOptions, choices
 from speculators.core.recipes import dump_recipe, load_recipe
 from speculators.core.target import check_target_location
+from speculators.data import capture, prepare
+from speculators.models import FAMILIES
 from speculators.train.loop import train
 
 log = logging.getLogger(__name__)

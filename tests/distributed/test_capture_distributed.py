@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from speculators.core.recipes import recipe_from_dict
 from speculators.data import capture, prepare
 from speculators.data.shards import FeatureStore
-from speculators.core.recipes import recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "data" / "datasets" / "stdlib-chat" / "train.jsonl"

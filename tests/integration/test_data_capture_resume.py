@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from speculators.data import capture, prepare
 from speculators.core.recipes import load_recipe
+from speculators.data import capture, prepare
 from tests.conftest import make_tiny_target
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,9 +20,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "evaluate"))
 from evalexport_helpers import build_speculator, save_checkpoint, small_workloads  # noqa: E402
 
-from speculators.export.validate import validate_vllm_export  # noqa: E402
 from speculators.core.recipes import load_recipe  # noqa: E402
 from speculators.core.target import fingerprint_target, load_target  # noqa: E402
+from speculators.export.validate import validate_vllm_export  # noqa: E402
 
 pytestmark = pytest.mark.integration
 CLI = str(Path(sys.executable).parent / "speculators")

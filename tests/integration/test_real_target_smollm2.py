@@ -16,12 +16,12 @@ import torch
 
 from speculators.core.config import TargetConfig
 from speculators.core.sampling import SamplingParams
+from speculators.core.target import dir_content_hash, load_target
 from speculators.core.target_sources import read_provenance, resolve_target_source
 from speculators.core.workloads import load_workloads
 from speculators.evaluate.teacher import encode_row
 from speculators.runtime.batching import generate_batch
 from speculators.serving import Engine
-from speculators.core.target import dir_content_hash, load_target
 
 pytestmark = pytest.mark.integration
 

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from speculators.core.config import TargetConfig, TreeConfig
+from speculators.core.target import load_target
 from speculators.core.workloads import load_workloads
 from speculators.runtime.batching import generate_batch
 from speculators.runtime.drafters.load import DrafterInfo
 from speculators.serving import Engine, SamplingParams
-from speculators.core.target import load_target
 from tests.unit.runtime.oracle_drafter import OracleDrafter, chi_square_p, exact_prefix_law
 from tests.unit.runtime.runtime_helpers import single_thread  # noqa: F401
 

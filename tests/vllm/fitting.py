@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from speculators.core.config import TargetConfig
+from speculators.core.target import fingerprint_target, forward_with_taps, load_target, saved_eos_token_ids
 from speculators.core.workloads import WorkloadRow
 from speculators.evaluate.chain_prediction import RowPrediction, predict_rows
 from speculators.evaluate.teacher import encode_row, greedy_tokens
@@ -24,7 +25,6 @@ from speculators.export import export as export_stage
 from speculators.models import SPECULATORS
 from speculators.models.base import step_rows
 from speculators.models.io import load_speculator, target_weights
-from speculators.core.target import fingerprint_target, forward_with_taps, load_target, saved_eos_token_ids
 from speculators.train.loss import TeacherShape, VocabMap, dense_teacher, speculator_loss
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from speculators.core.config import TargetConfig
+from speculators.core.target import forward_with_taps, load_target
 from speculators.core.vllm_env import server_env
 from speculators.models.io import load_speculator, target_weights
-from speculators.core.target import forward_with_taps, load_target
 from tests.conftest import HOUSE_TARGET
 
 pytestmark = pytest.mark.vllm

@@ -31,16 +31,16 @@ import pytest
 import torch
 
 from speculators.core.config import TargetConfig
-from speculators.core.workloads import WorkloadRow
 from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import ChainCounts
+from speculators.core.target import fingerprint_target, load_target, saved_eos_token_ids
+from speculators.core.workloads import WorkloadRow
 from speculators.evaluate.chain_prediction import pooled, predict_rows
 from speculators.evaluate.teacher import encode_row, greedy_tokens
 from speculators.export import export as export_stage
 from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, spec_counters
-from speculators.core.metrics import ChainCounts
 from speculators.models import SPECULATORS
 from speculators.models.io import load_speculator, target_weights
-from speculators.core.target import fingerprint_target, load_target, saved_eos_token_ids
 from tests.architectures import save_tiny_target
 from tests.vllm.fitting import fit_to_greedy
 from tests.vllm.fixtures import REPO

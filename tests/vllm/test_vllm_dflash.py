@@ -36,6 +36,9 @@ import pytest
 import torch
 import yaml
 
+from speculators.core.metrics import ChainCounts
+from speculators.core.recipes import load_recipe
+from speculators.core.target import fingerprint_target, load_target
 from speculators.core.vllm_env import server_env
 from speculators.core.workloads import load_workloads
 from speculators.evaluate.chain_prediction import pooled
@@ -48,11 +51,8 @@ from speculators.export.vllm_consumer import (
     served_model,
     spec_counters,
 )
-from speculators.core.metrics import ChainCounts
 from speculators.models import SPECULATORS
 from speculators.models.io import target_weights
-from speculators.core.recipes import load_recipe
-from speculators.core.target import fingerprint_target, load_target
 from tests.vllm.fitting import fit_to_greedy
 from tests.vllm.fixtures import CPU_FIXES, REPO, cli, free_port, write_recipe
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from speculators.core.metrics import ChainCounts
+from speculators.core.recipes import load_recipe
 from speculators.core.vllm_env import server_env
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.evaluate.chain_prediction import pooled
@@ -28,8 +30,6 @@ from speculators.export.vllm_consumer import (
     served_model,
     spec_counters,
 )
-from speculators.core.metrics import ChainCounts
-from speculators.core.recipes import load_recipe
 from tests.conftest import HOUSE_TARGET
 from tests.vllm.fitting import fitted_export
 from tests.vllm.fixtures import CPU_FIXES, cli

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from speculators.core.config import DEFAULT_NGRAM_GRAFT
-from speculators.core.trees import SAMPLED_MODES, DraftTree
 from speculators.core.errors import SpeculatorsError
+from speculators.core.trees import SAMPLED_MODES, DraftTree
 from speculators.runtime.drafters.model_free import NgramDrafter, NgramState
 from speculators.runtime.drafters.ngram import ngram_continuations
 

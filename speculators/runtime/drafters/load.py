@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from speculators.core.config import TargetConfig, TreeConfig
-from speculators.core.pairing import check_pairing, read_pairing
-from speculators.core.trees import DraftTree, depths_of
 from speculators.core.errors import SpeculatorsError
+from speculators.core.pairing import check_pairing, read_pairing
+from speculators.core.target import base_model, file_stat_key, fingerprint_target
+from speculators.core.trees import DraftTree, depths_of
 from speculators.models.io import load_speculator, target_weights
 from speculators.models.packed import pack_linears, packed_float16_available
 from speculators.runtime.drafters.graft import NgramGraft
 from speculators.runtime.drafters.model_free import NgramDrafter, NoDrafter
-from speculators.core.target import base_model, file_stat_key, fingerprint_target
 
 if TYPE_CHECKING:
     from speculators.core.target import LoadedTarget

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from speculators.core.config import TreeConfig
-from speculators.core.trees import DraftTree
 from speculators.core.errors import SpeculatorsError
+from speculators.core.trees import DraftTree
 from speculators.models.base import FeatureRequest
 from speculators.runtime.drafters.ngram import ngram_continuations
 

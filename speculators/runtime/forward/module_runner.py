@@ -32,8 +32,18 @@ from typing import Any
 
 import torch
 
-from speculators.core.trees import ancestor_mask, depths_of
 from speculators.core.errors import SpeculatorsError, UnsupportedTargetError
+from speculators.core.target import (
+    TapRecorder,
+    base_model,
+    cache_kwarg,
+    decoder,
+    decoder_layers,
+    input_embeddings,
+    output_head,
+    text_config,
+)
+from speculators.core.trees import ancestor_mask, depths_of
 from speculators.models.base import FeatureRequest
 from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.forward.target_runner import (
@@ -44,16 +54,6 @@ from speculators.runtime.forward.target_runner import (
     TargetRunner,
     prefix_tree_mask,
     window_mask,
-)
-from speculators.core.target import (
-    TapRecorder,
-    base_model,
-    cache_kwarg,
-    decoder,
-    decoder_layers,
-    input_embeddings,
-    output_head,
-    text_config,
 )
 
 # the probe's tolerance on max |logit difference| / max |logit|: shape-dependent rounding passes, a wrong mask,

@@ -37,11 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculators.core.errors import SpeculatorsError, UnsupportedTargetError
+from speculators.core.target import base_model, text_config
 from speculators.models.base import FeatureRequest
 from speculators.models.fused import rope_heads_last
 from speculators.models.layers import apply_rope
 from speculators.runtime.forward.target_cache import StaticKVCache
-from speculators.core.target import base_model, text_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import typer
 
-from speculators.core import options
 from speculators.cli import app
+from speculators.core import options
 from speculators.core.config import TreeConfig, tree_config
 from speculators.core.errors import SpeculatorsError
 

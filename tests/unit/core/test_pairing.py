@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from speculators.core.pairing import check_pairing, draft_revision, pairing_record, read_pairing, write_pairing
 from speculators.core.errors import PairingError, SpeculatorsError
+from speculators.core.pairing import check_pairing, draft_revision, pairing_record, read_pairing, write_pairing
 
 
 def _target(**kw) -> dict:

@@ -50,8 +50,8 @@ def test_a_causal_lm_whose_get_decoder_is_itself_still_exposes_its_layers() -> N
     """Llama 4 text models: `get_decoder()` returns the causal LM; capture and the runtime find `.model.layers`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from speculators.runtime.forward.module_runner import make_runner
     from speculators.core.target import decoder_layers, final_norm
+    from speculators.runtime.forward.module_runner import make_runner
 
     cfg = AutoConfig.for_model("llama4_text", vocab_size=300, hidden_size=64, intermediate_size=128,
                                intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4,

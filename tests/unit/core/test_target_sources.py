@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from speculators.core import target_sources
+from speculators.core.errors import SpeculatorsError
 from speculators.core.target_sources import (
     PACKAGED_TARGETS,
     PackagedTarget,
@@ -15,7 +16,6 @@ from speculators.core.target_sources import (
     is_target_source,
     resolve_target_source,
 )
-from speculators.core.errors import SpeculatorsError
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from speculators.core.workloads import load_workloads
 from speculators.core.errors import SpeculatorsError
+from speculators.core.workloads import load_workloads
 
 REPO = Path(__file__).resolve().parents[3]
 COHORTS = {"code-completion", "docstring-to-code", "prose", "json-tool-call", "copy-heavy", "short-output"}

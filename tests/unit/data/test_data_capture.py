@@ -5,16 +5,17 @@ target's top-k log-probs; bad inputs fail in one line and leave earlier outputs 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from data_helpers import recipe, write_rows
 
 from speculators.core.atomic import replace_dir
-from speculators.data import capture, features, prepare
-from speculators.data.shards import FeatureStore
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import load_target
+from speculators.data import capture, features, prepare
+from speculators.data.shards import FeatureStore
 
 
 def _hf_hidden(model, ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -205,6 +206,20 @@ def test_capture_skips_when_complete_and_only_rebuilds_vocab(tmp_path, tiny_llam
     s = capture.run(r2)
     assert s["status"] == "complete (built draft vocab)"
     assert (r.paths.features / "vocab-300.safetensors").is_file() and capture.is_complete(r2)
+
+
+def test_a_copied_run_and_a_family_storing_the_same_features_find_the_capture_complete(tmp_path, tiny_llama):
+    """The features' identity is what they are made of (data, target, taps, storage), not their folder or reader:
+    a copy of the run dir under a DFlash recipe (the same taps as EAGLE-3) skips capture; Medusa (last hidden
+    state only) does not."""
+    r = _prepared(tmp_path, tiny_llama, n=3)
+    capture.run(r)
+    copy = tmp_path / "copy"
+    shutil.copytree(r.run_dir, copy)
+    dflash = recipe(copy, tiny_llama, tmp_path / "rows.jsonl", speculator={"family": "dflash", "num_steps": 3})
+    assert capture.is_complete(dflash) and capture.run(dflash)["status"].startswith("complete")
+    medusa = recipe(copy, tiny_llama, tmp_path / "rows.jsonl", speculator={"family": "medusa"})
+    assert not capture.is_complete(medusa)
 
 
 def test_capture_recaptures_a_truncated_shard(tmp_path, tiny_llama):

@@ -11,10 +11,10 @@ import pytest
 import torch
 from data_helpers import recipe, write_rows
 
-from speculators.data import capture, prepare
-from speculators.data.vllm_capture import load_final_norm
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import final_norm, load_target
+from speculators.data import capture, prepare
+from speculators.data.vllm_capture import load_final_norm
 
 
 def _shas(features) -> list[str]:

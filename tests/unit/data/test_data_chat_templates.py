@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from speculators.core.errors import SpeculatorsError
 from speculators.data.chat import ChatEncoder, RowEncodeError
 from speculators.data.schemas import Conversation
-from speculators.core.errors import SpeculatorsError
 
 HOUSE = Path(__file__).resolve().parents[3] / "data" / "targets" / "stdlib-lm"
 

@@ -10,10 +10,10 @@ import datasets
 import pytest
 from data_helpers import recipe, write_rows
 
+from speculators.core.errors import SpeculatorsError
 from speculators.data import prepare
 from speculators.data.chat import ChatEncoder
 from speculators.data.schemas import Conversation, normalize_row
-from speculators.core.errors import SpeculatorsError
 
 
 def _load(path):

@@ -15,8 +15,8 @@ import torch
 from data_helpers import recipe, write_rows
 from openai_test_server import ModelServer
 
-from speculators.data import prepare, regenerate
 from speculators.core.errors import SpeculatorsError
+from speculators.data import prepare, regenerate
 from speculators.pipeline import run_pipeline
 
 

@@ -11,12 +11,12 @@ import datasets
 import pytest
 from data_helpers import recipe, write_rows
 
+from speculators.core.errors import SpeculatorsError
+from speculators.core.recipes import load_recipe
 from speculators.data import capture, prepare, regenerate, shards
 from speculators.data.schemas import copy_id, source_row_id
 from speculators.data.shards import FeatureStore
 from speculators.data.token_counts import split_counts
-from speculators.core.errors import SpeculatorsError
-from speculators.core.recipes import load_recipe
 from speculators.train.batches import FeatureSource, PreparedSource, split_indices
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from data_helpers import recipe, write_rows
 
-from speculators.data import capture, prepare, shards, vocab
 from speculators.core.errors import PairingError, SpeculatorsError
+from speculators.data import capture, prepare, shards, vocab
 
 
 def test_int8_roundtrip_error_is_half_a_step_per_group():

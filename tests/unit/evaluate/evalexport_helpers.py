@@ -15,10 +15,10 @@ import torch
 
 from speculators.core.config import Recipe
 from speculators.core.pairing import pairing_record, write_pairing
-from speculators.models import SPECULATORS
-from speculators.models.io import save_speculator, target_weights
 from speculators.core.recipes import load_recipe, to_dict
 from speculators.core.target import fingerprint_target, load_target
+from speculators.models import SPECULATORS
+from speculators.models.io import save_speculator, target_weights
 
 REPO = Path(__file__).resolve().parents[3]
 

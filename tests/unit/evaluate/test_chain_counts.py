@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from speculators.core.metrics import ChainCounts, walk_chain
 from speculators.core.vllm_env import last_error_line
 from speculators.evaluate.chain_prediction import as_chain_counts, sampled_agreement
 from speculators.evaluate.replay import replay_chain
 from speculators.evaluate.report import VLLM_SECTION_HEADING, with_vllm_section
 from speculators.export.vllm_consumer import _COUNTER, counts_between, parse_spec_counters
-from speculators.core.metrics import ChainCounts, walk_chain
 
 
 def test_walk_visits_the_positions_an_engine_visits() -> None:

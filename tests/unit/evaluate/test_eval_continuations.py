@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from evalexport_helpers import make_recipe, small_workloads
 
-from speculators.core.workloads import load_workloads
 from speculators.core.errors import SpeculatorsError
+from speculators.core.target import load_target
+from speculators.core.workloads import load_workloads
 from speculators.evaluate.live import pick_rows
 from speculators.evaluate.teacher import continuations, crosscheck_record
-from speculators.core.target import load_target
 
 
 def _ids(seqs: dict) -> dict[tuple[float, str], list[int]]:

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from speculators.core.config import TreeConfig
+from speculators.core.metrics import AcceptanceStats
 from speculators.core.sampling import SamplingParams
 from speculators.core.trees import DraftTree
 from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain, replay_drafter, tau_interval
-from speculators.core.metrics import AcceptanceStats
 from speculators.models.base import FeatureRequest
 from speculators.runtime.engine import Engine
 from tests.unit.runtime.runtime_helpers import loaded_target

@@ -10,12 +10,12 @@ import torch
 from evalexport_helpers import build_speculator, make_recipe, save_checkpoint
 
 from speculators.core.checkpoints import read_pointer
-from speculators.core.workloads import load_workloads
 from speculators.core.errors import SpeculatorsError
+from speculators.core.target import fingerprint_target, load_target
+from speculators.core.workloads import load_workloads
 from speculators.evaluate import evaluate as acceptance
 from speculators.evaluate.select import choose_best
 from speculators.evaluate.teacher import continuations, teacher_pass
-from speculators.core.target import fingerprint_target, load_target
 
 torch.set_num_threads(1)
 

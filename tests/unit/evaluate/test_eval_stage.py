@@ -11,8 +11,8 @@ from evalexport_helpers import build_speculator, make_recipe, make_run, save_che
 
 from speculators.core.checkpoints import read_pointer
 from speculators.core.errors import PairingError, SpeculatorsError
-from speculators.evaluate import evaluate as acceptance
 from speculators.core.target import fingerprint_target, load_target
+from speculators.evaluate import evaluate as acceptance
 
 torch.set_num_threads(1)
 

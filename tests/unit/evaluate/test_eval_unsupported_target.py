@@ -22,13 +22,13 @@ import torch
 from evalexport_helpers import make_recipe, make_run, small_workloads
 
 from speculators.core.checkpoints import read_pointer
-from speculators.core.workloads import load_workloads
 from speculators.core.errors import SpeculatorsError, UnsupportedTargetError
+from speculators.core.target import load_target
+from speculators.core.workloads import load_workloads
 from speculators.evaluate import evaluate as acceptance
 from speculators.evaluate.teacher import continuations, encode_row, teacher_pass
 from speculators.runtime.forward import support as runtime_support
 from speculators.runtime.forward.module_runner import make_runner
-from speculators.core.target import load_target
 
 torch.set_num_threads(1)
 

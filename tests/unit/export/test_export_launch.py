@@ -261,8 +261,8 @@ def test_a_fixed_k_family_evaluated_below_its_k_is_priced_with_the_lower_bound(t
 
     from transformers import AutoModelForCausalLM
 
-    from speculators.export import vllm
     from speculators.core.recipes import load_recipe
+    from speculators.export import vllm
 
     recipe = load_recipe(None, [f"target.name_or_path={tiny_llama}", "export.concurrencies=[1]",
                                 "speculator.family=dflash", "speculator.num_steps=7"])

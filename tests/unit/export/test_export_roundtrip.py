@@ -14,12 +14,12 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
 from evalexport_helpers import build_speculator, make_recipe, make_run, save_checkpoint  # noqa: E402
 
-from speculators.core.pairing import check_pairing, read_pairing  # noqa: E402
 from speculators.core.errors import PairingError  # noqa: E402
+from speculators.core.pairing import check_pairing, read_pairing  # noqa: E402
+from speculators.core.target import fingerprint_target, load_target  # noqa: E402
 from speculators.export import export as export_stage  # noqa: E402
 from speculators.export import vllm  # noqa: E402
 from speculators.models.io import load_speculator, target_weights  # noqa: E402
-from speculators.core.target import fingerprint_target, load_target  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -14,14 +14,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evaluate"))
 from evalexport_helpers import build_speculator, make_recipe, make_run  # noqa: E402
 
 from speculators.core.checkpoints import write_pointer  # noqa: E402
-from speculators.core.pairing import read_pairing  # noqa: E402
 from speculators.core.errors import SpeculatorsError  # noqa: E402
+from speculators.core.pairing import read_pairing  # noqa: E402
+from speculators.core.target import load_target  # noqa: E402
 from speculators.evaluate import evaluate as acceptance  # noqa: E402
 from speculators.export import export as export_stage  # noqa: E402
 from speculators.export import mtp_stitch as mtp  # noqa: E402
 from speculators.export import vllm
 from speculators.export.validate import validate_vllm_export  # noqa: E402
-from speculators.core.target import load_target  # noqa: E402
 
 torch.set_num_threads(1)
 

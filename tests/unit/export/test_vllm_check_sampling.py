@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import ChainCounts
 from speculators.evaluate.chain_prediction import sampled_agreement
 from speculators.export import vllm_check, vllm_consumer
 from speculators.export.vllm_consumer import (
@@ -27,7 +28,6 @@ from speculators.export.vllm_consumer import (
     sampling_env,
     with_cpu_fixes,
 )
-from speculators.core.metrics import ChainCounts
 
 
 def _export(tmp_path: Path, use_block: bool | None, launch_text: str, use_sampled: bool = False) -> Path:

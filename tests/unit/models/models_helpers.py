@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from speculators.core.config import SpeculatorConfig
+from speculators.core.target import forward_with_taps
 from speculators.models import SPECULATORS
 from speculators.models.io import target_weights
-from speculators.core.target import forward_with_taps
 
 
 def _tests_conftest():

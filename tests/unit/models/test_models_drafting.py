@@ -19,9 +19,9 @@ from models_helpers import (
 )
 
 from speculators.core.config import TreeConfig
+from speculators.core.errors import SpeculatorsError
 from speculators.core.sampling import SamplingParams, logits_to_probs
 from speculators.core.trees import depths_of
-from speculators.core.errors import SpeculatorsError
 from speculators.models.drafting import (
     TREE_KINDS,
     build_best_first_tree,

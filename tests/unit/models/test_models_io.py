@@ -157,8 +157,8 @@ def test_target_weights_from_hf_and_peft_models():
 def test_every_family_on_a_saved_tiny_target(tiny_target_any, tmp_path):
     """The real route: load_target from disk -> target_weights -> from_target -> forward_train -> save -> load."""
     from speculators.core.config import SpeculatorConfig, TargetConfig
-    from speculators.models import SPECULATORS
     from speculators.core.target import forward_with_taps, load_target
+    from speculators.models import SPECULATORS
 
     loaded = load_target(TargetConfig(name_or_path=str(tiny_target_any), device="cpu", dtype="float32"))
     weights = target_weights(loaded.model)

@@ -17,8 +17,8 @@ from models_helpers import (
 )
 
 from speculators.core.config import TreeConfig
-from speculators.core.sampling import SamplingParams
 from speculators.core.errors import SpeculatorsError
+from speculators.core.sampling import SamplingParams
 from speculators.models import SPECULATORS
 from speculators.models.base import FeatureRequest
 from speculators.models.static_trees import default_choices, medusa_choices_from_accuracy

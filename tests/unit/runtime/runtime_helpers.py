@@ -61,9 +61,9 @@ def make_speculator_dir(target_dir: str | Path, family: str, out: str | Path, *,
     pairing.json to `out` (a real checkpoint dir, as training writes it)."""
     from speculators.core.config import SpeculatorConfig, TargetConfig
     from speculators.core.pairing import pairing_record, write_pairing
+    from speculators.core.target import fingerprint_target
     from speculators.models import SPECULATORS
     from speculators.models.io import save_speculator, target_weights
-    from speculators.core.target import fingerprint_target
 
     model = hf_model(str(target_dir))
     spec_cfg = SpeculatorConfig(family=family, num_steps=num_steps)

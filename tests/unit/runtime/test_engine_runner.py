@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from speculators.core.trees import ancestor_mask, depths_of
 from speculators.core.errors import SpeculatorsError
+from speculators.core.trees import ancestor_mask, depths_of
 from speculators.models.base import FeatureRequest
 from speculators.runtime.forward.module_runner import make_runner
 from speculators.runtime.forward.target_runner import Segment, TargetRunner

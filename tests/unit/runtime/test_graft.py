@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculators.core.trees import DraftTree, depths_of, path_to
 from speculators.core.errors import SpeculatorsError
+from speculators.core.trees import DraftTree, depths_of, path_to
 from speculators.runtime.drafters.graft import NgramGraft, graft_chain
 
 

@@ -12,13 +12,13 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from speculators.core.config import TargetConfig
-from speculators.core.sampling import SamplingParams
 from speculators.core.errors import SpeculatorsError
+from speculators.core.sampling import SamplingParams
+from speculators.core.target import LoadedTarget
 from speculators.runtime.batch_generate import TREE_ROOM, EngineGenerator
 from speculators.runtime.batching import BatchRunner
 from speculators.runtime.engine import Engine
 from speculators.runtime.forward.memory import available_bytes, check_fits, work_max_len
-from speculators.core.target import LoadedTarget
 from tests.conftest import HOUSE_TARGET
 
 SMOLLM2_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

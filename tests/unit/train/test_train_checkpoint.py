@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators.core.config import Recipe, SpeculatorConfig
 from speculators.core.checkpoints import step_number
+from speculators.core.config import Recipe, SpeculatorConfig
 from speculators.core.errors import SpeculatorsError
 from speculators.train import checkpoint as ck
 

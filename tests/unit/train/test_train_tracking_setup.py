@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators.core.tracking import Tracker, read_jsonl
 from speculators.core.errors import SpeculatorsError
+from speculators.core.tracking import Tracker, read_jsonl
 
 ROWS = [{"k": 1, "acceptance": 0.6, "chain_reach": 0.6, "top1_accuracy": 0.6},
         {"k": 2, "acceptance": 0.5, "chain_reach": 0.3, "top1_accuracy": 0.4}]
@@ -129,8 +129,8 @@ def test_wandb_run_from_the_recipe_with_the_evaluation(tmp_path: Path, caplog) -
     line saying how to upload it, then the evaluation report logged to the same run."""
     import logging
 
-    from speculators.core.tracking import RUN_ID_FILE, log_evaluation, wandb_options
     from speculators.core.recipes import load_recipe
+    from speculators.core.tracking import RUN_ID_FILE, log_evaluation, wandb_options
     from tests.unit.train.wandb_records import offline_run
 
     recipe = load_recipe(None, ["train.wandb_project=spec-proj", "train.wandb_entity=spec-team",
