@@ -14,7 +14,6 @@ drafted, so the share bounds per-position acceptance from above. Computes nothin
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,19 +21,16 @@ import torch
 
 from speculators.core.errors import SpeculatorsError
 from speculators.data import vocab
+from speculators.evaluate.teacher import continuations_by_temperature
 
 
 def coverage_table(run_dir: Path, sizes: list[int]) -> str:
     """A Markdown table: one row per sampling temperature, one column per draft vocabulary size."""
-    cont_file = run_dir / "eval" / "continuations.json"
-    try:
-        freq, forced = vocab.load_token_freq(run_dir / "features")
-        sequences: dict[str, list[int]] = json.loads(cont_file.read_text())["sequences"]
-    except (OSError, KeyError, json.JSONDecodeError) as exc:
-        raise SpeculatorsError(f"{run_dir}: needs a complete capture and evaluation ({exc})") from None
-    by_temperature: dict[str, list[int]] = {}
-    for key, tokens in sequences.items():  # key: "<temperature>:<row hash>"
-        by_temperature.setdefault(key.split(":", 1)[0], []).extend(tokens)
+    freq, forced = vocab.load_token_freq(run_dir / "features")  # one error line when capture has not run
+    by_temperature = continuations_by_temperature(run_dir / "eval" / "continuations.json")
+    if not by_temperature:
+        raise SpeculatorsError(f"{run_dir}/eval/continuations.json: no continuations of the target; run `speculators "
+                               "evaluate` first")
     vocabs = {size: vocab.build_vocab(freq, size, forced)[1] for size in sizes}  # size -> t2d [V] bool
     lines = ["| target's held-out tokens | tokens | " + " | ".join(f"{s:,}" for s in sizes) + " |",
              "|---|---:|" + "---:|" * len(sizes)]

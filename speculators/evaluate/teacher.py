@@ -108,6 +108,21 @@ def _save_cache(path: Path, key: str, sequences: dict[str, list[int]], check: di
                                         "sequences": sequences}))
 
 
+def continuations_by_temperature(path: Path) -> dict[float, list[int]]:
+    """Every cached continuation's tokens of a continuations cache, pooled per sampling temperature (the entry
+    names' first part); {} for a missing file or another format."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != CONTINUATIONS_FORMAT:
+        return {}
+    pooled: dict[float, list[int]] = {}
+    for name, tokens in data.get("sequences", {}).items():
+        pooled.setdefault(float(name.split(":", 1)[0]), []).extend(int(t) for t in tokens)
+    return pooled
+
+
 def crosscheck_record(path: Path) -> dict | None:
     """The side-by-side record (HF `generate` vs the runtime on the first greedy rows) of a continuations cache."""
     try:

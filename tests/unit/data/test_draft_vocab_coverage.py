@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from speculators.data import vocab
+from speculators.evaluate.teacher import CONTINUATIONS_FORMAT
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "draft_vocab_coverage.py"
 
@@ -20,7 +21,7 @@ def test_coverage_counts_the_target_tokens_inside_each_vocabulary(tmp_path):
     vocab.save_token_freq(tmp_path / "features", freq, always_include_ids=[])
     (tmp_path / "eval").mkdir()
     sequences = {"0.0:a": [10, 10, 11, 12], "0.0:b": [13], "1.0:a": [50, 10]}
-    (tmp_path / "eval" / "continuations.json").write_text(json.dumps({"sequences": sequences}))
+    (tmp_path / "eval" / "continuations.json").write_text(json.dumps({"format": CONTINUATIONS_FORMAT, "sequences": sequences}))
     out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--sizes", "2,4"], capture_output=True,
                          text=True, check=True).stdout
     assert "| T = 0.0 | 5 | 0.600 | 1.000 |" in out  # 3 of 5 tokens in {10, 11}; all 5 in {10..13}
