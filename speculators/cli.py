@@ -26,7 +26,6 @@ from speculators.core import options as o
 from speculators.core.config import ServeConfig, setting_help
 from speculators.core.errors import SpeculatorsError
 from speculators.core.logs import configure
-from speculators.core.recipes import dump_recipe, load_recipe
 from speculators.pipeline import STAGES, run_pipeline, run_stage
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -64,17 +63,22 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _target(name: str) -> str:
-    """A `package:NAME` or `.gguf` target as its converted local folder (made on first use); others unchanged."""
+    """A command's `--target`: a `package:NAME` or `.gguf` target as its converted local folder (made on first use);
+    others unchanged (recipes' targets: `load_recipe`, the same function)."""
     from speculators.core.target_sources import resolve_target_source
     return resolve_target_source(name)
 
 
 def _load(recipe: Path | None, overrides: list[str] | None, resolve_target: bool = True):
-    """The recipe with its overrides; a packaged / GGUF target made local unless `resolve_target` is off (dry run)."""
-    r = load_recipe(recipe, overrides or [])
-    if resolve_target:
-        r.target.name_or_path = _target(r.target.name_or_path)
-    return r
+    """The recipe with its overrides; `load_recipe` makes a packaged / GGUF target local unless `resolve_target` is
+    off (dry run). Imported here: recipes.py imports torch (target sources)."""
+    from speculators.core.recipes import load_recipe
+    return load_recipe(recipe, overrides or [], resolve_target=resolve_target)
+
+
+def _dump(recipe: Any) -> str:
+    from speculators.core.recipes import dump_recipe
+    return dump_recipe(recipe)
 
 
 def _print_summary(title: str, summary: dict) -> None:
@@ -91,7 +95,7 @@ def _stage_command(name: str, help_text: str) -> None:
                 dry_run: DryRunOpt = False) -> None:
         r = _load(recipe, overrides, resolve_target=not dry_run)
         if dry_run:
-            typer.echo(dump_recipe(r), nl=False)
+            typer.echo(_dump(r), nl=False)
             return
         _print_summary(f"{name}: {r.name}", run_stage(name, r, force=force))
 
@@ -115,7 +119,7 @@ def run(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = Fal
     stages = o.choices(only, "--only", [s.name for s in STAGES]) if only is not None else None
     r = _load(recipe, overrides, resolve_target=not dry_run)
     if dry_run:
-        typer.echo(dump_recipe(r), nl=False)
+        typer.echo(_dump(r), nl=False)
         return
     results = run_pipeline(r, only=stages, force=force, log=lambda m: typer.echo(m, err=True))
     _print_summary(f"run: {r.name}", {k: _stage_line(v) for k, v in results.items()})

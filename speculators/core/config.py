@@ -4,6 +4,9 @@ Every stage reads only its own section plus `target`; `Recipe.paths` says where 
 `run_dir`. Help texts of settings shared with CLI flags live here (`setting_help`). Reading, checking and writing
 recipe files is `speculators.core.recipes` (`load_recipe`, `dump_recipe`).
 
+A relative path to a file the package ships (`data/targets/stdlib-lm`, `data/datasets/...`) that is not where the
+user runs names the installed package's copy (`package_data.locate`, in `TargetConfig` and `DataSource`).
+
 This module does not run stages, read files or import torch.
 """
 
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from speculators.core.errors import SpeculatorsError
+from speculators.core.package_data import locate
 
 # ----------------------------------------------------------------------------------------------------------------
 # sections
@@ -34,6 +38,9 @@ class TargetConfig:
     chat_template: str | None = None  # path to a .jinja file or a literal template; None = the tokenizer's
     trust_remote_code: bool = False
 
+    def __post_init__(self) -> None:  # the house target outside the clone: the installed package's copy
+        self.name_or_path = locate(self.name_or_path)
+
 
 @dataclass
 class DataSource:
@@ -43,6 +50,9 @@ class DataSource:
     split: str = "train"
     schema: Literal["auto", "messages", "sharegpt", "prompt_completion"] = "auto"
     max_rows: int | None = None
+
+    def __post_init__(self) -> None:  # the house datasets outside the clone: the installed package's copies
+        self.path = locate(self.path)
 
 
 @dataclass

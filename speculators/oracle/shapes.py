@@ -28,12 +28,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from speculators.core.config import SpeculatorConfig, TargetConfig
 from speculators.core.errors import SpeculatorsError
+from speculators.core.package_data import shipped
 from speculators.core.target import LoadedTarget
 from speculators.models import SPECULATORS
 from speculators.models.io import target_weights
 from speculators.runtime.drafters.load import draft_dtype_for, prepare_for_drafting
 
-SHAPES_DIR = Path(__file__).resolve().parents[2] / "data" / "shapes"
+SHAPES_DIR = shipped("data/shapes")
 DEFAULT_DRAFT_VOCAB = 32000
 
 
