@@ -1,6 +1,6 @@
 """The files the package ships (core/package_data.py) and where the target of a recipe is resolved (load_recipe).
 
-- In a clone every shipped folder is the top-level one; a relative shipped path that is not where the user runs
+- In a clone every shipped folder is the top-level one (MANIFEST.in ships the same list in an sdist); a relative shipped path that is not where the user runs
   (the working directory outside the clone) names the package's copy, a path that is there wins, anything else is
   unchanged; `TargetConfig`, `DataSource` and the workload globs go through it.
 - Nothing in the package reaches repository data through `__file__`: `package_data` is the only resolver.
@@ -36,6 +36,13 @@ def test_in_a_clone_the_shipped_folders_are_the_top_level_ones() -> None:
     assert (shipped("serving/vllm/cpu-fixes") / "sitecustomize.py").is_file()
     with pytest.raises(ValueError, match="not inside a shipped folder"):
         shipped("data/speculators/stdlib-lm-eagle3")
+
+
+def test_the_sdist_carries_the_same_folders() -> None:
+    """MANIFEST.in grafts exactly `SHIPPED` (setup.py reads `SHIPPED` itself for the wheel)."""
+    grafts = [line.split()[1] for line in (REPO / "MANIFEST.in").read_text().splitlines()
+              if line.startswith("graft ")]
+    assert grafts == list(SHIPPED)
 
 
 def test_a_shipped_path_outside_the_clone_names_the_package_copy(tmp_path: Path,
