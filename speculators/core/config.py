@@ -144,6 +144,11 @@ class SpeculatorConfig:
     intermediate_size: int | None = None  # None = the target's (dense) intermediate size
     step_loss_decay: float = 0.8  # per-step (per-head) loss weight = decay ** k
     init_lm_head_from_target: bool = True
+    # eagle3 training levers (issue 46; defaults = the behaviour before them): keep the copied rows of the target's
+    # head frozen (vLLM's speculators trains them frozen), and start the draft's final norm from the target's final
+    # norm weights instead of 1 (MTP always does)
+    freeze_lm_head: bool = False
+    norm_from_target: bool = False
     # eagle3, EAGLE 3.1 normalisation (vLLM reads the same flags): one RMSNorm per tap before fc (fc_norm), or one
     # over the concatenated taps (norm_before_fc); feed the final-normed output back to the next step (norm_output)
     fc_norm: bool = False
@@ -172,7 +177,9 @@ class TrainConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = 0.1
     grad_clip: float = 0.5
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # auto: bf16 on CUDA, fp32 on CPU; bf16 on the CPU too: autocast (bf16 matmuls; fp32 weights, loss and optimizer
+    # states), measured in docs/acceptance-levers.md section 7
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
     accelerate_config: str | None = None  # recipes/accelerate/*.yaml (DDP, DeepSpeed ZeRO-2/3, FSDP)
     num_processes: int = 1
     eval_every: int = 100  # held-out evaluation every N steps (0: only with a checkpoint and at the end)
@@ -186,6 +193,13 @@ class TrainConfig:
     wandb_tags: list[str] = field(default_factory=list)
     log_every: int = 10
     num_workers: int = 0
+    # the learning curve (train/learning_curve.py): held-out simulated tau at cycle starts, T = 0 and T = 1, against
+    # training seconds and tokens, at this many evenly spaced steps (start and end included; 0: off), on a fixed
+    # slice of the held-out rows: `curve_rows` of them, or (None) as many as keep the curve under `curve_share` of
+    # the training time by the estimate in learning_curve.slice_size
+    curve_points: int = 20
+    curve_rows: int | None = None
+    curve_share: float = 0.05
 
 
 @dataclass

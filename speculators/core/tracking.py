@@ -15,6 +15,7 @@ What it does:
   here is ever required.
 - `log_evaluation`: the evaluate stage's report (per-cohort tau per temperature, live tau, its plots, the checkpoint
   it chose) goes to the same W&B run, resumed by its id.
+- `Tracker.log_figure(key, fig, png, step)`: a figure drawn elsewhere (the training's learning curve).
 - `acceptance_figure`: a matplotlib (Agg) figure of per-position acceptance a_k and chain reach E_k.
 Only the main process creates a live `Tracker`; other ranks get a disabled one.
 
@@ -235,6 +236,15 @@ class Tracker:
             cols = ["k", "acceptance", "chain_reach", "top1_accuracy"]
             _log_tables_and_images(self.wandb, {"eval/acceptance_table": (cols, [[r[c] for c in cols] for r in rows])},
                                    {"eval/acceptance_plot": png} if png is not None else {}, int(step))
+
+    def log_figure(self, key: str, fig: Any, png: Path, step: int) -> None:
+        """A drawn figure (already saved as `png`) to TensorBoard and W&B (JSONL keeps the numbers only)."""
+        if not self.enabled:
+            return
+        if self.tensorboard is not None:
+            self.tensorboard.tracker.add_figure(key, fig, step, close=False)
+        if self.wandb is not None:
+            _log_tables_and_images(self.wandb, {}, {key: png}, int(step))
 
     def close(self) -> None:
         for backend in (self.tensorboard, self.wandb):

@@ -114,6 +114,7 @@ class Eagle3Speculator(RecurrentSpeculator):
             model.set_vocab(d2t)
             if spec.init_lm_head_from_target:
                 model.lm_head.weight.copy_(weights.lm_head[model.draft_to_target.to(weights.lm_head.device)])
+        _apply_levers(model, spec, weights)
         model.target_tensors = {"embed_tokens.weight": {"source": "embed_tokens",
                                                         **tensor_digest(weights.embed_tokens)}}
         return model
@@ -229,6 +230,25 @@ class Eagle3Speculator(RecurrentSpeculator):
 
     def head(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out))  # [..., Vd]
+
+
+def _apply_levers(model: Eagle3Speculator, spec: SpeculatorConfig, weights: TargetWeights) -> None:
+    """The training levers of the recipe (issue 46), recorded in the native options only when set (a default
+    speculator's config is unchanged): `norm_from_target` copies the target's final norm weights [H] into the
+    draft's `norm`; `freeze_lm_head` keeps the copied head rows [Vd, H] out of the optimizer."""
+    if spec.norm_from_target:
+        if tuple(weights.final_norm.shape) != tuple(model.norm.weight.shape):
+            raise SpeculatorsError(f"speculator.norm_from_target: the target's final norm has shape "
+                                   f"{list(weights.final_norm.shape)}, the draft's {list(model.norm.weight.shape)}")
+        with torch.no_grad():
+            model.norm.weight.copy_(weights.final_norm)
+        model.options["norm_from_target"] = True
+    if spec.freeze_lm_head:
+        if not spec.init_lm_head_from_target:
+            raise SpeculatorsError("speculator.freeze_lm_head keeps the head rows copied from the target; it needs "
+                                   "speculator.init_lm_head_from_target: true (a frozen random head learns nothing)")
+        model.lm_head.weight.requires_grad_(False)
+        model.options["freeze_lm_head"] = True
 
 
 def _check_d2t(d2t: torch.Tensor | None, draft_vocab_size: int | None, vocab: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ What it does:
   HF / vLLM layout (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, `hidden_norm`, ...).
 - Two attention paths with explicit masks and no HF modules:
   * `ttt_attention` (training-time test): step k at query t sees the step-0 keys at positions <= t (additive
-    mask) plus the diagonal keys of steps 1..k at t. O(T^2 + T*k) memory.
+    mask) plus the diagonal keys of steps 1..k at t. O(T^2 + T*k) memory; steps k >= 1 at the live positions
+    only (`ttt_live.live_attention`).
   * `kv_cache.cached_attention` (drafting): SDPA over a preallocated `KVCache` with a boolean mask (committed prefix +
     the node's ancestors among the speculative slots).
 - Small construction helpers every family uses (`verifier_info`, `target_dims`,
@@ -36,6 +37,7 @@ from speculators.core.errors import SpeculatorsError
 from speculators.core.target import text_config
 from speculators.models.base import TargetWeights
 from speculators.models.kv_cache import AttendFn
+from speculators.models.ttt_live import live_attention
 
 if TYPE_CHECKING:
     from speculators.core.config import SpeculatorConfig
@@ -407,8 +409,8 @@ class TTTAttention:
 
     Steps k >= 1 may run on a subset of the positions only (`for_step(k, live)`: their queries, keys and values
     are [1, n, N, hd] at the flat positions `live` b*T+t): a query at t reads the step-0 keys and the keys of steps
-    1..k at t itself, so positions outside `live` never influence those inside it. Their queries and keys are
-    placed at their positions for the attention (zeros elsewhere, whose outputs are dropped)."""
+    1..k at t itself, so positions outside `live` never influence those inside it; their attention is computed
+    at the live rows only (`ttt_live.live_attention`)."""
 
     def __init__(self, num_layers: int, mask0: torch.Tensor) -> None:
         self.mask0 = mask0
@@ -422,26 +424,11 @@ class TTTAttention:
             if step == 0:
                 self.k0[i], self.v0[i] = k, v
                 return ttt_attention(q, k, v, self.mask0, [], [])
-            b, t = self.k0[i].shape[0], self.k0[i].shape[2]
-            if live is not None:
-                q, k, v = (_unpack_heads(x, live, b, t) for x in (q, k, v))  # [B, n, T, hd]
             self.dk[i].append(k)
             self.dv[i].append(v)
-            out = ttt_attention(q, self.k0[i], self.v0[i], self.mask0, self.dk[i], self.dv[i])  # [B, nh, T, hd]
-            return out if live is None else _pack_heads(out, live)
+            if live is not None:  # [1, nh, N, hd]: only the live rows (ttt_live.py)
+                return live_attention(q, self.k0[i], self.v0[i], self.mask0, self.dk[i], self.dv[i], live)
+            return ttt_attention(q, self.k0[i], self.v0[i], self.mask0, self.dk[i], self.dv[i])  # [B, nh, T, hd]
 
         return attend
 
-
-def _unpack_heads(x: torch.Tensor, live: torch.Tensor, b: int, t: int) -> torch.Tensor:
-    """[1, n, N, hd] at flat positions `live` -> [B, n, T, hd] (zeros elsewhere)."""
-    n, hd = x.shape[1], x.shape[3]
-    rows = x[0].transpose(0, 1)  # [N, n, hd]
-    full = rows.new_zeros(b * t, n, hd).index_copy(0, live, rows)  # [B*T, n, hd]
-    return full.view(b, t, n, hd).transpose(1, 2)
-
-
-def _pack_heads(x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """[B, n, T, hd] -> [1, n, N, hd] at flat positions `live`."""
-    b, n, t, hd = x.shape
-    return x.transpose(1, 2).reshape(b * t, n, hd).index_select(0, live).transpose(0, 1).unsqueeze(0)

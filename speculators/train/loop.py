@@ -8,11 +8,16 @@ What it does:
   or online capture (`capture.mode: online`: the target runs inside the step on the prepared/regenerated rows).
 - The speculator comes from `SPECULATORS[family].from_target(...)`; the trainer never branches on the family.
 - Optimisation: AdamW, warmup + cosine/linear/constant schedule (transformers' `get_scheduler`, fast-forwarded on resume),
-  gradient accumulation, clipping, bf16 mixed precision on CUDA (fp32 on CPU); loss = `loss.speculator_loss`.
+  gradient accumulation, clipping, bf16 mixed precision on CUDA by default and on the CPU with
+  `train.precision: bf16` (accelerate's autocast: bf16 matmuls, fp32 weights, loss and optimizer states), fp32
+  otherwise; loss = `loss.speculator_loss`.
 - Every `eval_every` / `save_every` steps and at the end: held-out teacher-forced per-step accuracy, chain reach,
   per-position acceptance and simulated tau (`speculators.core.metrics`), logged with a table + plot; checkpoints
   (checkpoint.py) with `best` chosen by that simulated tau. Exact resume of model, optimizer, schedule, data
   position and RNG (`train.resume`: auto | never | a path).
+- The learning curve (learning_curve.py): held-out simulated tau at cycle starts, T = 0 and T = 1, against
+  training seconds and tokens, at `train.curve_points` steps on a fixed held-out slice sized for <= `curve_share`
+  of the training time; logged, drawn and written to `checkpoints/learning-curve.json` / `.png`.
 - The summary (steps, tokens/s per process, peak memory, final loss, val acceptance and tau, best checkpoint) is
   returned and written to `checkpoints/train-summary.json`; `stage.is_complete` reads it back.
 
@@ -31,7 +36,6 @@ import json
 import math
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,11 +44,10 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from speculators.core.atomic import write_text_atomic
 from speculators.core.checkpoints import step_name
-from speculators.core.config import Recipe, TrainConfig
+from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
 from speculators.core.recipes import to_dict
 from speculators.core.tracking import Tracker, wandb_options
@@ -60,37 +63,11 @@ from speculators.train.accelerator import (
 )
 from speculators.train.batches import BatchPlan, OfflineFeatures, OnlineFeatures, micro_batch_loader
 from speculators.train.checkpoint import SUMMARY_FILE
+from speculators.train.learning_curve import LearningCurve, open_curve
 from speculators.train.loss import TeacherShape, VocabMap, speculator_loss
+from speculators.train.schedule import lr_schedule, warmup_steps
 from speculators.train.setup import Setup, check_signature, load_setup, train_signature
 from speculators.train.validation import acceptance_rows, evaluate_heldout
-
-# ----------------------------------------------------------------------------------------------------------------
-# schedule
-
-
-def lr_schedule(optimizer: Any, t: TrainConfig, total: int, warmup: int, start_step: int = 0) -> LambdaLR:
-    """The learning-rate schedule, from transformers (`get_scheduler`): linear warmup over `warmup` optimizer steps,
-    then cosine / linear decay to `t.min_lr_ratio` x `t.lr` at `total` (warmup-stable-decay with no stable phase),
-    or constant. Positioned at `start_step` (a resumed run continues where it stopped); step it after every
-    optimizer step."""
-    if t.schedule == "constant":
-        name, options = "constant_with_warmup", {}
-    else:
-        name, options = "warmup_stable_decay", {"num_stable_steps": 0, "num_decay_steps": max(1, total - warmup),
-                                                "decay_type": t.schedule, "min_lr_ratio": t.min_lr_ratio}
-    for group in optimizer.param_groups:  # a resumed optimizer state holds its last step's lr: start from the recipe's
-        group["lr"] = group["initial_lr"] = t.lr
-    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, scheduler_specific_kwargs=options)
-    with warnings.catch_warnings():  # fast-forwarding without optimizer steps is what resuming means
-        warnings.simplefilter("ignore", UserWarning)
-        for _ in range(start_step):
-            scheduler.step()
-    return scheduler
-
-
-def warmup_steps(total: int, ratio: float) -> int:
-    return int(math.ceil(total * ratio)) if ratio > 0 else 0
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # the loop
@@ -143,6 +120,8 @@ class _Session:
     lr: float = 0.0  # of the last optimizer step
     pad_id: int = 0
     versions: dict = field(default_factory=dict)
+    curve: LearningCurve | None = None  # learning_curve.py: held-out tau at cycle starts over the run
+    validation_seconds: float = 0.0  # spent in `evaluate_and_log` (the curve's own time is the curve's)
 
     @property
     def main(self) -> bool:
@@ -162,8 +141,10 @@ class _Session:
 
     def evaluate_and_log(self, step: int) -> dict:
         """Held-out teacher-forced evaluation at `step`, logged with its table and plot ({} without held-out rows)."""
+        t0 = time.perf_counter()
         ev = evaluate_heldout(self.acc, self.model, self.setup, self.features, self.weights, self.vocab,
-                       self.recipe.train.batch_size, self.pad_id)
+                              self.recipe.train.batch_size, self.pad_id)
+        self.validation_seconds += time.perf_counter() - t0
         if not ev:
             return ev
         set_tree = getattr(self.spec, "set_choices_from_accuracy", None)  # static-tree families (Medusa)
@@ -313,6 +294,8 @@ def _open(recipe: Recipe, force: bool) -> _Session:
     tracker = Tracker(recipe.paths.logs, t.trackers, run_name=recipe.name, enabled=acc.is_main_process,
                       resume_step=start if resume_dir is not None else None, wandb=wandb_options(t),
                       config={**to_dict(recipe), "world_size": acc.num_processes, "mode": setup.mode})
+    curve = open_curve(recipe, setup, spec.num_steps, plan.total_steps, start if resume_dir is not None else 0,
+                       tracker, acc.num_processes)
     sharded = (acc.distributed_type == DistributedType.DEEPSPEED and
                int(acc.state.deepspeed_plugin.zero_stage) == 3) or acc.distributed_type == DistributedType.FSDP
     return _Session(recipe=recipe, acc=acc, model=model, optimizer=optimizer, scheduler=scheduler, params=params, setup=setup,
@@ -321,7 +304,7 @@ def _open(recipe: Recipe, force: bool) -> _Session:
                     tracker=tracker, writer=writer, plan=plan, batch_plan=batch_plan, sharded=sharded,
                     resume_dir=resume_dir, state=state, step=start, micro=int(state.get("micro_step", 0)),
                     tokens=int(state.get("tokens", 0)), best=state.get("best") or {},
-                    history=list(state.get("history", [])), versions=package_versions())
+                    history=list(state.get("history", [])), versions=package_versions(), curve=curve)
 
 
 def _micro_step(s: _Session, batch: dict) -> tuple[Any, bool, float | None]:
@@ -378,6 +361,7 @@ def _run_steps(s: _Session) -> _Totals:
     loader = iter(micro_batch_loader(s.setup.source, s.batch_plan, s.micro, (total - s.step) * t.grad_accum,
                                      t.num_workers, s.pad_id))
     s.model.train()
+    s.curve.maybe_measure(s, totals.seconds)  # the start (a fresh run's step 0)
     while s.step < total:
         t0, c0 = time.perf_counter(), time.process_time()
         indices, batch = next(loader)
@@ -394,6 +378,7 @@ def _run_steps(s: _Session) -> _Totals:
             continue
         s.step += 1
         bar.update(1)
+        s.curve.maybe_measure(s, totals.seconds)
         if s.step % max(1, t.log_every) == 0 or s.step == total:
             totals.last_loss = _log_window(s, window, grad_norm, bar)
         final = s.step == total
@@ -432,6 +417,7 @@ def _finish(s: _Session, totals: _Totals) -> dict:
         "latest_checkpoint": str(root / step_name(s.step)),
         "train_seconds": round(totals.seconds, 1), "signature": train_signature(s.recipe), "complete": True,
     }
+    summary.update(s.curve.finish(totals.seconds, s.main), validation_seconds=round(s.validation_seconds, 2))
     mem = acc.gather(torch.tensor([summary["peak_memory_mb"]], dtype=torch.float64, device=acc.device)).cpu()
     summary["peak_memory_mb_max_process"] = float(mem.max())
     firsts = torch.full((t.batch_size,), -1, dtype=torch.long)

@@ -218,6 +218,13 @@ def _step_loss(draft_logits: torch.Tensor, teacher: Teacher, kind: str = "kl") -
     return w * kl + (1.0 - w) * (1.0 - alpha)
 
 
+def sampled_acceptance(draft_logits: torch.Tensor, teacher: Teacher) -> torch.Tensor:
+    """alpha = sum_v min(p(v), q(v)) of draft logits [N, Vd] against the teacher aligned with them
+    (`Teacher.at_rows`; with its rest bucket when it has one): the acceptance probability of a draft sampled from
+    q, teacher-forced.  -> [N] float32"""
+    return 1.0 - _step_loss(draft_logits, teacher, "tv")
+
+
 def speculator_loss(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor,
                     attention_mask: torch.Tensor, weights: list[float], vocab: VocabMap,
                     with_alpha: bool = False, kind: str = "kl", rows: list[torch.Tensor] | None = None

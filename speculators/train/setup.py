@@ -48,7 +48,8 @@ from speculators.train import checkpoint as ck
 from speculators.train.batches import FeatureSource, PreparedSource, split_indices
 
 _NOT_IN_SIGNATURE = {"resume", "trackers", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "log_every",
-                     "num_workers", "eval_every", "keep_last", "accelerate_config", "num_processes", "save_every"}
+                     "num_workers", "eval_every", "keep_last", "accelerate_config", "num_processes", "save_every",
+                     "curve_points", "curve_rows", "curve_share"}
 
 
 SHARDS_VERIFIED_ENV = "SPECULATORS_SHARDS_VERIFIED"  # a launcher's preflight verified every feature shard's checksum
@@ -59,7 +60,7 @@ SHARDS_VERIFIED_ENV = "SPECULATORS_SHARDS_VERIFIED"  # a launcher's preflight ve
 
 # recipe options added after checkpoints already existed, with the default that reproduces the earlier training
 _NEW_OPTIONS = {"loss": "kl", "teacher_temperature": 1.0, "teacher_rest_mass": False, "fc_norm": False,
-                "norm_before_fc": False, "norm_output": False}
+                "norm_before_fc": False, "norm_output": False, "freeze_lm_head": False, "norm_from_target": False}
 
 
 def train_signature(recipe: Recipe) -> str:
