@@ -197,7 +197,7 @@ class TrainConfig:
     # training seconds and tokens, at this many evenly spaced steps (start and end included; 0: off), on a fixed
     # slice of the held-out rows: `curve_rows` of them, or (None) as many as keep the curve under `curve_share` of
     # the training time by the estimate in learning_curve.slice_size
-    curve_points: int = 20
+    curve_points: int = 12
     curve_rows: int | None = None
     curve_share: float = 0.05
 

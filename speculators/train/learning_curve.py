@@ -46,9 +46,10 @@ from speculators.train.loss import sampled_acceptance
 FORMAT = "speculators.learning-curve/v1"
 CURVE_FILE = "learning-curve.json"
 CURVE_PNG = "learning-curve.png"
-# cost of scoring one held-out row relative to training on one row (forward only ~1/3 of forward + backward, plus
-# the cycle replay in Python); measured on the house target: see docs/acceptance-levers.md section 7
-ROW_COST = 0.5
+# cost of scoring one held-out row relative to training on one row (a forward without backward, plus the teacher
+# and the cycle replay in Python): 0.07 s a row against 0.10 s a trained row on the house target (demo budget,
+# AMD EPYC, 1 thread: docs/acceptance-levers.md section 7), rounded up
+ROW_COST = 0.75
 MIN_ROWS = 8
 
 
