@@ -89,7 +89,6 @@ class LearningCurve:
     points: list[dict] = field(default_factory=list)
     eval_seconds: float = 0.0  # this run's
     seconds_before: float = 0.0  # training seconds before a resumed step
-    tokens_before: int = 0
 
     def maybe_measure(self, s: Any, train_seconds: float) -> None:
         """A point at `s.step` when it is a curve step (every rank calls it: the forwards and sums are
@@ -140,10 +139,9 @@ def open_curve(recipe: Recipe, setup: Any, num_steps: int, total_steps: int, sta
     if t.curve_rows is not None:
         n_rows, n_points = min(int(t.curve_rows), len(setup.val_idx)), t.curve_points
     rows = pick_rows(list(setup.val_idx), n_rows) if t.curve_points > 0 else []
-    ids = setup.source.row_ids()
-    regen = sorted({str(ids[i]).rpartition("@T=")[2] if "@T=" in str(ids[i]) else "as stored" for i in rows})
     meta = {"family": recipe.speculator.family, "num_steps": num_steps, "total_steps": total_steps,
-            "slice": {"rows": len(rows), "held_out_rows": len(setup.val_idx), "regenerated_at": regen},
+            "slice": {"rows": len(rows), "held_out_rows": len(setup.val_idx),
+                      "regenerated_at": _regenerated_at(recipe, setup, rows)},
             "teacher": setup.store.teacher if setup.store is not None else "online (the target in the step)",
             "rows_per_step": rows_per_step}
     path = recipe.paths.checkpoints / CURVE_FILE
@@ -157,6 +155,17 @@ def open_curve(recipe: Recipe, setup: Any, num_steps: int, total_steps: int, sta
         if kept:
             curve.seconds_before = float(kept[-1]["train_seconds"])
     return curve
+
+
+def _regenerated_at(recipe: Recipe, setup: Any, rows: list[int]) -> list[str]:
+    """Who wrote the slice's answers: the temperatures of its rows' ids ("<id>@T=<t>"), the recipe's single
+    regeneration temperature, or the dataset itself."""
+    ids = setup.source.row_ids()
+    temps = sorted({str(ids[i]).rpartition("@T=")[2] for i in rows if "@T=" in str(ids[i])})
+    if temps:
+        return [f"T={t}" for t in temps]
+    regen = recipe.data.regenerate
+    return [f"T={t:g}" for t in regen.temperatures] if regen.enabled else ["the dataset's own answers"]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from speculators.train.learning_curve import ROW_COST, curve_steps, pick_rows, slice_size
+from speculators.core.config import Recipe
+from speculators.evaluate.replay import replay_chain
+from speculators.train.learning_curve import (
+    CURVE_FILE,
+    ROW_COST,
+    _replay_rows,
+    curve_steps,
+    open_curve,
+    pick_rows,
+    slice_size,
+)
 from tests.unit.train.train_helpers import load, prepare, recipe_dict, write_rows
 
 
@@ -31,6 +41,39 @@ def test_curve_steps_and_slice_sizing() -> None:
     rows, points = slice_size(n_val=5, total_steps=6, rows_per_step=4, points=20, share=0.05)
     assert rows == 5 and points == 2  # a tiny run: the whole small split, start and end only
     assert pick_rows(list(range(100, 110)), 3) == [100, 103, 106]
+
+
+def test_cycles_are_replayed_per_assistant_span() -> None:
+    """A span of assistant tokens a..e-1 is a generation of prompt length a: its roots t = a-2..e-3 are the positions
+    where step 0 counts; two spans of one row are two generations (evaluate's replay_chain on each)."""
+    depth, t = 3, 30
+    g = torch.Generator().manual_seed(0)
+    w = (torch.rand(1, t, depth, generator=g) > 0.3).double()  # [B, T, D]
+    valid0 = torch.zeros(1, t, dtype=torch.bool)
+    valid0[0, 3:13] = True  # assistant tokens 5..14
+    valid0[0, 18:27] = True  # assistant tokens 20..28
+    got = _replay_rows(w, valid0, depth)
+    want = replay_chain(w[0, 3:13], 5, 15, 11, depth)
+    want.merge(replay_chain(w[0, 18:27], 20, 29, 10, depth))
+    assert got.to_dict() == want.to_dict() and got.calls > 2
+    ones = _replay_rows(torch.ones(1, t, depth, dtype=torch.float64), valid0, depth)
+    assert ones.per_position() == [1.0, 1.0, 1.0] and ones.tau > 3.0  # every draft accepted: ~depth + 1 a call
+
+
+def test_a_resumed_run_keeps_the_points_it_continues(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    recipe = Recipe(run_dir=str(tmp_path))
+    setup = SimpleNamespace(val_idx=list(range(40)), store=None,
+                            source=SimpleNamespace(row_ids=lambda: [f"r{i}" for i in range(40)]))
+    (tmp_path / "checkpoints").mkdir()
+    old = [{"step": s, "train_seconds": 10.0 * s, "tokens": 100 * s} for s in (0, 5, 10, 15)]
+    (tmp_path / "checkpoints" / CURVE_FILE).write_text(json.dumps({"points": old}))
+    curve = open_curve(recipe, setup, 5, 20, 12, tracker=None, world=1)
+    assert [p["step"] for p in curve.points] == [0, 5, 10] and curve.seconds_before == 100.0
+    fresh = open_curve(recipe, setup, 5, 20, 0, tracker=None, world=1)
+    assert fresh.points == [] and fresh.seconds_before == 0.0 and 0 in fresh.steps and 20 in fresh.steps
+    assert fresh.meta["slice"]["regenerated_at"] == ["the dataset's own answers"]
 
 
 def test_a_training_run_writes_its_learning_curve(tmp_path: Path, tiny_llama: Path, one_thread) -> None:
