@@ -48,7 +48,7 @@ def _family_recipe(family: str, target: str, rows: str, steps: int, mode: str, b
                  f"data.sources=[{{path: {rows}}}]", "data.regenerate.enabled=false", f"capture.mode={mode}",
                  f"train.max_steps={steps}", "train.epochs=1", "train.eval_every=0", f"train.save_every={steps}",
                  "train.resume=never", "train.trackers=[jsonl]", "train.num_processes=1",
-                 "train.accelerate_config=null", "data.val_fraction=0.05"]
+                 "train.accelerate_config=null", "data.val_fraction=0.05", "train.curve_points=0"]  # throughput only
     if batch_size:
         overrides.append(f"train.batch_size={batch_size}")
     recipe = load_recipe(base if base.is_file() else None, overrides)
