@@ -141,7 +141,7 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
     EOS, resume checkpoint of this family and target."""
     family = recipe.speculator.family
     SPECULATORS[family]  # noqa: B018 - unknown family -> SpeculatorsError
-    _check_teacher_shape(recipe)
+    _check_training_options(recipe)
     tokenizer = load_tokenizer(recipe.target)
     config = AutoConfig.from_pretrained(recipe.target.name_or_path, revision=recipe.target.revision,
                                         trust_remote_code=recipe.target.trust_remote_code)
@@ -181,8 +181,12 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
                              train_signature(recipe))
 
 
-def _check_teacher_shape(recipe: Recipe) -> None:
-    t = recipe.train
+def _check_training_options(recipe: Recipe) -> None:
+    t, spec = recipe.train, recipe.speculator
+    levers = [k for k in ("freeze_lm_head", "norm_from_target") if getattr(spec, k)]
+    if levers and spec.family != "eagle3":
+        raise SpeculatorsError(f"speculator.{levers[0]} is an eagle3 option (mtp always copies the target's head and "
+                               f"final norm and keeps the head frozen); unset it for {spec.family}")
     if not 0 < t.teacher_temperature < float("inf"):
         raise SpeculatorsError(f"train.teacher_temperature must be > 0, got {t.teacher_temperature}")
     if t.teacher_rest_mass and (recipe.capture.mode != "offline" or recipe.capture.teacher != "topk"):
@@ -232,6 +236,7 @@ def frozen_target_weights(cfg: Any) -> tuple[Any, Any] | None:
 
 def load_setup(recipe: Recipe, device: Any) -> Setup:
     """Target (weights, fingerprint), data source and split, draft vocab — validated, nothing written."""
+    _check_training_options(recipe)
     mode = recipe.capture.mode
     store = None
     if mode == "offline":

@@ -167,3 +167,16 @@ def test_bf16_on_cpu_trains_with_fp32_weights_and_states_close_to_fp32(tiny_llam
     assert all(p.dtype == torch.float32 for p in spec.parameters())
     states = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
     assert states and all(v.dtype == torch.float32 for v in states)
+
+
+def test_the_eagle3_levers_are_refused_for_other_families(tmp_path: Path, tiny_llama: Path) -> None:
+    from speculators.core.errors import SpeculatorsError
+    from speculators.train.train import run
+
+    write_rows(tmp_path / "rows.jsonl", 12)
+    data = recipe_dict(tmp_path / "run", tiny_llama, tmp_path / "rows.jsonl",
+                       speculator={"family": "medusa", "draft_vocab_size": None, "freeze_lm_head": True})
+    prepare(data)
+    with pytest.raises(SpeculatorsError, match="freeze_lm_head is an eagle3 option"):
+        run(load(data))
+    assert not (tmp_path / "run" / "checkpoints").exists()
