@@ -183,6 +183,10 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
 
 def _check_training_options(recipe: Recipe) -> None:
     t, spec = recipe.train, recipe.speculator
+    if t.curve_points < 0 or not 0 < t.curve_share <= 1 or (t.curve_rows is not None and t.curve_rows < 1):
+        raise SpeculatorsError(f"train.curve_points must be >= 0 (0: no learning curve), train.curve_share in (0, 1] "
+                               f"and train.curve_rows >= 1 or unset; got {t.curve_points}, {t.curve_share}, "
+                               f"{t.curve_rows}")
     levers = [k for k in ("freeze_lm_head", "norm_from_target") if getattr(spec, k)]
     if levers and spec.family != "eagle3":
         raise SpeculatorsError(f"speculator.{levers[0]} is an eagle3 option (mtp always copies the target's head and "
