@@ -17,10 +17,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from speculators.core.machine import device_name
 from speculators.core.recipes import load_recipe
 from speculators.data import capture, prepare, regenerate
 from speculators.data.feature_compare import compare_features
-from speculators.oracle.profile import device_name
 
 
 def main(argv: list[str]) -> int:

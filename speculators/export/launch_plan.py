@@ -31,7 +31,6 @@ This module does not write the checkpoint (see vllm.py) and never imports vLLM.
 from __future__ import annotations
 
 import json
-import platform
 import shlex
 import time
 from typing import Any
@@ -39,18 +38,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from speculators.core.machine import device_name
 from speculators.core.metrics import per_position_from_reach
 from speculators.core.target import cache_kwarg
 from speculators.oracle.cost_model import merge_buckets
-from speculators.runtime.adaptive import CostModel
+from speculators.runtime.cycle_costs import CostModel
 
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
 def measure_verify_cost(model: Any, max_k: int, concurrencies: tuple[int, ...] | None = None,
@@ -100,7 +94,7 @@ def measure_verify_cost(model: Any, max_k: int, concurrencies: tuple[int, ...] |
     return {"method": f"{clock_name}, minimum of {repeats}-{max_repeats} timed target forwards (at least "
                       f"{min_seconds} s in all, after 2 warm-ups, n values interleaved) of c sequences x n new tokens "
                       f"on a {context_len}-token KV cache of random tokens; cost(k) = time(n=k+1) / time(n=1)",
-            "device": _device_name(device), "dtype": str(param.dtype).replace("torch.", ""),
+            "device": device_name(device), "dtype": str(param.dtype).replace("torch.", ""),
             "context_len": context_len, "cost": table, "seconds": seconds}
 
 

@@ -25,7 +25,7 @@ from speculators.core.config import TreeConfig
 from speculators.core.errors import SpeculatorsError
 from speculators.oracle.cost_model import Acceptance, Costs, cost_model, expected_seconds
 from speculators.oracle.costs import clock_name
-from speculators.runtime.adaptive import CostModel
+from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.engine import Engine
 from speculators.serving.bench import Method, bench_rows, run_methods
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import committed_distribution, per_position_from_reach, simulated_tau
 from speculators.oracle.costs import DrafterCosts
-from speculators.runtime.adaptive import CostModel
+from speculators.runtime.cycle_costs import CostModel
 
 
 @dataclass

@@ -22,15 +22,14 @@ Not here: option parsing and printing (cli.py), the model (oracle.py), the timin
 
 from __future__ import annotations
 
-import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from speculators.core.config import TargetConfig, TreeConfig
 from speculators.core.errors import SpeculatorsError
+from speculators.core.machine import device_name
 from speculators.core.options import DTYPES, ProfileOptions, choices, ints
 from speculators.core.target import load_target, resolve_device, resolve_dtype
 from speculators.models import FAMILIES
@@ -39,7 +38,7 @@ from speculators.oracle.check import check_against_bench
 from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, schedule
 from speculators.oracle.profile_report import build_report, write_report
 from speculators.oracle.shapes import random_drafter, random_target
-from speculators.runtime.adaptive import CostModel
+from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.drafters.load import default_tree, load_drafter
 from speculators.runtime.drafters.model_free import NoDrafter
 from speculators.runtime.engine import Engine
@@ -54,20 +53,6 @@ GRIDS = {  # (batch sizes, verified tokens per sequence) by device type
 PHASES = {"forward": 0.45, "prefill": 0.05, "drafters": 0.2, "steps": 0.3}
 PREFILL_LENGTHS = (16, 64, 256)
 STEP_COUNT = 6
-
-
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model or platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
 def _check_args(target: str | None, shape: str | None, batch_sizes: list[int], nodes: list[int],

@@ -1,257 +1,90 @@
-"""Adaptive speculation: how deep to draft this cycle, or whether to draft at all.
+"""The plan controller: per cycle, which way to draft (plain, prompt lookup alone, the model drafter at a depth and
+tree kind, or the model drafter with prompt lookup grafted on), by measured expected tokens per second.
 
-Model (per cycle): drafting to depth d yields E(d) = 1 + sum_{k<=d} prod_{j<=k} a_j committed tokens in
-expectation (`metrics.simulated_tau` of the request's recent per-position acceptance a_k, an EWMA over its
-own verification cycles, seeded from the engine's previous requests) and costs draft(d) + cycle(1 + nodes(d))
-seconds, where `CostModel` holds the MEASURED costs of this machine: seconds per target cycle by verified node
-count (piecewise linear), per chosen depth the proposing seconds and the number of draft nodes it produced, and
-the seconds the drafter takes to absorb a cycle's committed tokens. All are seeded by a calibration on the first
-request (best of 3 warm runs) and then follow the measured cycles (an EWMA whose steps are clamped to [0.5x, 2x]
-of the estimate, so a preempted or cache-cold cycle cannot swing it). The controller picks the depth with the
-highest expected tokens/s, and plain decoding (a root-only cycle, 1 token per cycle(1)) when no depth beats it;
-while off it still probes one speculative cycle at the most promising depth after `probe_every` plain cycles
-(the interval doubles, up to 8x, while probes keep losing) to refresh the estimates, and it
-leaves speculation only when plain decoding is clearly (5%) faster. While drafting below the maximum depth, every
-`explore_every`-th speculative cycle drafts one level deeper than the best depth: acceptance at a depth is only
-observed when that depth is drafted, so without it a depth that once looked poor would never be tried again (on the
-house target the estimates of depths 3-5 stayed at their first low values while fixed depth-5 trees committed 3.5
-tokens per cycle against the controller's 2.5). A request starts from the engine's `AcceptanceMemory`: the
-acceptance of every earlier request's cycles at the same temperature (counts that decay over a few hundred cycles),
-regularised towards the next shallower depth's estimate where a depth was rarely drafted. It used to start from the
-previous request's estimate pulled halfway back to a neutral 0.6, whatever that request's temperature: the house
-EAGLE-3 export's depths 3-5 then stayed near 0.6 against a measured 0.75-0.85, and at T = 1 the controller drafted
-depth 2 in most cycles (tau 2.3-2.8 adaptive vs 3.0 for fixed depth-5 chains, and slower than those chains). On
-one engine serving each request at T = 0 and then at T = 1, the memory took T = 1 from 1.12x to 1.19-1.29x plain
-decoding (docs/benchmarks.md).
+Plans (`Plan`): plain decoding (the root alone), prompt lookup alone (a chain of the context's recurring
+continuation, `lookup` tokens), the model drafter to `depth` in tree `kind`, and the model drafter with up to
+`lookup` prompt-lookup nodes grafted onto its tree (deterministic trees only: sampled drafts carry their laws).
+The lookup's continuation is found BEFORE the choice (it is cheap), so the lookup plans exist only in the cycles
+where the context has a recurring suffix, and their value is judged on the lookup's own record.
+
+Model (per cycle): a plan's expected committed tokens over its seconds. The model drafter to depth d yields
+E(d) = 1 + sum_{k<=d} prod_{j<=k} a_j (`metrics.simulated_tau` of the request's per-position acceptance a_k, an EWMA
+over its own cycles, seeded from the engine's `AcceptanceMemory`) and costs draft(d) + cycle(1 + nodes(d)) seconds;
+the lookup alone to length L yields simulated_tau(b[:L]) for cycle(1 + L), with b_k the lookup's per-position
+acceptance; the graft yields 1 + sum_k max(A_k, B_k) (A_k, B_k: the model's and the lookup's chances to reach depth
+k; the max, not the union, because the two are right on the same easy tokens) for draft(d) + cycle(1 + nodes(d) +
+grafted nodes). `CostModel` (cycle_costs.py) holds the MEASURED costs of this machine, seeded by a calibration on the
+first request and then following the measured cycles. Every accepted token is credited to the source that proposed
+it: a_k learns from the model's own nodes only; b_k is scored on every cycle whatever was drafted (the engine
+compares the lookup's continuation with the tokens the target then commits: at T = 0 a lookup token is accepted iff
+it is the target's token, at T > 0 a deterministic proposal x is accepted with probability p(x), the chance that the
+committed token is x), so the controller sees the lookup's gain even while it drafts nothing.
+
+Off, probes and warm-up: the model drafter is left out when no plan using it beats the best plan without it (by 5%
+once it is drafting: hysteresis). While it is out, the controller probes one model plan after `probe_every` cycles
+without it (the interval doubles, up to 8x, while probes keep losing), and the engine captures no hidden states and
+feeds the drafter nothing except in the `warm_cycles` cycles before a probe (`wants_features`): the drafter then
+restarts from those positions alone (runtime/cycle_steps.py), so a probe costs at most its own cycle plus absorbing
+`warm_cycles` cycles' tokens. A plan that needs the model while the drafter has no fresh positions
+(`model_ready=False`) falls back to the best plan without it for that cycle and asks for features.
+While drafting below the maximum depth, every `explore_every`-th speculative cycle drafts one level deeper than
+the best depth, or (with several kinds) the kind tried least recently: acceptance at a depth is only observed when
+that depth is drafted (on the house target the estimates of depths 3-5 otherwise stayed at their first low values
+while fixed depth-5 trees committed 3.5 tokens per cycle against the controller's 2.5).
 Speculation is off from the start for short outputs (max_new_tokens < `short_output_tokens`).
 
-Tree kinds: the same model chooses WHAT to draft. Given `kinds` (the configured tree kind first; at T > 0 with a
-drafter that samples its own law the engine adds "chain" — a sampled chain, verified by block verification — and
-"sampled" — a sampled spine with siblings, verified by traversal verification), the controller keeps acceptance
-estimates and drafting costs per kind and picks the (kind, depth) with the highest expected tokens/s; its
-exploration alternates between one level deeper and the kind tried least recently. The verification mode of each
-kind is fixed by the kind (block / traversal never accept fewer tokens than token-wise verification of the same
-draft, at the same cost), so choosing the kind is choosing the verifier where it wins.
+Tree kinds: given `kinds` (the configured tree kind first; at T > 0 with a drafter that samples its own law the engine
+adds "chain" — a sampled chain, verified by block verification — and "sampled" — a sampled spine with siblings,
+verified by traversal verification), the controller keeps acceptance estimates and drafting costs per kind; the
+verification mode of each kind is fixed by the kind, so choosing the kind is choosing the verifier where it wins.
 
-Every choice is counted in `report()` (the engine's `stats.adaptive`). Choosing a depth or a kind never changes
-the output distribution: any tree, including the root alone, is verified losslessly, and the choice depends only
-on earlier cycles.
+Every choice is counted in `report()` (the engine's `stats.adaptive`: cycles per plan source, per depth and kind).
+Choosing a plan never changes the output distribution: any tree, including the root alone, is verified losslessly,
+and the choice depends only on earlier cycles and on the committed context.
 
-Not here: tree shapes (drafters), timing the cycles (the engine measures and reports them here).
+Not here: tree shapes (drafters), the lookup rule (drafters/ngram.py), timing the cycles (the engine measures and
+reports them here), the costs (cycle_costs.py), the memory across requests (acceptance_memory.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from speculators.core.metrics import simulated_tau
+from speculators.runtime.cycle_costs import CostModel
 
-_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
+@dataclass(frozen=True)
+class Plan:
+    """One cycle's way to draft: the model drafter to `depth` in tree `kind` (depth 0: not at all) and `lookup`
+    prompt-lookup tokens (a chain alone when depth is 0, else grafted onto the model's tree)."""
 
-@dataclass
-class CostModel:
-    """Measured seconds of one target cycle (forward + verify + commit) by verified node count, and of drafting.
-
-    Cycle costs are kept per size bucket (1, 2-3, 4-7, 8-15, ... nodes: an EWMA of the node count and of the
-    seconds seen in each bucket) and interpolated piecewise-linearly between buckets: on CPUs a 1-token forward
-    (matrix-vector products) is much cheaper than a 2-token one, after which the cost grows slowly, so one straight
-    line fits badly.
-
-    The buckets hold every kind's cycles (the calibration's are greedy chains), but a cycle also costs what its tree's
-    shape and verifier cost: a sampled tree's forward runs an ancestor mask and traversal verification makes target
-    laws for more nodes (house target, T = 1, depth 5: 9.1 ms per cycle for a sampled tree of 11 nodes, 7.5 ms for a
-    chain of 6). `excess` keeps, per kind, an EWMA of how much longer (or shorter) its cycles took than the buckets
-    predicted, and `rate` adds it."""
-
-    points: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean nodes, mean seconds)
-    # per tree kind ("" when the caller drafts one kind only): depth -> proposing seconds per cycle (absorb: below)
-    draft: dict[str, dict[int, float]] = field(default_factory=dict)
-    nodes: dict[str, dict[int, float]] = field(default_factory=dict)  # kind -> depth -> verified draft nodes
-    absorb: float | None = None  # seconds the drafter takes to absorb one cycle's committed tokens
-    excess: dict[str, float] = field(default_factory=dict)  # kind -> its cycles' seconds beyond `cycle(nodes)`
-    smoothing: float = 0.2
-
-    @staticmethod
-    def _bucket(nodes: int) -> int:
-        return max(b for b in _BUCKETS if b <= max(1, nodes)) if nodes < _BUCKETS[-1] else _BUCKETS[-1]
-
-    def _ewma(self, old: float | None, new: float) -> float:
-        if old is None:
-            return new
-        if old > 0:  # a preempted (or unusually lucky) cycle must not swing the estimate
-            new = min(max(new, 0.5 * old), 2 * old)
-        return old + self.smoothing * (new - old)
-
-    @classmethod
-    def from_measurements(cls, cycle: dict[int, float], draft: dict[int, float] | None = None,
-                          nodes: dict[int, float] | None = None, absorb: float | None = None,
-                          kind: str = "") -> CostModel:
-        """A fixed model from measured tables (the speedup oracle's): cycle seconds by verified node count (root
-        included; every count is its own interpolation point, not bucketed), proposing seconds and draft nodes by
-        depth (of tree `kind`), absorb seconds per speculative cycle."""
-        return cls(points={n: (float(n), float(t)) for n, t in cycle.items()}, draft={kind: dict(draft or {})},
-                   nodes={kind: {d: float(v) for d, v in (nodes or {}).items()}}, absorb=absorb)
-
-    def rate(self, acceptance: list[float], depth: int, kind: str = "") -> float:
-        """Expected committed tokens per second of one cycle drafting a `kind` tree to `depth` with per-position
-        acceptance a_k (0 = plain decoding): E(depth) / (draft(depth) + cycle(1 + nodes(depth))), E =
-        `simulated_tau`. The ONE formula the adaptive controller and the speedup oracle (`oracle.py`) share."""
-        if depth == 0:
-            return 1.0 / max(self.cycle(1), 1e-9)
-        seconds = self.draft_cost(depth, kind) + self.cycle_of(1 + self.draft_nodes(depth, kind), kind)
-        return simulated_tau(acceptance[:depth]) / max(seconds, 1e-9)
-
-    def set_cycle(self, nodes: int, seconds: float) -> None:
-        """Seed one size from a calibration run."""
-        self.points[self._bucket(nodes)] = (float(nodes), seconds)
-
-    def observe_cycle(self, nodes: int, seconds: float, kind: str = "") -> None:
-        """A measured cycle of `nodes` nodes (root included) of a `kind` tree ("" = the root alone, or not known)."""
-        if kind and self.points:  # the kind's difference from the shared buckets (a spike moves it by <= 1 cycle)
-            predicted = self.cycle(nodes)
-            gap = min(max(seconds - predicted, -0.5 * predicted), predicted)
-            old = self.excess.get(kind)
-            self.excess[kind] = gap if old is None else old + self.smoothing * (gap - old)
-        b = self._bucket(nodes)
-        if b not in self.points:
-            self.points[b] = (float(nodes), seconds)
-            return
-        n_old, t_old = self.points[b]
-        self.points[b] = (n_old + self.smoothing * (nodes - n_old), self._ewma(t_old, seconds))
-
-    def set_draft(self, depth: int, drafted_nodes: int, seconds: float, kind: str = "") -> None:
-        """Seed one depth of one tree kind from a calibration run."""
-        self.draft.setdefault(kind, {})[depth] = seconds
-        self.nodes.setdefault(kind, {})[depth] = float(drafted_nodes)
-
-    def observe_absorb(self, seconds: float) -> None:
-        """The drafter absorbing one speculative cycle's committed tokens (paid once per speculative cycle)."""
-        self.absorb = self._ewma(self.absorb, seconds)
-
-    def observe_draft(self, depth: int, drafted_nodes: int, seconds: float, kind: str = "") -> None:
-        """A speculative cycle at `depth` of a tree `kind`: its proposing seconds and draft nodes."""
-        if depth > 0:
-            draft, nodes = self.draft.setdefault(kind, {}), self.nodes.setdefault(kind, {})
-            draft[depth] = self._ewma(draft.get(depth), seconds)
-            old = nodes.get(depth)
-            nodes[depth] = drafted_nodes if old is None else old + self.smoothing * (drafted_nodes - old)
-
-    def _per_depth(self, table: dict[int, float], depth: int, default: float) -> float:
-        """table[depth], else the nearest measured depth scaled linearly, else `default`."""
-        if depth in table:
-            return table[depth]
-        if not table:
-            return default
-        near = min(table, key=lambda d: abs(d - depth))
-        return table[near] * depth / near
-
-    def draft_cost(self, depth: int, kind: str = "") -> float:
-        """Seconds of drafting a `kind` tree to `depth` in one cycle: absorbing the last cycle's tokens, then
-        proposing."""
-        return (self.absorb or 0.0) + self._per_depth(self.draft.get(kind, {}), depth, 0.0)
-
-    def draft_nodes(self, depth: int, kind: str = "") -> float:
-        return self._per_depth(self.nodes.get(kind, {}), depth, float(depth))
+    kind: str = ""
+    depth: int = 0
+    lookup: int = 0
 
     @property
-    def calibrated(self) -> bool:
-        return 1 in self.points and len(self.points) >= 2
-
-    def cycle(self, nodes: float) -> float:
-        """Interpolated seconds of a cycle verifying `nodes` nodes (root included). A bigger cycle is taken to cost
-        at least what any smaller one measured: noisy buckets had rated a 4-node cycle at 4.9 ms under a 1-node one's
-        5.8, and the controller then drafted depth 2-3 chains where depth 5 decodes faster."""
-        if not self.points:
-            return 0.0
-        pts, most = [], 0.0
-        for n, t in sorted(self.points.values()):
-            most = max(most, t)
-            pts.append((n, most))
-        if nodes <= pts[0][0] or len(pts) == 1:
-            return pts[0][1]
-        for (n0, t0), (n1, t1) in zip(pts, pts[1:], strict=False):
-            if nodes <= n1:
-                return t0 + (t1 - t0) * (nodes - n0) / max(n1 - n0, 1e-9)
-        (n0, t0), (n1, t1) = pts[-2], pts[-1]
-        return t1 + max(0.0, (t1 - t0) / max(n1 - n0, 1e-9)) * (nodes - n1)
-
-    def cycle_of(self, nodes: float, kind: str = "") -> float:
-        """Seconds of a cycle verifying `nodes` nodes of a `kind` tree: `cycle` + the kind's measured excess."""
-        return self.cycle(nodes) + self.excess.get(kind, 0.0)
-
-    def to_dict(self) -> dict:
-        ms = lambda x: None if x is None else round(1000 * x, 3)  # noqa: E731
-        return {"cycle_ms_by_nodes": {str(round(n, 1)): ms(t) for n, t in sorted(self.points.values())},
-                "cycle_excess_ms_by_kind": {k: ms(v) for k, v in sorted(self.excess.items())},
-                "draft_ms_by_depth": {k: {str(d): ms(t) for d, t in sorted(v.items())} for k, v in self.draft.items()},
-                "absorb_ms": ms(self.absorb),
-                "draft_nodes_by_depth": {k: {str(d): round(n, 2) for d, n in sorted(v.items())}
-                                         for k, v in self.nodes.items()}}
+    def source(self) -> str:
+        """plain | lookup | model | model+lookup"""
+        if self.depth == 0:
+            return "lookup" if self.lookup else "plain"
+        return "model+lookup" if self.lookup else "model"
 
 
-@dataclass
-class AcceptanceMemory:
-    """Per-position acceptance of an engine's earlier cycles, by temperature and tree kind: what a new request's
-    estimates start from.
-
-    For each (temperature, kind) it keeps per depth k the decayed counts of cycles that reached depth k (all
-    shallower drafts accepted) and of those that accepted it; a request adds its own counts when it ends, after the
-    older ones decay by 0.5 per `half_life` cycles of the new request, so the memory follows a workload that
-    changes. The estimate at depth k is (hits + w * c) / (tries + w), with `prior_weight` pseudo-cycles w at
-    c = the estimate at depth k - 1 (`default` at depth 0): a depth that is rarely drafted is believed to be about
-    as good as the one above it rather than a fixed 0.6, which kept deep drafts from ever being chosen.
-    Temperatures are kept to one decimal (0 = greedy; all above 2 as 2); a temperature not yet seen starts from the
-    nearest one seen of the same kind."""
-
-    MAX_BUCKET: ClassVar[float] = 2.0
-    half_life: float = 512.0
-    prior_weight: float = 4.0
-    default: float = 0.6
-    counts: dict[tuple[float, str], list[tuple[float, float]]] = field(default_factory=dict)  # -> [(tries, hits)]
-
-    @staticmethod
-    def bucket(temperature: float) -> float:
-        """Temperatures to one decimal, those above `MAX_BUCKET` together: at most 21 keys per kind, whatever
-        temperatures clients send."""
-        return min(round(float(temperature), 1), AcceptanceMemory.MAX_BUCKET)
-
-    def add(self, temperature: float, kind: str, counts: list[tuple[int, int]], cycles: int) -> None:
-        """Fold one request's per-depth (tries, hits) of `kind` into the memory; `cycles`: how many speculative
-        cycles that request drafted (they set how much the older counts decay)."""
-        if not any(tries for tries, _ in counts):
-            return
-        key = (self.bucket(temperature), kind)
-        decay = 0.5 ** (cycles / self.half_life)
-        old = self.counts.get(key, [])
-        size = max(len(old), len(counts))
-        pad = lambda xs: list(xs) + [(0, 0)] * (size - len(xs))  # noqa: E731
-        self.counts[key] = [(decay * t0 + t1, decay * h0 + h1) for (t0, h0), (t1, h1) in zip(pad(old), pad(counts),
-                                                                                            strict=True)]
-
-    def estimates(self, temperature: float, kind: str, depth: int) -> list[float]:
-        """[depth] per-position acceptance estimates of `kind` at `temperature` (see the class docstring)."""
-        seen = [b for b, k in self.counts if k == kind and (b == 0) == (self.bucket(temperature) == 0)]
-        near = min(seen, key=lambda b: abs(b - self.bucket(temperature)), default=None)
-        counts = self.counts.get((near, kind), []) if near is not None else []
-        out, centre = [], self.default
-        for k in range(depth):
-            tries, hits = counts[k] if k < len(counts) else (0.0, 0.0)
-            centre = (hits + self.prior_weight * centre) / (tries + self.prior_weight)
-            out.append(centre)
-        return out
+PLAIN = Plan()
+LOOKUP = "lookup"  # the lookup's key in `AcceptanceMemory` and in the cost model's per-kind tables
+HYSTERESIS = 1.05  # leave the model drafter only when a plan without it is clearly faster
 
 
 @dataclass
 class AdaptiveDepth:
-    """Per-request depth controller (see module docstring)."""
+    """Per-request plan controller (see module docstring)."""
 
     cost: CostModel
     max_depth: int
     max_new_tokens: int
     enabled: bool = True
-    # a_k seeds (the engine's `AcceptanceMemory`): of the first kind, or per kind; `default_acceptance` elsewhere
+    # a_k seeds (the engine's `AcceptanceMemory`): of the first kind, or per kind (LOOKUP: the lookup's b_k)
     prior: list[float] | dict[str, list[float]] = field(default_factory=list)
     short_output_tokens: int = 8
     probe_every: int = 8
@@ -261,37 +94,53 @@ class AdaptiveDepth:
     smoothing: float = 0.1
     default_acceptance: float = 0.6
     kinds: tuple[str, ...] = ("",)  # tree kinds to choose among (cost model keys); the first is the configured one
+    lookup_depth: int = 0  # the longest lookup chain drafted alone (0: no lookup source)
+    graft_nodes: int = 0  # the most lookup nodes grafted onto a model tree (0: no grafting)
+    graftable: tuple[str, ...] = ()  # the kinds a lookup may be grafted onto (deterministic trees)
+    warm_cycles: int = 8  # cycles before a probe in which the engine captures features for the drafter
 
     def __post_init__(self) -> None:
         priors = self.prior if isinstance(self.prior, dict) else {self.kinds[0]: self.prior}
-        self.estimates: dict[str, list[float]] = {
-            kind: [priors.get(kind, [])[k] if k < len(priors.get(kind, [])) else self.default_acceptance
-                   for k in range(self.max_depth)] for kind in self.kinds}
+        seed = lambda key, n: [priors.get(key, [])[k] if k < len(priors.get(key, [])) else  # noqa: E731
+                               self.default_acceptance for k in range(n)]
+        self.estimates: dict[str, list[float]] = {kind: seed(kind, self.max_depth) for kind in self.kinds}
         # per kind and depth: (cycles that reached the depth, cycles that accepted it), for the engine's memory
         self.counts: dict[str, list[tuple[int, int]]] = {kind: [(0, 0)] * self.max_depth for kind in self.kinds}
-        self.kind = self.kinds[0]  # the kind of the last choice
+        self.lookup_span = max(self.lookup_depth, self.max_depth + self.graft_nodes) if self.has_lookup else 0
+        self.lookup_estimates = seed(LOOKUP, self.lookup_span)
+        self.lookup_counts: list[tuple[int, int]] = [(0, 0)] * self.lookup_span
+        self.kind = self.kinds[0]  # the model kind of the last choice
         self.depth_histogram: dict[int, int] = {}
         self.kind_histogram: dict[str, int] = {}
+        self.source_histogram: dict[str, int] = {}
+        self.accepted_by_source = {"model": 0, LOOKUP: 0}
         self.plain_cycles = 0  # cycles the controller chose not to draft
         self.probe_cycles = 0
         self.explore_cycles = 0  # speculative cycles drafted one level deeper, or of another kind, than the best
-        self.turned_off = 0  # times it switched from drafting to plain
+        self.turned_off = 0  # times it switched from drafting with the model to drafting without it
+        self.deferred = 0  # cycles whose best plan needed the model while the drafter had no fresh positions
         self._since_explore = 0
         self._explored = 0
         self._last_tried = {kind: 0 for kind in self.kinds}  # cycle count when each kind was last drafted
         self._cycles = 0
-        self._plain_streak = 0
-        self._last_depth = 0
+        self._off_streak = 0  # cycles since the model last drafted
+        self._last = PLAIN
+        self._wanted = False
         self._probe_interval = self.probe_every
-        if self.max_depth <= 0:
-            self.mode = "off: the drafter proposes nothing (plain decoding)"
-        elif not self.enabled:
-            self.mode = f"fixed depth {self.max_depth}"
-        elif self.max_new_tokens < self.short_output_tokens:
-            self.mode = (f"off: short output (max_new_tokens={self.max_new_tokens} < "
-                         f"{self.short_output_tokens})")
-        else:
-            self.mode = "adaptive"
+        self.mode = self._mode()
+
+    def _mode(self) -> str:
+        if self.max_depth <= 0 and not self.has_lookup:
+            return "off: the drafter proposes nothing (plain decoding)"
+        if not self.enabled:
+            return f"fixed depth {self.max_depth}"
+        if self.max_new_tokens < self.short_output_tokens:
+            return f"off: short output (max_new_tokens={self.max_new_tokens} < {self.short_output_tokens})"
+        return "adaptive"
+
+    @property
+    def has_lookup(self) -> bool:
+        return self.lookup_depth > 0 or self.graft_nodes > 0
 
     @property
     def acceptance(self) -> list[float]:
@@ -307,84 +156,168 @@ class AdaptiveDepth:
 
     def rate(self, depth: int, kind: str | None = None) -> float:
         """Expected committed tokens per second when drafting a `kind` tree (default: the first kind) to `depth`
-        (0 = plain): `CostModel.rate` with this kind's acceptance estimates."""
+        (0 = plain) with the model alone: `CostModel.rate` with this kind's acceptance estimates."""
         kind = kind or self.kinds[0]
         return self.cost.rate(self.estimates[kind], depth, kind)
+
+    def plan_rate(self, plan: Plan) -> float:
+        """Expected committed tokens per second of `plan` (see the module docstring)."""
+        if plan.lookup == 0:
+            return self.rate(plan.depth, plan.kind or None)
+        b = self.lookup_estimates
+        if plan.depth == 0:
+            return simulated_tau(b[:plan.lookup]) / max(self.cost.cycle_of(1 + plan.lookup, LOOKUP), 1e-9)
+        a = self.estimates[plan.kind]
+        reach_a = reach_b = 1.0
+        tokens = 1.0
+        for k in range(max(plan.depth, plan.lookup)):
+            reach_a *= a[k] if k < plan.depth else 0.0
+            reach_b *= b[k] if k < plan.lookup else 0.0
+            tokens += max(reach_a, reach_b)
+        seconds = self.cost.draft_cost(plan.depth, plan.kind) + self.cost.cycle_of(
+            1 + self.cost.draft_nodes(plan.depth, plan.kind) + plan.lookup, plan.kind)
+        return tokens / max(seconds, 1e-9)
 
     def _best_depth(self, kind: str, limit: int) -> int:
         return max(range(1, limit + 1), key=lambda d: self.rate(d, kind))
 
     def choose(self, remaining: int) -> int:
-        """Depth to draft this cycle (0 = plain); `remaining` tokens are still to be generated."""
-        return self.choose_plan(remaining)[1]
+        """Depth of the model drafter this cycle (0 = plain); `remaining` tokens are still to be generated."""
+        return self.choose_plan(remaining).depth
 
-    def choose_plan(self, remaining: int) -> tuple[str, int]:
-        """(tree kind, depth) to draft this cycle (depth 0 = plain); `remaining` tokens are still to be generated."""
+    def choose_plan(self, remaining: int, lookup: int = 0, model_ready: bool = True) -> Plan:
+        """This cycle's plan; `remaining` tokens are still to be generated, the lookup found a continuation of
+        `lookup` tokens (0: none), and the drafter holds the positions up to the root (`model_ready`)."""
         limit = min(self.max_depth, remaining - 1)
-        kind = self.kinds[0]
-        if limit <= 0 or self.mode.startswith("off"):
-            depth = 0
+        lookup = max(0, min(lookup, remaining - 1))
+        if remaining <= 1 or self.mode.startswith("off"):
+            plan = PLAIN
         elif self.mode != "adaptive" or not self.cost.calibrated:
-            depth = limit
+            plan = self._fixed(limit, lookup)
         else:
-            kind, best = max(((k, self._best_depth(k, limit)) for k in self.kinds), key=lambda kd: self.rate(kd[1], kd[0]))
-            # hysteresis: leave speculation only when plain decoding is clearly (5%) faster
-            depth = best if self.rate(best, kind) * (1.05 if self._last_depth > 0 else 1.0) > self.rate(0) else 0
-            if depth > 0:
-                self._probe_interval = self.probe_every
-                self._since_explore += 1
-                if self._since_explore >= self.explore_every:
-                    kind, depth = self._explore(kind, depth, limit)
-            elif self._plain_streak + 1 >= self._probe_interval:
-                depth = best  # probe the most promising plan; back off while probes keep losing
-                self.probe_cycles += 1
-                self._probe_interval = min(8 * self.probe_every, 2 * self._probe_interval)
-        self._cycles += 1
-        if depth == 0:
-            self.plain_cycles += 1
-            self._plain_streak += 1
-            self.turned_off += 1 if self._last_depth > 0 else 0
-        else:
-            self._plain_streak = 0
-            self._last_tried[kind] = self._cycles
-            self.kind_histogram[kind] = self.kind_histogram.get(kind, 0) + 1
-        self.kind = kind
-        self._last_depth = depth
-        self.depth_histogram[depth] = self.depth_histogram.get(depth, 0) + 1
-        return kind, depth
+            plan = self._adaptive(limit, lookup, model_ready)
+        self._count(plan)
+        return plan
 
-    def _explore(self, kind: str, depth: int, limit: int) -> tuple[str, int]:
+    def _fixed(self, limit: int, lookup: int) -> Plan:
+        """Fixed (or not yet calibrated) drafting: the model to the limit with its graft, else the lookup alone."""
+        kind = self.kinds[0]
+        if limit > 0:
+            graft = min(lookup, self.graft_nodes) if kind in self.graftable else 0
+            return Plan(kind, limit, graft)
+        return Plan("", 0, min(lookup, self.lookup_depth))
+
+    def _candidates(self, limit: int, lookup: int) -> tuple[list[Plan], list[Plan]]:
+        """(plans without the model, plans with it): plain, the lookup alone, each kind at its best depth, grafted."""
+        without = [PLAIN] + ([Plan("", 0, min(lookup, self.lookup_depth))] if lookup and self.lookup_depth else [])
+        with_model: list[Plan] = []
+        for kind in self.kinds if limit > 0 else ():
+            depth = self._best_depth(kind, limit)
+            with_model.append(Plan(kind, depth))
+            graft = min(lookup, self.graft_nodes) if kind in self.graftable else 0
+            if graft:
+                with_model.append(Plan(kind, depth, graft))
+        return without, with_model
+
+    def _adaptive(self, limit: int, lookup: int, model_ready: bool) -> Plan:
+        without, with_model = self._candidates(limit, lookup)
+        rates = {plan: self.plan_rate(plan) for plan in without + with_model}
+        best_without = max(without, key=rates.__getitem__)
+        if not with_model:
+            return best_without
+        best_with = max(with_model, key=rates.__getitem__)
+        bonus = HYSTERESIS if self._last.depth > 0 else 1.0
+        use_model = rates[best_with] * bonus > rates[best_without]
+        if not use_model and self._off_streak + 1 < self._probe_interval:
+            return best_without
+        if not model_ready:  # the drafter has no fresh positions: this cycle without it, features for the next
+            self.deferred += 1
+            self._wanted = True
+            return best_without
+        if not use_model:  # probe the most promising plan; back off while probes keep losing
+            self.probe_cycles += 1
+            self._probe_interval = min(8 * self.probe_every, 2 * self._probe_interval)
+            return self._probe(best_with)
+        self._probe_interval = self.probe_every
+        self._since_explore += 1
+        return self._explore(best_with, limit) if self._since_explore >= self.explore_every else best_with
+
+    def _probe(self, plan: Plan) -> Plan:
+        """A probe drafts no deeper than its estimates are likely to reach (1 + the leading depths estimated at
+        >= 0.5): where even the first draft is rarely accepted, the best depth is a coin flip between nearly equal
+        rates, and a deep probe would verify nodes that cannot pay."""
+        likely = 1 + next((k for k, a in enumerate(self.estimates[plan.kind]) if a < 0.5), self.max_depth)
+        return Plan(plan.kind, min(plan.depth, likely), plan.lookup) if plan.depth > likely else plan
+
+    def _count(self, plan: Plan) -> None:
+        self._cycles += 1
+        if plan.depth == 0:
+            self.plain_cycles += plan.lookup == 0
+            self._off_streak += 1
+            self.turned_off += self._last.depth > 0
+        else:
+            self._off_streak = 0
+            self._wanted = False
+            self._last_tried[plan.kind] = self._cycles
+            self.kind_histogram[plan.kind] = self.kind_histogram.get(plan.kind, 0) + 1
+            self.kind = plan.kind
+        self._last = plan
+        self.depth_histogram[plan.depth] = self.depth_histogram.get(plan.depth, 0) + 1
+        self.source_histogram[plan.source] = self.source_histogram.get(plan.source, 0) + 1
+
+    def wants_features(self) -> bool:
+        """Whether this cycle's forward should capture hidden states for the model drafter: it drafted now or is
+        drafting, a probe is due within `warm_cycles` cycles, or a plan wanted it while it had no fresh positions."""
+        if self.max_depth <= 0 or self.mode.startswith("off"):
+            return False
+        return (self._last.depth > 0 or self._wanted or self.mode != "adaptive" or not self.cost.calibrated
+                or self._probe_interval - self._off_streak <= self.warm_cycles)
+
+    def _explore(self, plan: Plan, limit: int) -> Plan:
         """An exploring cycle instead of the best plan: alternately one level deeper and (with several kinds) the
         kind drafted least recently, at its own best depth."""
-        others = [k for k in self.kinds if k != kind]
-        if others and (self._explored % 2 == 1 or depth >= limit):
+        others = [k for k in self.kinds if k != plan.kind]
+        if others and (self._explored % 2 == 1 or plan.depth >= limit):
             other = min(others, key=lambda k: self._last_tried[k])
-            kind, depth = other, self._best_depth(other, limit)
-        elif depth < limit:
-            depth += 1
+            plan = Plan(other, self._best_depth(other, limit), plan.lookup if other in self.graftable else 0)
+        elif plan.depth < limit:
+            plan = Plan(plan.kind, plan.depth + 1, plan.lookup)
         else:
-            return kind, depth
+            return plan
         self._explored += 1
         self.explore_cycles += 1
         self._since_explore = 0
-        return kind, depth
+        return plan
 
     def observe(self, drafted_depth: int, accepted: int, kind: str | None = None) -> None:
         """Update a_k of `kind` (default: the last chosen) for the depths this cycle tried (a depth is tried iff all
-        shallower ones were accepted)."""
+        shallower ones were accepted); `accepted` counts the model's own nodes on the accepted path."""
         estimate, counts = self.estimates[kind or self.kind], self.counts[kind or self.kind]
-        for k in range(min(drafted_depth, accepted + 1)):
+        self.accepted_by_source["model"] += accepted
+        self._update(estimate, counts, drafted_depth, accepted)
+
+    def observe_lookup(self, proposed: int, matched: int) -> None:
+        """Update b_k from one scored continuation: its first `matched` of `proposed` tokens were committed."""
+        self._update(self.lookup_estimates, self.lookup_counts, min(proposed, self.lookup_span), matched)
+
+    def _update(self, estimate: list[float], counts: list[tuple[int, int]], tried: int, accepted: int) -> None:
+        for k in range(min(tried, accepted + 1)):
             hit = 1.0 if accepted > k else 0.0
             estimate[k] += self.smoothing * (hit - estimate[k])
             counts[k] = (counts[k][0] + 1, counts[k][1] + int(hit))
 
     def report(self) -> dict:
+        cycles = max(1, self._cycles)
         return {
             "mode": self.mode,
             "depth_histogram": {str(k): v for k, v in sorted(self.depth_histogram.items())},
+            "plan_histogram": dict(sorted(self.source_histogram.items())),
+            "plan_share": {k: round(v / cycles, 3) for k, v in sorted(self.source_histogram.items())},
+            "accepted_by_source": dict(self.accepted_by_source),
             "plain_cycles": self.plain_cycles, "probe_cycles": self.probe_cycles,
-            "explore_cycles": self.explore_cycles, "turned_off": self.turned_off,
+            "explore_cycles": self.explore_cycles, "turned_off": self.turned_off, "deferred": self.deferred,
             "acceptance_estimate": [round(a, 3) for a in self.acceptance],
+            "lookup_acceptance_estimate": [round(b, 3) for b in self.lookup_estimates],
             "kind_histogram": dict(sorted(self.kind_histogram.items())),
             "acceptance_by_kind": {k: [round(a, 3) for a in v] for k, v in self.estimates.items()},
             "cost": self.cost.to_dict(),

@@ -126,7 +126,8 @@ class BatchRunner:
         self.batched_requests += len(calls)
         self.largest_batch = max(self.largest_batch, len(calls))
         try:
-            outputs = self.engine.runner.forward_batch([c.segment for _, c in calls], capture=self.engine.speculative)
+            capture = self.engine.speculative and any(c.capture for _, c in calls)
+            outputs = self.engine.runner.forward_batch([c.segment for _, c in calls], capture=capture)
         except Exception as exc:  # noqa: BLE001 - every request of this forward fails; the runner keeps serving
             for ticket, _ in calls:
                 ticket.error = exc

@@ -15,6 +15,7 @@ import torch
 
 from speculators.core.sampling import SamplingParams
 from speculators.core.trees import DraftTree
+from speculators.runtime.cycle_host import CycleHost
 from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.requests import NO_LOGIT_ROWS
 
@@ -23,7 +24,7 @@ from speculators.runtime.requests import NO_LOGIT_ROWS
 SAMPLED_KINDS = ("chain", "sampled")
 
 
-def calibrate_verification(engine: Any, token: int, cache: StaticKVCache) -> None:
+def calibrate_verification(engine: CycleHost, token: int, cache: StaticKVCache) -> None:
     """Time cycles of 1, 2, 4, 8, ... and budget + 1 nodes (best of 3 after a warm-up) in the scratch slots past
     the committed ones of `cache`, each through the cycle's own forward and verification (`engine.accept`) on a
     greedy chain, so the first request's depth choices already rest on this machine's costs."""
@@ -45,7 +46,7 @@ def calibrate_verification(engine: Any, token: int, cache: StaticKVCache) -> Non
         engine.cost.set_cycle(size, seconds)
 
 
-def calibrate_drafting(engine: Any, drafter: Any, state: Any, root: int) -> None:
+def calibrate_drafting(engine: CycleHost, drafter: Any, state: Any, root: int) -> None:
     """Time proposals of every kind a request may draft (`engine.kinds_for` at T = 1) at every depth (best of 3
     after a warm-up) on the request's real drafter state: proposing writes only scratch slots, so the state is left
     as it was; sampled kinds draw from a generator of their own (the request's random stream is untouched)."""

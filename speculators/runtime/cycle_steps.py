@@ -1,16 +1,22 @@
 """The steps around one request's draft -> verify -> commit cycles (engine.py runs the loop and calls them).
 
 - `open_request(engine, prompt_ids, params, stats, slot) -> RequestState`: prefill the slot, queue the prompt's
-  positions for the drafter, calibrate the cost model on the first adaptive request, set up the depth controller
+  positions for the drafter, calibrate the cost model on the first adaptive request, set up the plan controller
   (a seeded sampled request gets fixed depths: reproducible).
-- `draft_tree(engine, req, kind, depth, remaining, params, cache)`: the drafter absorbs what is pending, then
-  proposes this cycle's tree (the root alone at depth 0), pruned to what the request and the cache can take.
-- `observe_cycle` / `close_request`: one cycle's timings to the stats, the controller and the cost model; a
-  finished request's acceptance to the engine's memory.
+- `choose_plan(engine, req, remaining)`: find the prompt lookup's continuation of the context (when the engine has a
+  lookup source), then ask the controller for this cycle's `Plan`.
+- `draft_tree(engine, req, plan, remaining, params, cache)`: the tree of the plan: the root alone, the lookup's chain,
+  or the model drafter's tree (after it absorbs what is pending, from a fresh state when positions were skipped)
+  with the lookup grafted on; pruned to what the request and the cache can take.
+- `commit_cycle`: after verification, the committed positions to the drafter's queue (when the forward captured
+  them; else the queue is dropped and the drafter must restart) and to the lookup's context, and the lookup's
+  earlier continuation scored against what was committed.
+- `observe_cycle` / `close_request`: one cycle's timings to the stats, the controller and the cost model, each
+  accepted token credited to the source that proposed it; a finished request's acceptance to the engine's memory.
 - `absorb_pending`, `is_chain`: small helpers of the loop.
 
-Each step takes the `Engine` (runtime/engine.py) as its first argument, typed `Any` (this module is imported by
-engine.py, not the other way round).
+Each step takes the engine as its first argument, typed by the `cycle_host.CycleHost` protocol (this module is
+imported by engine.py, not the other way round).
 
 Not here: the cycle loop, verification and the target forward (engine.py), the depth policy (adaptive.py).
 """
@@ -26,12 +32,16 @@ import torch
 
 from speculators.core.metrics import AcceptanceStats
 from speculators.core.sampling import SamplingParams
-from speculators.core.trees import DraftTree
-from speculators.runtime.adaptive import AdaptiveDepth
+from speculators.core.trees import SAMPLED_MODES, DraftTree
+from speculators.models.drafting import tree_verify_mode
+from speculators.runtime.adaptive import LOOKUP, AdaptiveDepth, Plan
 from speculators.runtime.calibration import calibrate_drafting, calibrate_verification
+from speculators.runtime.cycle_host import CycleHost
+from speculators.runtime.drafters.graft import graft_chain
 from speculators.runtime.drafters.load import prune_tree
+from speculators.runtime.drafters.ngram import TokenBuffer, ngram_continuations
 from speculators.runtime.forward.target_cache import StaticKVCache
-from speculators.runtime.requests import GenerationStats, Slot
+from speculators.runtime.requests import DraftWork, GenerationStats, Slot
 
 
 def is_chain(parents: torch.Tensor) -> bool:
@@ -62,12 +72,17 @@ class RequestState:
     wants_ids: bool  # the drafter absorbs token ids with the features
     enders: set[int]  # EOS ids + the request's stop_token_ids
     temperature: float  # 0 = greedy: the key of the engine's acceptance memory
+    work: DraftWork  # the request's counted work (stats.work)
+    synced: bool = True  # the drafter state holds every committed position before the queue
+    lookup: TokenBuffer | None = None  # the committed context ending with the root (None: no lookup source)
+    continuation: list[int] | None = None  # this cycle's lookup continuation of the context
+    watch: tuple[int, list[int]] | None = None  # (output length, continuation) not yet scored
 
 
-def open_request(engine: Any, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats, slot: Slot
+def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats, slot: Slot
                   ) -> RequestState:
     """Prefill the slot, hand the prompt's positions to the drafter, calibrate costs on the first request, and
-    set up the depth controller (a seeded sampled request gets fixed depths: reproducible)."""
+    set up the plan controller (a seeded sampled request gets fixed depths: reproducible)."""
     t0 = time.perf_counter()
     generator = torch.Generator()
     generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
@@ -93,48 +108,122 @@ def open_request(engine: Any, prompt_ids: list[int], params: SamplingParams, sta
     adaptive = engine.adaptive and not seeded
     kinds, depth = engine.kinds_for(params, adaptive), engine.tree.depth if engine.speculative else 0
     temperature = 0.0 if params.greedy else params.temperature
-    prior = {kind: engine.acceptance_memory.estimates(temperature, kind, depth) for kind in kinds}
+    lookup_depth, graft = (engine.lookup_depth, engine.graft_nodes) if engine.lookup is not None else (0, 0)
+    memory = engine.acceptance_memory
+    prior = {kind: memory.estimates(temperature, kind, depth) for kind in kinds}
+    prior[LOOKUP] = memory.estimates(temperature, LOOKUP, max(lookup_depth, depth + graft))
+    graftable = tuple(k for k in kinds if tree_verify_mode(k, params, engine.tree.verify) not in SAMPLED_MODES)
     ctrl = AdaptiveDepth(cost=engine.cost, max_depth=depth, max_new_tokens=params.max_new_tokens, enabled=adaptive,
-                         prior=prior, kinds=kinds)
+                         prior=prior, kinds=kinds, lookup_depth=lookup_depth, graft_nodes=graft, graftable=graftable)
     if seeded and engine.adaptive and ctrl.mode.startswith("fixed"):
         ctrl.mode += " (seeded sampled request: reproducible)"
     return RequestState(generator, state, pending, ctrl, prompt_ids[-1], wants_ids,
-                         engine.eos_ids | set(params.stop_token_ids or ()), temperature)
+                        engine.eos_ids | set(params.stop_token_ids or ()), temperature, stats.work,
+                        lookup=TokenBuffer(prompt_ids) if engine.lookup is not None else None)
 
 
-def draft_tree(engine: Any, req: RequestState, kind: str, depth: int, remaining: int, params: SamplingParams,
-           cache: StaticKVCache) -> tuple[DraftTree, float]:
-    """This cycle's tree (the root alone at depth 0: plain decoding) and when its proposal started."""
-    if depth == 0:
-        return DraftTree.root_only(req.root, "greedy" if params.greedy else "deterministic"), time.perf_counter()
-    if req.pending:
-        t = time.perf_counter()
-        one_cycle = len(req.pending) == 1  # the last cycle's tokens only (not a plain streak's backlog)
-        absorb_pending(engine.drafter, req.draft_state, req.pending)
-        if one_cycle:
-            engine.cost.observe_absorb(time.perf_counter() - t)
+def choose_plan(engine: CycleHost, req: RequestState, remaining: int) -> Plan:
+    """This cycle's plan, after finding the lookup's continuation of the context (scored once committed)."""
+    req.continuation = None
+    if req.lookup is not None and req.ctrl.lookup_span:
+        found = ngram_continuations(req.lookup.view(), req.ctrl.lookup_span, engine.lookup.max_ngram,
+                                    engine.lookup.min_ngram, num=1)
+        req.continuation = found[0] if found else None
+    return req.ctrl.choose_plan(remaining, len(req.continuation or ()), model_ready=req.synced or bool(req.pending))
+
+
+def draft_tree(engine: CycleHost, req: RequestState, plan: Plan, remaining: int, params: SamplingParams,
+               cache: StaticKVCache) -> tuple[DraftTree, float, int]:
+    """This cycle's tree (the root alone for plain decoding), when its proposal started, and how many of its nodes
+    (root included) the model drafter proposed (the rest: the lookup's)."""
+    mode = "greedy" if params.greedy else "deterministic"
+    if plan.depth == 0:
+        drafts = (req.continuation or [])[:plan.lookup]
+        tree = DraftTree.chain(req.root, drafts, mode) if drafts else DraftTree.root_only(req.root, mode)
+        return prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free), time.perf_counter(), 1
+    sync_drafter(engine, req)
     t_propose = time.perf_counter()
-    tree = engine.drafter.propose(req.draft_state, req.root, engine.tree_for(depth, kind), params, req.generator)
+    tree = engine.drafter.propose(req.draft_state, req.root, engine.tree_for(plan.depth, plan.kind), params,
+                                  req.generator)
+    req.work.proposals += 1
+    model_nodes = tree.size
+    if plan.lookup and req.continuation and tree.mode not in SAMPLED_MODES:
+        tree = graft_chain(tree, req.continuation, plan.lookup)
     # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
-    return prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free), t_propose
+    return prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free), t_propose, model_nodes
 
 
-def observe_cycle(engine: Any, req: RequestState, acc: AcceptanceStats, tree: DraftTree, plan: tuple[str, int],
-             accepted: int, shared: bool, times: tuple[float, float, float, float, float]) -> None:
-    """Feed one cycle's timings to the request's stats, its depth controller and the engine's cost model."""
-    (kind, depth), (t_draft, t_propose, t_verify, t_accept, t_done) = plan, times
+def sync_drafter(engine: CycleHost, req: RequestState) -> None:
+    """The drafter absorbs the queued positions; when earlier ones were skipped (no features captured while it was
+    out), it restarts from a fresh state holding the queued ones alone (its positions are relative: RoPE)."""
+    if not req.pending:
+        return
+    if not req.synced:
+        t = engine.tree
+        req.draft_state = engine.drafter.new_state(engine.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8,
+                                                   engine.device)
+        req.work.restarts += 1
+    t0 = time.perf_counter()
+    one_cycle = len(req.pending) == 1 and req.synced  # the last cycle's tokens only (not a backlog)
+    req.work.absorbed_positions += sum(int(n.shape[0]) for _, n in req.pending)
+    absorb_pending(engine.drafter, req.draft_state, req.pending)
+    req.synced = True
+    if one_cycle:
+        engine.cost.observe_absorb(time.perf_counter() - t0)
+
+
+def commit_cycle(engine: CycleHost, req: RequestState, captured: bool, features: dict[str, torch.Tensor] | None,
+                 committed: list[int], out: list[int], start: int) -> None:
+    """Queue the committed positions for the drafter (`features` of the root + accepted path, when the forward
+    captured them; else drop the queue: the drafter restarts before it next drafts), extend the lookup's context
+    with the committed tokens and score the lookup's pending continuation against the output so far (`start`: the
+    output's length before this cycle, where this cycle's continuation begins)."""
+    if engine.speculative:
+        if captured and features is not None:
+            req.pending.append((features, torch.tensor(committed, dtype=torch.long, device=engine.device)))
+        else:
+            req.pending.clear()
+            req.synced = False
+    if req.lookup is None:
+        return
+    req.lookup.extend(committed)
+    if req.watch is None and req.continuation:
+        req.watch = (start, req.continuation)
+    if req.watch is not None:
+        start, cont = req.watch
+        seen = out[start:start + len(cont)]
+        matched = next((i for i, (a, b) in enumerate(zip(seen, cont, strict=False)) if a != b), len(seen))
+        if matched < len(seen) or len(seen) == len(cont):
+            req.ctrl.observe_lookup(len(cont), matched)
+            req.watch = None
+
+
+def observe_cycle(engine: CycleHost, req: RequestState, acc: AcceptanceStats, tree: DraftTree, plan: Plan,
+                  accepted: list[int], model_nodes: int, shared: bool,
+                  times: tuple[float, float, float, float, float]) -> None:
+    """Feed one cycle's timings to the request's stats, its plan controller and the engine's cost model; the
+    accepted nodes are credited to the model (its own nodes) and the lookup (the chain or the grafted nodes)."""
+    t_draft, t_propose, t_verify, t_accept, t_done = times
     acc.draft_seconds += t_verify - t_draft
     acc.verify_seconds += t_accept - t_verify
     acc.accept_seconds += t_done - t_accept
-    if tree.max_depth > 0:  # the controller models the drafter's own depths (not a graft beyond them)
-        req.ctrl.observe(min(tree.max_depth, depth), min(accepted, depth), kind)
-        engine.cost.observe_draft(depth, tree.size - 1, t_verify - t_propose, kind)
+    req.work.target_forwards += 1
+    req.work.target_nodes += tree.size
+    by_model = sum(1 for i in accepted if i < model_nodes)
+    req.ctrl.accepted_by_source[LOOKUP] += len(accepted) - by_model
+    if plan.depth > 0 and model_nodes > 1:  # the controller models the drafter's own depths (not a graft)
+        model_depth = int(tree.depths[:model_nodes].max()) if model_nodes > 1 else 0
+        req.ctrl.observe(min(model_depth, plan.depth), min(by_model, plan.depth), plan.kind)
+        engine.cost.observe_draft(plan.depth, model_nodes - 1, t_verify - t_propose, plan.kind)
     if not shared:  # a forward shared with other requests says little about this tree's cost
-        engine.cost.observe_cycle(tree.size, t_done - t_verify, kind if tree.max_depth > 0 else "")
+        key = plan.kind if plan.depth > 0 else (LOOKUP if tree.size > 1 else "")
+        engine.cost.observe_cycle(tree.size, t_done - t_verify, key)
 
 
-def close_request(engine: Any, req: RequestState, stats: GenerationStats) -> None:
+def close_request(engine: CycleHost, req: RequestState, stats: GenerationStats) -> None:
     stats.adaptive = req.ctrl.report()
     cycles = sum(req.ctrl.kind_histogram.values())  # the next requests start from this one's acceptance too
     for kind, counts in req.ctrl.counts.items():
         engine.acceptance_memory.add(req.temperature, kind, counts, cycles)
+    engine.acceptance_memory.add(req.temperature, LOOKUP, req.ctrl.lookup_counts,
+                                 sum(req.ctrl.source_histogram.values()))

@@ -57,9 +57,19 @@ from speculators.core.sampling import SamplingParams, logits_to_probs
 from speculators.core.target import eos_token_ids, load_target
 from speculators.core.trees import DraftTree, ancestor_mask
 from speculators.models.drafting import TREE_KINDS
-from speculators.runtime.adaptive import AcceptanceMemory, CostModel
+from speculators.runtime.acceptance_memory import AcceptanceMemory
 from speculators.runtime.calibration import SAMPLED_KINDS
-from speculators.runtime.cycle_steps import close_request, draft_tree, is_chain, observe_cycle, open_request
+from speculators.runtime.cycle_costs import CostModel
+from speculators.runtime.cycle_steps import (
+    choose_plan,
+    close_request,
+    commit_cycle,
+    draft_tree,
+    is_chain,
+    observe_cycle,
+    open_request,
+)
+from speculators.runtime.drafters.graft import NgramGraft
 from speculators.runtime.drafters.load import (
     DrafterInfo,
     NoDrafter,
@@ -68,6 +78,7 @@ from speculators.runtime.drafters.load import (
     load_drafter,
     paired_target,
 )
+from speculators.runtime.drafters.model_free import LOOKUP_DEPTH
 from speculators.runtime.forward.memory import check_fits
 from speculators.runtime.forward.module_runner import make_runner
 from speculators.runtime.forward.target_cache import StaticKVCache
@@ -97,10 +108,18 @@ class Engine:
                  prefix_caching: bool = True) -> None:
         self.target = target  # speculators.core.target.LoadedTarget
         self.tokenizer = target.tokenizer
+        # a speculator with prompt lookup grafted on: the controller drafts with either, both or neither per cycle
+        self.lookup = drafter.lookup if isinstance(drafter, NgramGraft) else None
+        self.graft_nodes = drafter.max_new_nodes if isinstance(drafter, NgramGraft) else 0
+        self.lookup_depth = LOOKUP_DEPTH if self.lookup is not None else 0  # the lookup's chain drafted alone
+        drafter = drafter.drafter if isinstance(drafter, NgramGraft) else drafter
         self.drafter = drafter if drafter is not None else NoDrafter()
         self.info = info or DrafterInfo(getattr(self.drafter, "name", type(self.drafter).__name__),
                                         getattr(self.drafter, "family", getattr(self.drafter, "name", "?")))
         self.speculative = not isinstance(self.drafter, NoDrafter)
+        wants = self.drafter.required_features()
+        # a drafter that reads hidden states: while it is out, forwards skip capturing them (token ids are free)
+        self.reads_hidden = bool(wants.tap_layer_ids) or bool(wants.last_hidden)
         self.runner = make_runner(target.model, self.drafter.required_features())
         self.set_tree(tree or default_tree(self.drafter, self.runner.device), adaptive)
         limit = int(getattr(self.target.config, "max_position_embeddings", 0) or DEFAULT_MAX_LEN)
@@ -218,7 +237,7 @@ class Engine:
             except StopIteration:
                 return
             if isinstance(item, VerifyForward):
-                reply = self.runner.forward_batch([item.segment], capture=self.speculative)[0]
+                reply = self.runner.forward_batch([item.segment], capture=self.speculative and item.capture)[0]
                 continue
             reply = None
             yield item
@@ -281,29 +300,32 @@ class Engine:
         while True:
             remaining = params.max_new_tokens - len(out)
             t_draft = time.perf_counter()
-            kind, depth = req.ctrl.choose_plan(remaining)
-            tree, t_propose = draft_tree(self, req, kind, depth, remaining, params, slot.cache)
+            plan = choose_plan(self, req, remaining)
+            tree, t_propose, model_nodes = draft_tree(self, req, plan, remaining, params, slot.cache)
             t_verify = time.perf_counter()
             # the forward also runs the output head for the root's first-child chain, the rows verification reads
             # first (shared with the other requests of a batched forward: one product for all of them)
             chain_rows = first_child_chain(tree.parents)
             head_rows = torch.tensor(chain_rows, dtype=torch.long)
+            capture = self.speculative and (req.ctrl.wants_features() or not self.reads_hidden)
             if tree.size == 1 or is_chain(tree.parents):
-                call = VerifyForward(Segment(slot.cache, tree.tokens, logit_rows=head_rows))
+                call = VerifyForward(Segment(slot.cache, tree.tokens, logit_rows=head_rows), capture=capture)
             else:
                 call = VerifyForward(Segment(slot.cache, tree.tokens, tree.depths, ancestor_mask(tree.parents),
-                                             logit_rows=head_rows))
+                                             logit_rows=head_rows), capture=capture)
             fwd = yield call
             t_accept = time.perf_counter()
             accepted, next_token, rows = self.accept(tree, fwd, params, req.generator, chain_rows)
             path = [0, *accepted]
             slot.cache.commit(path)
             t_done = time.perf_counter()
-            observe_cycle(self, req, stats.acceptance, tree, (kind, depth), len(accepted), call.shared,
+            observe_cycle(self, req, stats.acceptance, tree, plan, accepted, model_nodes, call.shared,
                           (t_draft, t_propose, t_verify, t_accept, t_done))
+            req.work.captured_forwards += capture
             if not out:
                 stats.first_token_seconds = t_done - t0
             committed = [int(t) for t in tree.tokens[accepted].tolist()] + [int(next_token)]
+            start = len(out)
             new, finish = take_committed(committed, out, req.enders, stops, params.max_new_tokens, self._decode)
             # acceptance counts what reached the output: drafts accepted past an EOS / stop are not committed
             stats.acceptance.record(min(len(accepted), len(new)), drafted_depth=min(tree.max_depth, len(new))
@@ -314,12 +336,13 @@ class Engine:
                 close_request(self, req, stats)
                 yield new, finish
                 return
-            if self.speculative:
+            feats = None
+            if capture:
                 idx = torch.tensor(path, device=self.device)
                 feats = {k: v[idx] for k, v in fwd.features.items()}
                 if req.wants_ids:
                     feats["input_ids"] = tree.tokens[path]
-                req.pending.append((feats, torch.tensor(committed, dtype=torch.long, device=self.device)))
+            commit_cycle(self, req, capture, feats, committed, out, start)
             yield new, None
             req.root = int(next_token)
 

@@ -131,6 +131,21 @@ class VerifyForward:
 
     segment: Segment
     shared: bool = False
+    capture: bool = True  # the drafter wants the forward's hidden states (features) of these positions
+
+
+@dataclass
+class DraftWork:
+    """What a request's speculation cost, counted (not timed): target forwards and the nodes they verified (root
+    included), forwards that captured hidden states, positions the model drafter absorbed, its proposals, and how
+    often it restarted after positions were skipped. Plain decoding of N tokens: N forwards, N nodes, nothing else."""
+
+    target_forwards: int = 0
+    target_nodes: int = 0
+    captured_forwards: int = 0
+    absorbed_positions: int = 0
+    proposals: int = 0
+    restarts: int = 0
 
 
 @dataclass
@@ -149,6 +164,7 @@ class GenerationStats:
     total_seconds: float = 0.0
     finish_reason: str = ""
     adaptive: dict = field(default_factory=dict)
+    work: DraftWork = field(default_factory=DraftWork)
 
     @property
     def tau(self) -> float:

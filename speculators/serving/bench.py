@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +47,7 @@ import torch
 from speculators.core.atomic import write_text_atomic
 from speculators.core.config import TargetConfig, TreeConfig, tree_config
 from speculators.core.errors import SpeculatorsError
+from speculators.core.machine import device_name
 from speculators.core.metrics import AcceptanceStats
 from speculators.core.options import BenchOptions, floats
 from speculators.core.sampling import SamplingParams
@@ -73,6 +73,7 @@ class _Cell:
     acceptance: AcceptanceStats | None = None
     mismatched_rows: int = 0
     kinds: dict[str, int] = field(default_factory=dict)  # speculative cycles per drafted tree kind (runtime)
+    plans: dict[str, int] = field(default_factory=dict)  # cycles per plan: plain, lookup, model, model+lookup
 
     @property
     def tokens_per_second(self) -> float:
@@ -191,6 +192,8 @@ def run_methods(methods: list[Method], rows: list[tuple[str, list[int], int]], t
                     cell.acceptance.merge(stats.acceptance)
                     for kind, n in stats.adaptive.get("kind_histogram", {}).items():
                         cell.kinds[kind] = cell.kinds.get(kind, 0) + n
+                    for plan, n in stats.adaptive.get("plan_histogram", {}).items():
+                        cell.plans[plan] = cell.plans.get(plan, 0) + n
     return outputs
 
 
@@ -251,7 +254,7 @@ def bench_command(opts: BenchOptions) -> tuple[dict, str]:
     methods = _methods(loaded, speculators, tree, opts, temperatures, max_len)
     report: dict[str, Any] = {
         "target": target_cfg.name_or_path, "device": loaded.device, "dtype": str(loaded.dtype).replace("torch.", ""),
-        "threads": threads, "machine": platform.processor() or platform.machine(),
+        "threads": threads, "machine": device_name(loaded.device),
         "rows_per_cohort": opts.rows_per_cohort, "rows": len(rows), "workloads": opts.workloads, "seed": opts.seed,
         "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "batch": opts.batch, "results": {},
         "speculator_tree": None if tree is None else dataclasses.asdict(tree),
@@ -318,6 +321,9 @@ def _summarise(methods: list[Method]) -> dict:
                 entry["per_position_acceptance"] = [round(a, 3) for a in cell.acceptance.per_position_acceptance]
                 if cell.kinds:  # what the adaptive controller drafted (speculative cycles per tree kind)
                     entry["drafted_kinds"] = dict(sorted(cell.kinds.items()))
+                if cell.plans:  # the controller's choices: share of cycles per plan
+                    total = sum(cell.plans.values())
+                    entry["plan_share"] = {k: round(v / total, 3) for k, v in sorted(cell.plans.items())}
             paired = getattr(m.engine, "paired", None) if cohort == "all" else None
             if paired and paired["cycles"]:
                 token, seq = (1 + paired[k] / paired["cycles"] for k in ("token", "sequence"))
@@ -330,11 +336,13 @@ def _summarise(methods: list[Method]) -> dict:
 def format_report(report: dict) -> str:
     """The Markdown table (also what the terminal shows)."""
     lines = [f"# speculators bench — {report['target']} on {report['device']} ({report['dtype']}, "
-             f"{report['threads']} threads), {report['rows']} rows ({report['rows_per_cohort']} per cohort)", ""]
+             f"{report['threads']} threads), {report['rows']} rows ({report['rows_per_cohort']} per cohort)", "",
+             f"Machine: {report.get('machine', '?')}. Plans: share of cycles drafting nothing (plain), the prompt "
+             "lookup alone (L), the model drafter (M) or both (M+L).", ""]
     for temperature, cohorts in report["results"].items():
         lines += [f"## T = {temperature}", "",
                   "| cohort | method | tok/s | × plain | × HF generate | tau | per-position acceptance | "
-                  "rows ≠ plain |", "|---|---|---:|---:|---:|---:|---|---:|"]
+                  "plans | rows ≠ plain |", "|---|---|---:|---:|---:|---:|---|---|---:|"]
         order = sorted(cohorts, key=lambda c: (c == "all", c))
         for cohort in order:
             for name, e in cohorts[cohort].items():
@@ -343,7 +351,7 @@ def format_report(report: dict) -> str:
                 mism = str(e["mismatched_rows"]) if float(temperature) == 0 else "-"
                 vs_hf = "-" if e["vs_hf"] is None else f"{e['vs_hf']:.2f}"
                 lines.append(f"| {cohort} | {name} | {e['tokens_per_second']:.1f} | {e['vs_plain']:.2f} | "
-                             f"{vs_hf} | {tau} | {acc} | {mism} |")
+                             f"{vs_hf} | {tau} | {acc} | {plan_shares(e.get('plan_share', {}))} | {mism} |")
         lines.append("")
         for name, e in cohorts.get("all", {}).items():
             if "paired_tau" in e:
@@ -353,6 +361,15 @@ def format_report(report: dict) -> str:
                              f"{pt['sequence']:.3f} ({100 * pt['gain']:+.1f}%).")
                 lines.append("")
     return "\n".join(lines)
+
+
+PLAN_LABELS = {"plain": "plain", "lookup": "L", "model": "M", "model+lookup": "M+L"}
+
+
+def plan_shares(share: dict[str, float]) -> str:
+    """'M 80% · L 15% · plain 5%': the plans' shares of a method's cycles, largest first ('-' when none)."""
+    parts = sorted(share.items(), key=lambda kv: -kv[1])
+    return " · ".join(f"{PLAN_LABELS.get(k, k)} {100 * v:.0f}%" for k, v in parts if v > 0) or "-"
 
 
 def write_json_and_markdown(out: Path, stem: str, report: dict, text: str) -> None:

@@ -19,8 +19,8 @@ import pytest
 
 from speculators.core.config import TreeConfig
 from speculators.core.sampling import sample
-from speculators.runtime.adaptive import CostModel
 from speculators.runtime.batching import BatchRunner, generate_batch
+from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.drafters.load import DrafterInfo
 from speculators.runtime.requests import StreamChunk
 from speculators.serving import Engine, SamplingParams

@@ -5,7 +5,9 @@ temperature / top-k / top-p operator), by Pearson chi-square with family-wise al
 Covered: n-gram drafts (deterministic trees), a random DFlash block (its per-slot laws) as a sampled chain (block
 verification) and as a top-k tree, a random EAGLE-3 sampled chain (block verification with the draft's
 probabilities) and sampled tree (traversal verification), a random Medusa top-k tree and best-first (DDTree) tree, a
-random EAGLE-3 top-k tree with a prompt-lookup graft; a near-target drafter (the house target itself at another
+random EAGLE-3 top-k tree with a prompt-lookup graft; the plan controller's plans switched cycle by cycle (plain, the
+lookup alone, the model, the model with the lookup grafted on; some cycles capture no features, so the drafter
+restarts); a near-target drafter (the house target itself at another
 temperature: ratios p/q on both sides of 1, deep acceptance) drafting sampled trees and chains verified by traversal
 / block verification and token-wise ("without_replacement" / "iid": the bench's comparison rows); each under
 temperature, top-k and top-p; the Medusa case once more with 8 requests sharing each target forward (batching.py).
@@ -53,7 +55,7 @@ CASES = [  # (drafter, tree, sampling)
     ("medusa", TreeConfig(kind="best_first", depth=3, topk=2, budget=6, adaptive=False),
      dict(temperature=0.9, top_k=20, top_p=0.9)),
 ]
-NUM_TESTS = len(CASES) + 3  # Bonferroni over every chi-square this module runs (controls, batched case included)
+NUM_TESTS = len(CASES) + 4  # Bonferroni over every chi-square this module runs (controls, batched case included)
 BATCHED_CASE = 3  # also run with 8 requests sharing each target forward (batching.py)
 
 
@@ -209,3 +211,34 @@ def test_broken_engines_are_rejected(house_target, broken, case: int) -> None:
     p_value, outside = _law_test(bad, house_target, prompt, sampling, seed=77)
     assert bad.totals.drafted_tokens > 0
     assert_detected(p_value, outside, FAMILY_ALPHA / NUM_TESTS, broken.__name__)
+
+
+def test_switching_plans_follows_the_target(house_target, spec_dirs, monkeypatch) -> None:
+    """Every plan of the plan controller at T = 1, switched cycle by cycle across the seeded requests (a scripted
+    choice: the real one is timing-driven), with cycles that capture no features."""
+    from speculators.runtime import adaptive as adaptive_module
+    from speculators.runtime.adaptive import Plan
+
+    turn = {"n": 0}
+    order = ("model+lookup", "lookup", "plain", "model", "lookup", "model+lookup", "model")
+
+    def choose_plan(self, remaining, lookup=0, model_ready=True):
+        source = order[turn["n"] % len(order)]
+        turn["n"] += 1
+        plan, depth = Plan(), min(self.max_depth, remaining - 1)
+        if source == "lookup" and lookup:
+            plan = Plan("", 0, min(lookup, self.lookup_depth, remaining - 1))
+        elif source.startswith("model") and depth > 0 and model_ready:
+            plan = Plan(self.kinds[0], depth, min(lookup, self.graft_nodes) if source == "model+lookup" else 0)
+        self._capture = turn["n"] % 5 != 0
+        self._count(plan)
+        return plan
+
+    monkeypatch.setattr(adaptive_module.AdaptiveDepth, "choose_plan", choose_plan)
+    monkeypatch.setattr(adaptive_module.AdaptiveDepth, "wants_features", lambda self: self._capture)
+    tree = TreeConfig(kind="dynamic", depth=2, topk=2, budget=3, adaptive=True)
+    engine = Engine.from_pretrained(loaded_target(str(house_target)), spec_dirs["eagle3"], tree=tree, ngram_graft=3)
+    sampling = dict(temperature=1.0, top_k=0, top_p=0.95)
+    p_value = _chi_square(engine, house_target, _prompt(house_target), sampling, seed=4242)
+    assert engine.totals.drafted_tokens > 0
+    assert p_value > FAMILY_ALPHA / NUM_TESTS, f"switching plans {sampling}: p = {p_value:.3g}"

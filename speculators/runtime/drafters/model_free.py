@@ -30,6 +30,9 @@ class Drafter(Protocol):
                 generator: torch.Generator | None) -> DraftTree: ...
 
 
+LOOKUP_DEPTH = 6  # the prompt-lookup chain's length: the n-gram drafter's default tree, and the lookup drafted alone
+
+
 def _root_mode(sampling: SamplingParams) -> str:
     return "greedy" if sampling.greedy else "deterministic"
 
@@ -78,7 +81,7 @@ class NgramDrafter:
         return FeatureRequest(tap_layer_ids=None, last_hidden=False)
 
     def default_tree(self) -> TreeConfig:
-        return TreeConfig(kind="chain", depth=6, topk=1, budget=6)
+        return TreeConfig(kind="chain", depth=LOOKUP_DEPTH, topk=1, budget=LOOKUP_DEPTH)
 
     def new_state(self, max_len: int, device: torch.device | str) -> NgramState:
         return NgramState()

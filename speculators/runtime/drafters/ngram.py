@@ -10,6 +10,9 @@ distinct first tokens (most recent match first, at the longest matching n), from
 small tree. No weights, no training, no probabilities: trees built from these are verified in "greedy"
 (T = 0) or "deterministic" (T > 0) mode.
 
+`TokenBuffer` holds a growing context as a numpy array (amortised appends), so a lookup per cycle does not convert
+the whole context from a list each time.
+
 Not here: the Drafter protocol adapter (drafters.py), suffix trees over past requests, match scoring.
 """
 
@@ -62,3 +65,27 @@ def ngram_propose(context: list[int], k: int, max_ngram: int = 3, min_ngram: int
     (n from max_ngram down to min_ngram) of `context`; [] when nothing recurs."""
     found = ngram_continuations(context, k, max_ngram, min_ngram, num=1)
     return found[0] if found else []
+
+
+class TokenBuffer:
+    """A growing token context backed by a numpy array (doubling capacity); `view()` is the context so far."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self._data = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)
+        self._size = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        need = self._size + len(tokens)
+        if need > self._data.shape[0]:
+            grown = np.zeros(2 * need, dtype=np.int64)
+            grown[:self._size] = self._data[:self._size]
+            self._data = grown
+        self._data[self._size:need] = tokens
+        self._size = need
+
+    def view(self) -> np.ndarray:
+        return self._data[:self._size]
+
+    def __len__(self) -> int:
+        return self._size

@@ -21,7 +21,8 @@ from speculators.oracle.cost_model import (
     schedule,
 )
 from speculators.oracle.costs import DrafterCosts
-from speculators.runtime.adaptive import AdaptiveDepth, CostModel
+from speculators.runtime.adaptive import AdaptiveDepth
+from speculators.runtime.cycle_costs import CostModel
 
 
 def _costs(fwd_base: float = 0.010, per_token: float = 0.0005, draft_step: float = 0.0004,

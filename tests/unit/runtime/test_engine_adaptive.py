@@ -3,9 +3,15 @@ loses (with periodic probes), every choice reported; the engine stays lossless e
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from speculators.core.config import TreeConfig
 from speculators.core.metrics import simulated_tau
-from speculators.runtime.adaptive import AcceptanceMemory, AdaptiveDepth, CostModel
+from speculators.runtime.acceptance_memory import AcceptanceMemory
+from speculators.runtime.adaptive import AdaptiveDepth, Plan
+from speculators.runtime.cycle_costs import CostModel
 from speculators.serving import Engine, SamplingParams
 from tests.unit.runtime.runtime_helpers import hf_greedy, loaded_target, single_thread  # noqa: F401
 
@@ -81,7 +87,7 @@ def test_the_kind_with_the_best_expected_rate_is_drafted_and_others_are_explored
     kinds = ("dynamic", "chain", "sampled")
     ctrl = AdaptiveDepth(cost=_kinds_cost(), max_depth=4, max_new_tokens=1000, kinds=kinds, explore_every=4)
     ctrl.estimates = {"dynamic": [0.5] * 4, "chain": [0.6] * 4, "sampled": [0.9] * 4}
-    plans = [ctrl.choose_plan(1000) for _ in range(16)]
+    plans = [(p.kind, p.depth) for p in (ctrl.choose_plan(1000) for _ in range(16))]
     assert plans[0] == ("sampled", max(range(1, 5), key=lambda d: ctrl.rate(d, "sampled")))
     assert ctrl.rate(plans[0][1], "sampled") > max(ctrl.rate(d, k) for k in ("dynamic", "chain") for d in range(1, 5))
     assert {k for k, _ in plans} == set(kinds)  # exploring cycles try the other kinds too
@@ -190,3 +196,82 @@ def test_engine_reports_choices_and_stays_lossless(tiny_llama) -> None:
     short = engine.generate(prompt, SamplingParams(max_new_tokens=3))
     assert short.stats.adaptive["mode"].startswith("off: short output") and short.stats.acceptance.drafted_tokens == 0
     assert short.token_ids == out.token_ids[:3]
+
+
+# ---- the plan controller: plain, the lookup alone, the model, the model with the lookup grafted on ----------------
+
+
+def _lookup_ctrl(**kwargs) -> AdaptiveDepth:
+    """A model drafter (depth 4) and a lookup source (chains of up to 6, grafts of up to 3) on 10 ms + 1 ms per node
+    cycles; the model drafts at 0.5 ms per depth."""
+    args = dict(cost=_cost(), max_depth=4, max_new_tokens=1000, kinds=("dynamic",), lookup_depth=6, graft_nodes=3,
+                graftable=("dynamic",))
+    args.update(kwargs)
+    ctrl = AdaptiveDepth(**args)
+    ctrl.cost.set_draft(1, 1, 0.0005, "dynamic")
+    return ctrl
+
+
+def test_the_lookup_alone_wins_where_it_is_right_and_the_model_is_not() -> None:
+    ctrl = _lookup_ctrl(prior={"dynamic": [0.05] * 4, "lookup": [0.9] * 9})
+    plan = ctrl.choose_plan(1000, lookup=6)
+    assert (plan.source, plan.lookup) == ("lookup", 6)
+    assert ctrl.plan_rate(plan) > max(ctrl.plan_rate(p) for p in (Plan(), Plan("dynamic", 1), Plan("dynamic", 1, 3)))
+    # no recurring suffix this cycle: the lookup plans do not exist, and plain beats the poor model
+    assert ctrl.choose_plan(1000, lookup=0) == Plan()
+    assert ctrl.report()["plan_histogram"] == {"lookup": 1, "plain": 1}
+
+
+def test_the_graft_is_chosen_when_both_sources_add_tokens() -> None:
+    # the model is sure of the next token only, the lookup of the ones after it
+    ctrl = _lookup_ctrl(prior={"dynamic": [0.95, 0.1, 0.1, 0.1], "lookup": [0.4, 0.95, 0.95, 0.95]})
+    plan = ctrl.choose_plan(1000, lookup=3)
+    assert plan.source == "model+lookup" and plan.lookup == 3
+    assert ctrl.plan_rate(plan) > max(ctrl.plan_rate(p) for p in (Plan("dynamic", plan.depth), Plan("", 0, 3), Plan()))
+    # the graft's tokens are the max of the two sources' reach per depth, never their sum
+    a, b = ctrl.estimates["dynamic"], ctrl.lookup_estimates
+    reach = lambda xs, n, k: math.prod(xs[:k + 1]) if k < n else 0.0  # noqa: E731
+    tokens = 1 + sum(max(reach(a, plan.depth, k), reach(b, 3, k)) for k in range(max(plan.depth, 3)))
+    seconds = ctrl.cost.draft_cost(plan.depth, "dynamic") + ctrl.cost.cycle_of(
+        1 + ctrl.cost.draft_nodes(plan.depth, "dynamic") + 3, "dynamic")
+    assert ctrl.plan_rate(plan) == pytest.approx(tokens / seconds)
+
+
+def test_sampled_kinds_are_never_grafted() -> None:
+    ctrl = _lookup_ctrl(kinds=("chain",), graftable=(), prior={"chain": [0.9] * 4, "lookup": [0.9] * 9})
+    for _ in range(20):
+        plan = ctrl.choose_plan(1000, lookup=6)
+        assert not (plan.depth and plan.lookup)
+
+
+def test_every_accepted_token_is_credited_to_its_source() -> None:
+    ctrl = _lookup_ctrl()
+    ctrl.observe(drafted_depth=4, accepted=2, kind="dynamic")
+    ctrl.accepted_by_source["lookup"] += 3
+    ctrl.observe_lookup(proposed=6, matched=2)  # positions 0, 1 hit, position 2 missed, 3-5 not reached
+    assert ctrl.lookup_counts[:4] == [(1, 1), (1, 1), (1, 0), (0, 0)]
+    assert ctrl.report()["accepted_by_source"] == {"model": 2, "lookup": 3}
+
+
+def test_a_drafter_that_never_pays_is_probed_rarely_and_fed_only_before_probes() -> None:
+    ctrl = _lookup_ctrl(prior={"dynamic": [0.0] * 4, "lookup": [0.0] * 9}, probe_every=8, warm_cycles=8)
+    plans, captures = [], []
+    for _ in range(400):
+        plan = ctrl.choose_plan(1000, lookup=0)
+        captures.append(ctrl.wants_features())
+        if plan.depth:
+            ctrl.observe(plan.depth, 0, plan.kind)
+        plans.append(plan)
+    probes = [i for i, p in enumerate(plans) if p.depth]
+    assert [b - a for a, b in zip(probes, probes[1:], strict=False)][:4] == [16, 32, 64, 64]  # backing off to 8x
+    assert all(plans[i].depth == 1 for i in probes)  # the most promising model plan of a drafter that never pays
+    assert sum(captures) <= len(probes) * 9 + 16  # features only in the 8 cycles before each probe (and the first)
+    for i in probes[2:]:
+        assert all(captures[i - 8:i + 1]) and not any(captures[i - 20:i - 9])
+
+
+def test_a_model_plan_waits_for_fresh_positions() -> None:
+    ctrl = _lookup_ctrl(prior={"dynamic": [0.9] * 4, "lookup": [0.0] * 9})
+    assert ctrl.choose_plan(1000, lookup=0, model_ready=False) == Plan()
+    assert ctrl.report()["deferred"] == 1 and ctrl.wants_features()
+    assert ctrl.choose_plan(1000, lookup=0, model_ready=True).depth > 0

@@ -59,11 +59,11 @@ def test_greedy_parity_with_hf_generate(tiny_llama, spec_dirs, references, draft
 @pytest.mark.parametrize("drafter,tree", cases(list(FAMILIES)))
 def test_greedy_parity_with_an_ngram_graft(tiny_llama, spec_dirs, references, drafter: str, tree: str,
                                            monkeypatch) -> None:
-    from speculators.runtime.drafters import graft
+    from speculators.runtime import cycle_steps
 
     grown = []
-    real = graft.graft_chain
-    monkeypatch.setattr(graft, "graft_chain", lambda t, *a: grown.append(real(t, *a).size - t.size) or real(t, *a))
+    real = cycle_steps.graft_chain
+    monkeypatch.setattr(cycle_steps, "graft_chain", lambda t, *a: grown.append(real(t, *a).size - t.size) or real(t, *a))
     engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), spec_dirs[drafter], tree=TREES[tree],
                                     ngram_graft=4)
     assert engine.info.name.endswith("+ngram")

@@ -141,12 +141,13 @@ def test_adaptive_sampled_requests_choose_among_kinds(tiny_llama, tmp_path, monk
 
     turn = {"n": 0}
 
-    def scripted(self, remaining):  # a controller that drafts every kind in turn at depth 2
+    def scripted(self, remaining, lookup=0, model_ready=True):  # drafts every kind in turn at depth 2
         kind = self.kinds[turn["n"] % len(self.kinds)]
         turn["n"] += 1
         self.kind = kind
         self.kind_histogram[kind] = self.kind_histogram.get(kind, 0) + 1
-        return kind, min(2, remaining - 1)
+        self._last = adaptive_module.Plan(kind, min(2, remaining - 1))
+        return self._last
 
     modes: list[tuple[int, str]] = []
     real = engine_module.verify_tree_lazy
@@ -166,4 +167,4 @@ def test_adaptive_sampled_requests_choose_among_kinds(tiny_llama, tmp_path, monk
     assert [n for n, _ in modes[1:3]] == [3, 5]  # chain of 2; spine of 2 with a sibling per level (never grafted)
     assert set(adaptive["cost"]["draft_ms_by_depth"]) == {"dynamic", "chain", "sampled"}  # all calibrated
     # every kind's acceptance at T = 1 is kept for the next requests (per temperature and kind)
-    assert set(eng.acceptance_memory.counts) == {(1.0, "dynamic"), (1.0, "chain"), (1.0, "sampled")}
+    assert set(eng.acceptance_memory.counts) == {(1.0, "dynamic"), (1.0, "chain"), (1.0, "sampled"), (1.0, "lookup")}
