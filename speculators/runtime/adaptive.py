@@ -160,23 +160,31 @@ class AdaptiveDepth:
         kind = kind or self.kinds[0]
         return self.cost.rate(self.estimates[kind], depth, kind)
 
-    def plan_rate(self, plan: Plan) -> float:
-        """Expected committed tokens per second of `plan` (see the module docstring)."""
+    def plan_tokens(self, plan: Plan) -> float:
+        """Expected committed tokens of one cycle of `plan` (see the module docstring)."""
+        a = self.estimates[plan.kind] if plan.depth else []
         if plan.lookup == 0:
-            return self.rate(plan.depth, plan.kind or None)
+            return simulated_tau(a[:plan.depth])
         b = self.lookup_estimates
-        if plan.depth == 0:
-            return simulated_tau(b[:plan.lookup]) / max(self.cost.cycle_of(1 + plan.lookup, LOOKUP), 1e-9)
-        a = self.estimates[plan.kind]
-        reach_a = reach_b = 1.0
-        tokens = 1.0
+        reach_a = reach_b = tokens = 1.0
         for k in range(max(plan.depth, plan.lookup)):
             reach_a *= a[k] if k < plan.depth else 0.0
             reach_b *= b[k] if k < plan.lookup else 0.0
             tokens += max(reach_a, reach_b)
-        seconds = self.cost.draft_cost(plan.depth, plan.kind) + self.cost.cycle_of(
-            1 + self.cost.draft_nodes(plan.depth, plan.kind) + plan.lookup, plan.kind)
-        return tokens / max(seconds, 1e-9)
+        return tokens
+
+    def plan_seconds(self, plan: Plan) -> float:
+        """Seconds of one cycle of `plan` as the cost tables predict them (drafting, then verifying its nodes)."""
+        if plan.depth == 0:
+            return self.cost.cycle_of(1 + plan.lookup, LOOKUP if plan.lookup else "")
+        nodes = 1 + self.cost.draft_nodes(plan.depth, plan.kind) + plan.lookup
+        return self.cost.draft_cost(plan.depth, plan.kind) + self.cost.cycle_of(nodes, plan.kind)
+
+    def plan_rate(self, plan: Plan) -> float:
+        """Expected committed tokens per second of `plan`: its tokens over its predicted seconds, scaled by how much
+        longer this plan's cycles really took, start to start (`CostModel.scale_of`)."""
+        seconds = self.plan_seconds(plan) * self.cost.scale_of(plan.source)
+        return self.plan_tokens(plan) / max(seconds, 1e-9)
 
     def _best_depth(self, kind: str, limit: int) -> int:
         return max(range(1, limit + 1), key=lambda d: self.rate(d, kind))

@@ -77,6 +77,7 @@ class RequestState:
     lookup: TokenBuffer | None = None  # the committed context ending with the root (None: no lookup source)
     continuation: list[int] | None = None  # this cycle's lookup continuation of the context
     watch: tuple[int, list[int]] | None = None  # (output length, continuation) not yet scored
+    last: tuple[Plan, float, float] | None = None  # the previous cycle: (plan, start, predicted seconds)
 
 
 def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats, slot: Slot
@@ -129,7 +130,18 @@ def choose_plan(engine: CycleHost, req: RequestState, remaining: int) -> Plan:
         found = ngram_continuations(req.lookup.view(), req.ctrl.lookup_span, engine.lookup.max_ngram,
                                     engine.lookup.min_ngram, num=1)
         req.continuation = found[0] if found else None
-    return req.ctrl.choose_plan(remaining, len(req.continuation or ()), model_ready=req.synced or bool(req.pending))
+    plan = req.ctrl.choose_plan(remaining, len(req.continuation or ()), model_ready=req.synced or bool(req.pending))
+    req.last = (plan, time.perf_counter(), req.ctrl.plan_seconds(plan))
+    return plan
+
+
+def time_last_cycle(engine: CycleHost, req: RequestState, shared: bool) -> None:
+    """The previous cycle, start to now (this cycle's start), against what its plan predicted (a forward shared
+    with other requests says little about one request's cycle)."""
+    if req.last is not None and not shared and req.ctrl.mode == "adaptive":
+        plan, start, predicted = req.last
+        engine.cost.observe_total(plan.source, predicted, time.perf_counter() - start)
+    req.last = None
 
 
 def draft_tree(engine: CycleHost, req: RequestState, plan: Plan, remaining: int, params: SamplingParams,

@@ -68,6 +68,7 @@ from speculators.runtime.cycle_steps import (
     is_chain,
     observe_cycle,
     open_request,
+    time_last_cycle,
 )
 from speculators.runtime.drafters.graft import NgramGraft
 from speculators.runtime.drafters.load import (
@@ -297,8 +298,10 @@ class Engine:
         forward, commit the accepted path + the next token, hand those positions to the drafter."""
         t0 = time.perf_counter()
         req = open_request(self, prompt_ids, params, stats, slot)
+        shared = False
         while True:
             remaining = params.max_new_tokens - len(out)
+            time_last_cycle(self, req, shared)
             t_draft = time.perf_counter()
             plan = choose_plan(self, req, remaining)
             tree, t_propose, model_nodes = draft_tree(self, req, plan, remaining, params, slot.cache)
@@ -314,6 +317,7 @@ class Engine:
                 call = VerifyForward(Segment(slot.cache, tree.tokens, tree.depths, ancestor_mask(tree.parents),
                                              logit_rows=head_rows), capture=capture)
             fwd = yield call
+            shared = call.shared
             t_accept = time.perf_counter()
             accepted, next_token, rows = self.accept(tree, fwd, params, req.generator, chain_rows)
             path = [0, *accepted]

@@ -163,7 +163,7 @@ def test_cost_model_interpolates_and_ignores_preempted_spikes() -> None:
     c.set_draft(3, 6, 0.003)
     assert c.draft_nodes(3) == 6 and abs(c.draft_cost(3) - c.absorb - 0.003) < 1e-12
     assert set(c.to_dict()) == {"cycle_ms_by_nodes", "cycle_excess_ms_by_kind", "draft_ms_by_depth", "absorb_ms",
-                                "draft_nodes_by_depth"}
+                                "draft_nodes_by_depth", "measured_over_predicted_by_plan"}
 
 
 def test_a_kind_whose_cycles_cost_more_than_their_size_says_is_rated_by_its_own_cost() -> None:
@@ -275,3 +275,18 @@ def test_a_model_plan_waits_for_fresh_positions() -> None:
     assert ctrl.choose_plan(1000, lookup=0, model_ready=False) == Plan()
     assert ctrl.report()["deferred"] == 1 and ctrl.wants_features()
     assert ctrl.choose_plan(1000, lookup=0, model_ready=True).depth > 0
+
+
+def test_whole_cycles_that_take_longer_than_their_parts_slow_their_plan_down() -> None:
+    """Verify forwards right after drafting run slower than back to back (the target's weights leave the caches):
+    the tables do not see it, the measured start-to-start seconds do, and the model plan loses to plain."""
+    ctrl = _lookup_ctrl(prior={"dynamic": [0.5] * 4})
+    model = max((Plan("dynamic", d) for d in range(1, 5)), key=ctrl.plan_rate)
+    assert ctrl.plan_rate(model) > ctrl.plan_rate(Plan())
+    for _ in range(40):  # model cycles take 1.8x their prediction, plain cycles what the tables say
+        ctrl.cost.observe_total("model", ctrl.plan_seconds(model), 1.8 * ctrl.plan_seconds(model))
+        ctrl.cost.observe_total("plain", ctrl.plan_seconds(Plan()), ctrl.plan_seconds(Plan()))
+    assert ctrl.cost.scale_of("model") == pytest.approx(1.8, rel=0.01) and ctrl.cost.scale_of("plain") == 1.0
+    assert ctrl.plan_rate(model) < ctrl.plan_rate(Plan()) and ctrl.choose_plan(1000).depth == 0
+    ctrl.cost.observe_total("model", 1.0, 100.0)  # one preempted cycle moves the scale by at most a step of 3x
+    assert ctrl.cost.scale_of("model") < 2.1
