@@ -46,6 +46,14 @@ def test_bench_table_and_report(house_target, tmp_path) -> None:
     greedy = report["results"]["0.0"]["all"]
     assert all(greedy[m]["mismatched_rows"] == 0 for m in (*runtime[1:], *batched, "hf", "hf-assisted"))
     assert "plain@batch2" in proc.stdout
+    # the CPU is named and every runtime row says how its cycles were drafted (share of cycles per plan)
+    assert "CPU" in report["machine"] and f"Machine: {report['machine']}" in proc.stdout
+    for temperature in ("0.0", "1.0"):
+        rows = report["results"][temperature]["all"]
+        assert rows["plain"]["plan_share"] == {"plain": 1.0}
+        for name in runtime[1:]:
+            share = rows[name]["plan_share"]
+            assert set(share) <= {"plain", "lookup", "model", "model+lookup"} and abs(sum(share.values()) - 1) < 0.01
 
 
 def test_bench_bad_inputs_fail_with_one_line(house_target) -> None:
