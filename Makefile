@@ -48,7 +48,7 @@ $(VLLM_STAMP): $(VLLM_REQS)
 	$(VLLM_VENV)/bin/python -m pip install -q -r serving/vllm/requirements.txt -c serving/vllm/constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -c "import vllm, speculators.models.eagle3; print('vllm', vllm.__version__)"
+	$(VLLM_VENV)/bin/python -c "import vllm, speculators.models.eagle3.eagle3_model; print('vllm', vllm.__version__)"
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
 

@@ -26,6 +26,7 @@ from speculators.core import options as o
 from speculators.core.config import ServeConfig, setting_help
 from speculators.core.errors import SpeculatorsError
 from speculators.core.logs import configure
+from speculators.models import check_family
 from speculators.pipeline import STAGES, run_pipeline, run_stage
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -71,9 +72,12 @@ def _target(name: str) -> str:
 
 def _load(recipe: Path | None, overrides: list[str] | None, resolve_target: bool = True):
     """The recipe with its overrides; `load_recipe` makes a packaged / GGUF target local unless `resolve_target` is
-    off (dry run). Imported here: recipes.py imports torch (target sources)."""
+    off (dry run); its speculator family is one of the registry's. Imported here: recipes.py imports torch (target
+    sources)."""
     from speculators.core.recipes import load_recipe
-    return load_recipe(recipe, overrides or [], resolve_target=resolve_target)
+    loaded = load_recipe(recipe, overrides or [], resolve_target=resolve_target)
+    check_family(loaded.speculator.family, " (speculator.family)")
+    return loaded
 
 
 def _dump(recipe: Any) -> str:

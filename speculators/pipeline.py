@@ -21,6 +21,7 @@ from typing import Any
 
 from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
+from speculators.models import check_family
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def run_stage(name: str, recipe: Recipe, *, force: bool = False, log: Callable[[
 def run_pipeline(recipe: Recipe, *, only: list[str] | None = None, force: bool = False,
                  log: Callable[[str], None] = print) -> dict[str, dict]:
     """Run every enabled stage in order; skip stages whose outputs are already complete and valid."""
+    check_family(recipe.speculator.family, " (speculator.family)")
     unknown = sorted(set(only or ()) - {s.name for s in STAGES})
     if unknown:
         raise SpeculatorsError(f"unknown stage(s) {unknown}; stages: {', '.join(s.name for s in STAGES)}")

@@ -136,7 +136,8 @@ class CaptureConfig:
 
 @dataclass
 class SpeculatorConfig:
-    family: Literal["eagle3", "medusa", "mtp", "dflash"] = "eagle3"
+    # a folder under speculators/models/ (checked against its registry by the CLI and run_pipeline: models.check_family)
+    family: str = "eagle3"
     num_steps: int = 5  # eagle3: TTT steps; medusa: heads; mtp: recursive steps; dflash: mask slots (block size - 1)
     num_layers: int = 1  # eagle3/mtp/dflash: draft decoder layers; medusa: ResBlocks per head
     draft_vocab_size: int | None = None  # eagle3: reduced draft vocab (None = full target vocab)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from speculators.core.checkpoints import step_number
 from speculators.core.errors import SpeculatorsError
+from speculators.models import family_of
 
 SELECTION_FORMAT = "speculators.selection/v1"
 def checkpoint_loss(step_dir: str | Path) -> float | None:
@@ -42,12 +43,7 @@ def checkpoint_family(step_dir: str | Path) -> str:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SpeculatorsError(f"cannot read {path} ({exc}); the checkpoint is incomplete or corrupt") from None
-    native = cfg.get("speculators_native") or {}
-    family = native.get("family") or cfg.get("speculators_model_type") or cfg.get("model_type")
-    if not family:
-        raise SpeculatorsError(f"{path} names no speculator family (no speculators_native.family); "
-                               f"it was not written by speculators")
-    return str(family)
+    return family_of(cfg)
 
 
 def tau_of(report: dict, temperature: float) -> float:

@@ -2,7 +2,7 @@
 directory checks first).
 
 `run` resolves the checkpoint the recipe names (evaluate's choice by default), checks its pairing with the target,
-and lets the family's exporter (`Speculator.EXPORTER`: vllm.py for a vLLM-format directory, mtp.py for an MTP
+and lets the family's exporter (`Speculator.EXPORTER`: vllm.py for a vLLM-format directory, mtp_stitch.py for an MTP
 module) write into a temp directory that replaces the export directory only when everything succeeded;
 `pairing.json` is written last. It never branches on the family name and writes no format itself.
 """

@@ -1,5 +1,6 @@
 """MTP export: the trained module stitched into the target checkpoint's native MTP slot where vLLM serves one
-(`method: mtp`), otherwise a native directory that only the bundled runtime serves — and the export says so.
+(`method: mtp`; the slot's names and checks are models/mtp/mtp_format.py), otherwise a native directory that only the
+bundled runtime serves — and the export says so.
 
 - DeepSeek-V3 style targets (`model_type` deepseek_v3 / deepseek_v32 / glm4_moe): a copy of the target checkpoint
   (hard links where possible) plus `model-mtp.safetensors` holding `model.layers.{N}.{enorm, hnorm, eh_proj,
@@ -13,7 +14,7 @@
 - Any other family (the house target is Llama): config.json + model.safetensors in our native layout, README.md
   and FORMAT note stating that vLLM cannot serve it and `launch.sh` running the bundled runtime.
 
-This module writes into a directory the caller provides (see stage.run, which makes it atomic).
+This module writes into a directory the caller provides (export.py's `run` makes it atomic).
 """
 
 from __future__ import annotations
@@ -49,11 +50,15 @@ from speculators.export.vllm import (
     write_weights,
 )
 from speculators.models.io import load_speculator, target_weights
+from speculators.models.mtp.mtp_format import (
+    BLOCK_PREFIX,
+    DEEPSEEK_STYLE,
+    QWEN_NEXT_STYLE,
+    block_layout_problems,
+    slot_tensors,
+)
 
-DEEPSEEK_STYLE = ("deepseek_v3", "deepseek_v32", "glm4_moe")
-QWEN_NEXT_STYLE = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 MTP_SHARD = "model-mtp.safetensors"
-_BLOCK_PREFIX = "layers.0."
 
 
 def _text_config(config: dict) -> dict:
@@ -67,42 +72,6 @@ def _target_tensor_shapes(target_dir: Path) -> dict[str, list[int]]:
             for k in fh.keys():
                 shapes[k] = list(fh.get_slice(k).get_shape())
     return shapes
-
-
-def block_layout_problems(block: dict[str, torch.Tensor], target_shapes: dict[str, list[int]],
-                          layer_prefix: str) -> list[str]:
-    """Differences between the trained block (names relative to the layer) and the target's decoder layer."""
-    theirs = {k[len(layer_prefix):]: v for k, v in target_shapes.items() if k.startswith(layer_prefix)}
-    ours = {k: list(v.shape) for k, v in block.items()}
-    problems = []
-    only_ours, only_theirs = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
-    if only_ours or only_theirs:
-        problems.append(f"the trained MTP block has {only_ours[:3]} where the target's layers have "
-                        f"{only_theirs[:3]}")
-    problems += [f"{k}: trained {ours[k]} vs target {theirs[k]}" for k in sorted(set(ours) & set(theirs))
-                 if ours[k] != theirs[k]]
-    return problems
-
-
-def slot_tensors(style: str, state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Our MTP names -> the target family's native MTP slot names (layer index `num_layers` = N)."""
-    block = {k[len(_BLOCK_PREFIX):]: v for k, v in state.items() if k.startswith(_BLOCK_PREFIX)}
-    if style == "deepseek":
-        p = f"model.layers.{num_layers}."
-        out = {p + "enorm.weight": state["enorm.weight"], p + "hnorm.weight": state["hnorm.weight"],
-               p + "eh_proj.weight": state["eh_proj.weight"],
-               p + "shared_head.norm.weight": state["shared_head.norm.weight"],
-               p + "shared_head.head.weight": state["shared_head.head.weight"],
-               p + "embed_tokens.weight": state["embed_tokens.weight"]}
-        out.update({p + k: v for k, v in block.items()})
-        return out
-    zc = {k: v - 1.0 if k.endswith("norm.weight") else v for k, v in block.items()}  # zero-centred RMSNorms
-    out = {"mtp.fc.weight": state["eh_proj.weight"],
-           "mtp.pre_fc_norm_embedding.weight": state["enorm.weight"] - 1.0,
-           "mtp.pre_fc_norm_hidden.weight": state["hnorm.weight"] - 1.0,
-           "mtp.norm.weight": state["shared_head.norm.weight"] - 1.0}
-    out.update({"mtp.layers.0." + k: v for k, v in zc.items()})
-    return out
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -124,7 +93,7 @@ def stitch(spec: Any, target_dir: Path, out_dir: Path, dtype: torch.dtype) -> di
                                f"{len(spec.layers)} (speculator.num_layers=1 to stitch)")
     shapes = _target_tensor_shapes(target_dir)
     state = {k: v.detach().cpu().float() for k, v in spec.state_dict().items()}
-    block = {k[len(_BLOCK_PREFIX):]: v for k, v in state.items() if k.startswith(_BLOCK_PREFIX)}
+    block = {k[len(BLOCK_PREFIX):]: v for k, v in state.items() if k.startswith(BLOCK_PREFIX)}
     layer_prefix = f"model.layers.{n - 1}."  # the last layer (full attention in Qwen3-Next's 3:1 layout)
     problems = block_layout_problems(block, shapes, layer_prefix)
     if problems:

@@ -9,13 +9,16 @@
   vLLM reads first from a speculators-format config (EAGLE-3, DFlash).
 - `pairing_target` / `pairing_problems`: the target pairing.json records, and the export's vocab, fc width and tap
   ids against it.
+- `check_weight_dir`: what every format with its own weight files shares (EAGLE-3, DFlash, Medusa): the top-level
+  `model_type`, the weight files, the family's layout check, the float dtypes.
 
-It knows no family's tensor layout (eagle3_format.py, dflash_format.py, validate.py) and never writes anything.
+It knows no family's tensor layout (models/<family>/<family>_format.py) and never writes anything.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +179,22 @@ def no_model_prefix(t: Tensors, problems: list[str]) -> None:
     if bad_prefix:
         problems.append(f"weights carry a 'model.' prefix ({bad_prefix[0]} ...); vLLM adds it itself, so they "
                         f"would not load")
+
+
+def check_weight_dir(config: dict, directory: Path, problems: list[str], deep: bool,
+                     layout: Callable[[dict, Tensors, dict | None, list[str]], None]) -> None:
+    """The checks of a directory vLLM loads as a draft model with its own weight files; `layout(config, tensors,
+    target, problems)` is the family's (`target`: what pairing.json records, or None)."""
+    if config.get("model_type") not in (None, "speculators", "medusa"):
+        problems.append(f"top-level model_type {config['model_type']!r} must be absent: vLLM would route this "
+                        f"directory to the plain {config['model_type']} model")
+    speculators_format = config.get("speculators_config") is not None or \
+        config.get("speculators_model_type") is not None
+    if speculators_format and config.get("model_type") == "medusa":
+        problems.append("config.json mixes the speculators format with model_type 'medusa'")
+    tensors = Tensors(directory, problems)
+    if not tensors.files:
+        problems.append(f"no *.safetensors weight file in {directory}")
+        return
+    layout(config, tensors, pairing_target(directory), problems)
+    check_floats(tensors, config, problems, deep)

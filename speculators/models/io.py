@@ -9,11 +9,11 @@
 - `load_speculator(directory, target_weights)`: strict. Missing files, unknown families, missing / unexpected /
   mis-shaped tensors, and a target whose frozen tensors differ from the recorded digest (a different target)
   raise `SpeculatorsError`; nothing is ever left at its random initialisation.
-- `read_speculator_config(directory)`, `family_of(config)`, `target_weights(model)` (the frozen tensors of a
+- `read_speculator_config(directory)`, `target_weights(model)` (the frozen tensors of a
   loaded HF model or PeftModel), `tensor_digest`, `digests_match`.
 
 Not here: training state (optimizer, RNG: speculators.train.checkpoint), pairing.json (speculators.core.pairing),
-the vLLM export (speculators.export.vllm).
+the vLLM export (speculators.export.vllm), which family a config is (`models.family_of`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from speculators.core.atomic import atomic_dir, atomic_path
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import final_norm, input_embeddings, output_head
-from speculators.models import SPECULATORS
+from speculators.models import SPECULATORS, family_of
 from speculators.models.base import Speculator, TargetWeights
 
 CONFIG_NAME = "config.json"
@@ -105,26 +105,6 @@ def read_speculator_config(directory: str | os.PathLike) -> dict:
     if not isinstance(config, dict):
         raise SpeculatorsError(f"{path} does not hold a JSON object")
     return config
-
-
-def family_of(config: dict) -> str:
-    """Family name of a speculator config (native block, else the vLLM layout's own markers)."""
-    native = config.get("speculators_native") or {}
-    family = native.get("family")
-    if family is None:
-        if config.get("speculators_model_type") in ("eagle3", "dflash"):  # the speculators format's families
-            family = str(config["speculators_model_type"])
-        elif config.get("model_type") == "medusa":
-            family = "medusa"
-        elif config.get("mtp_layout"):
-            family = "mtp"
-        else:
-            raise SpeculatorsError("speculator config names no family (speculators_native.family, "
-                                   "speculators_model_type or model_type); not a speculator checkpoint")
-    if family not in SPECULATORS:
-        raise SpeculatorsError(f"unknown speculator family {family!r} in the checkpoint config; known: "
-                               f"{', '.join(SPECULATORS.names())}")
-    return str(family)
 
 
 # ----------------------------------------------------------------------------------------------------------------

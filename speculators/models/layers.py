@@ -14,18 +14,18 @@ What it does:
     only (`ttt_live.live_attention`).
   * `kv_cache.cached_attention` (drafting): SDPA over a preallocated `KVCache` with a boolean mask (committed prefix +
     the node's ancestors among the speculative slots).
-- Small construction helpers every family uses (`verifier_info`, `target_dims`,
-  `check_full_vocab`, `native_options`).
+- Small construction helpers every family uses (`verifier_info`, `target_dims`, `check_full_vocab`; each family's
+  options block is its config dataclass, models/<family>/<family>_config.py).
 
 What it does not do: the recurrent draft model built from these layers (recurrent.py), family-specific
-inputs/heads (eagle3.py, mtp.py), tree-building policies (drafting.py), file I/O (io.py), losses (speculators.train).
+inputs/heads (eagle3/eagle3_model.py, mtp/mtp_model.py), tree-building policies (drafting.py), file I/O (io.py), losses (speculators.train).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +38,6 @@ from speculators.core.target import text_config
 from speculators.models.base import TargetWeights
 from speculators.models.kv_cache import AttendFn
 from speculators.models.ttt_live import live_attention
-
-if TYPE_CHECKING:
-    from speculators.core.config import SpeculatorConfig
 
 DRAFT_ARCHS = ("llama", "qwen3")
 
@@ -348,13 +345,6 @@ def check_full_vocab(family: str, draft_vocab_size: int | None, d2t: torch.Tenso
     if draft_vocab_size not in (None, vocab) or (d2t is not None and int(torch.as_tensor(d2t).numel()) != vocab):
         raise SpeculatorsError(f"{family} drafts over the full target vocab; unset speculator.draft_vocab_size "
                                "(reduced vocabularies are an eagle3 option)")
-
-
-def native_options(spec: SpeculatorConfig) -> dict:
-    return {"num_steps": int(spec.num_steps), "num_layers": int(spec.num_layers), "draft_arch": spec.draft_arch,
-            "draft_vocab_size": spec.draft_vocab_size, "intermediate_size": spec.intermediate_size,
-            "step_loss_decay": float(spec.step_loss_decay),
-            "init_lm_head_from_target": bool(spec.init_lm_head_from_target)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -42,7 +42,8 @@ from speculators.core.checkpoints import (
 )
 from speculators.core.errors import SpeculatorsError
 from speculators.core.pairing import pairing_record, read_pairing, write_pairing
-from speculators.models.io import family_of, read_speculator_config, save_speculator
+from speculators.models import family_of
+from speculators.models.io import read_speculator_config, save_speculator
 
 POINTER_TMP_RE = re.compile(r"^\..+\.tmp\d+$")  # `write_text_atomic`'s temp of a file such as `best`
 SUMMARY_FILE = "train-summary.json"

@@ -41,9 +41,9 @@ from speculators.data import vocab as vocab_mod
 from speculators.data.artifacts import read_manifest
 from speculators.data.shards import FeatureStore
 from speculators.data.vocab import load_vocab
-from speculators.models import SPECULATORS
+from speculators.models import SPECULATORS, check_family, family_of
 from speculators.models.base import TargetWeights
-from speculators.models.io import family_of, read_speculator_config, target_weights
+from speculators.models.io import read_speculator_config, target_weights
 from speculators.train import checkpoint as ck
 from speculators.train.batches import FeatureSource, PreparedSource, split_indices
 
@@ -140,7 +140,7 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
     so bad input fails with one line): family, training data, features from this target, draft vocab covers
     EOS, resume checkpoint of this family and target."""
     family = recipe.speculator.family
-    SPECULATORS[family]  # noqa: B018 - unknown family -> SpeculatorsError
+    check_family(family, " (speculator.family)")
     _check_training_options(recipe)
     tokenizer = load_tokenizer(recipe.target)
     config = AutoConfig.from_pretrained(recipe.target.name_or_path, revision=recipe.target.revision,

@@ -2,16 +2,21 @@
 full-attention layers, the tap ids, the block fields (mask token, block size = k + 1, bidirectional blocks) and every
 tensor name and shape.
 
-`validate_dflash(config, tensors, target, problems)` appends one line per problem. It does not detect the format or
-check dtypes (validate.py) and never writes anything.
+`validate_dflash(config, tensors, target, problems)` appends one line per problem; `check_dflash_export` (registered
+as the family's vLLM format) runs it with the checks every weight-file format shares (format_checks.py). It does not
+detect the format (export/validate.py) and never writes anything.
 """
 
 from __future__ import annotations
 
-from speculators.export.format_checks import (
+from pathlib import Path
+
+from speculators.models import register_format
+from speculators.models.format_checks import (
     Tensors,
     check_layer_config,
     check_speculators_config,
+    check_weight_dir,
     expect_shape,
     is_int,
     no_model_prefix,
@@ -102,3 +107,8 @@ def validate_dflash(config: dict, t: Tensors, target: dict | None, problems: lis
                      and not k.startswith("model."))
     unknown_tensors(unknown, problems)
     pairing_problems(target, vocab, target_h, "aux_hidden_state_layer_ids", aux, problems)
+
+
+@register_format("dflash")
+def check_dflash_export(config: dict, directory: Path, problems: list[str], deep: bool) -> None:
+    check_weight_dir(config, directory, problems, deep, validate_dflash)

@@ -36,7 +36,9 @@ from torch import nn
 
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import default_tap_layers, validate_layer_ids
+from speculators.models import register_model
 from speculators.models.base import FeatureRequest, Speculator, TargetWeights, step_rows
+from speculators.models.dflash.dflash_config import DFlashConfig
 from speculators.models.drafting import propose_tree, root_only
 from speculators.models.io import tensor_digest
 from speculators.models.layers import (
@@ -48,7 +50,6 @@ from speculators.models.layers import (
     check_full_vocab,
     dtype_name,
     init_linear_weights,
-    native_options,
     run_layers,
     target_dims,
     train_positions,
@@ -91,6 +92,7 @@ def resolve_mask_token_id(target_config: Any, explicit: int | None, vocab: int) 
                            "eos or bos id)")
 
 
+@register_model
 class DFlashSpeculator(Speculator):
     family: ClassVar[str] = "dflash"
     TARGET_TENSORS: ClassVar[dict[str, str]] = {"embed_tokens.weight": "embed_tokens",
@@ -136,7 +138,7 @@ class DFlashSpeculator(Speculator):
         check_full_vocab("dflash", spec.draft_vocab_size, d2t, vocab)
         ids = list(cls.capture_request(layer_ids, int(tc.num_hidden_layers)).tap_layer_ids or ())
         decoder = DecoderSpec.from_target(tc, "qwen3", spec.intermediate_size)
-        options = {**native_options(spec), "draft_arch": "qwen3", "max_anchors": spec.max_anchors}
+        options = DFlashConfig.from_recipe(spec, draft_arch="qwen3").to_dict()
         model = cls(decoder, num_layers=spec.num_layers, block_size=spec.num_steps + 1, vocab_size=vocab,
                     layer_ids=ids, mask_token_id=resolve_mask_token_id(tc, spec.mask_token_id, vocab),
                     verifier=verifier_info(target_config), options=options)
@@ -210,10 +212,9 @@ class DFlashSpeculator(Speculator):
         except KeyError as exc:
             raise SpeculatorsError(f"dflash config lacks {exc}") from None
         num_layers = int(layer_cfg["num_hidden_layers"])
-        options = {"num_steps": block - 1, "num_layers": num_layers, "draft_arch": "qwen3", "draft_vocab_size": None,
-                   "intermediate_size": native.get("intermediate_size"),
-                   "step_loss_decay": float(native.get("step_loss_decay", math.exp(-1 / 7))),
-                   "init_lm_head_from_target": True, "max_anchors": native.get("max_anchors")}
+        options = DFlashConfig.from_native(native, num_steps=block - 1, num_layers=num_layers, draft_arch="qwen3",
+                                          draft_vocab_size=None, init_lm_head_from_target=True).to_dict()
+        options["step_loss_decay"] = float(options["step_loss_decay"])
         model = cls(decoder, num_layers=num_layers, block_size=block, vocab_size=vocab, layer_ids=ids,
                     mask_token_id=mask_id, verifier=(config.get("speculators_config") or {}).get("verifier") or {},
                     options=options)
@@ -412,5 +413,3 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ck: torch
     out = torch.einsum("angst,ntd->angsd", p[..., :t], cv) + torch.einsum("angsr,anrd->angsd", p[..., t:], v)
     return out.reshape(a, nh, s, hd)
 
-
-SPECULATOR_CLASS = DFlashSpeculator

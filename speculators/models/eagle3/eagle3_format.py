@@ -1,18 +1,23 @@
 """EAGLE-3 in the vLLM speculators format: the rules vLLM's Eagle3LlamaForCausalLM / Eagle3Qwen3ForCausalLM loader
 applies (config keys and norm flags, aux layer ids, every tensor name and shape, the d2t / t2d vocabulary map).
 
-`validate_eagle3(config, tensors, target, problems)` appends one line per problem. It does not detect the format or
-check dtypes (validate.py) and never writes anything.
+`validate_eagle3(config, tensors, target, problems)` appends one line per problem; `check_eagle3_export` (registered
+as the family's vLLM format) runs it with the checks every weight-file format shares (format_checks.py). It does not
+detect the format (export/validate.py) and never writes anything.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from speculators.export.format_checks import (
+from speculators.models import register_format
+from speculators.models.format_checks import (
     Tensors,
     check_layer_config,
     check_speculators_config,
+    check_weight_dir,
     expect_shape,
     is_int,
     no_model_prefix,
@@ -150,3 +155,8 @@ def validate_eagle3(config: dict, t: Tensors, target: dict | None, problems: lis
 
     _eagle3_vocab_map(t, vd, vocab, problems)
     pairing_problems(target, vocab, target_h, "eagle_aux_hidden_state_layer_ids", aux, problems)
+
+
+@register_format("eagle3")
+def check_eagle3_export(config: dict, directory: Path, problems: list[str], deep: bool) -> None:
+    check_weight_dir(config, directory, problems, deep, validate_eagle3)

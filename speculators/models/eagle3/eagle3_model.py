@@ -32,7 +32,9 @@ from torch import nn
 
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import default_tap_layers, validate_layer_ids
+from speculators.models import register_model
 from speculators.models.base import FeatureRequest, TargetWeights
+from speculators.models.eagle3.eagle3_config import Eagle3Config
 from speculators.models.io import tensor_digest
 from speculators.models.layers import (
     DecoderLayer,
@@ -41,7 +43,6 @@ from speculators.models.layers import (
     Rotary,
     dtype_name,
     init_linear_weights,
-    native_options,
     target_dims,
     verifier_info,
 )
@@ -54,6 +55,7 @@ NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"
 SUPPORTED_NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
+@register_model
 class Eagle3Speculator(RecurrentSpeculator):
     family: ClassVar[str] = "eagle3"
     TARGET_TENSORS: ClassVar[dict[str, str]] = {"embed_tokens.weight": "embed_tokens"}
@@ -107,7 +109,7 @@ class Eagle3Speculator(RecurrentSpeculator):
         decoder = DecoderSpec.from_target(tc, spec.draft_arch, spec.intermediate_size)
         model = cls(decoder, num_layers=spec.num_layers, num_steps=spec.num_steps, vocab_size=vocab,
                     draft_vocab_size=int(d2t.shape[0]), layer_ids=ids, verifier=verifier_info(target_config),
-                    options={**native_options(spec), **{f: bool(getattr(spec, f)) for f in SUPPORTED_NORM_FLAGS}})
+                    options=Eagle3Config.from_recipe(spec).to_dict())
         init_linear_weights(model, decoder.initializer_range)
         with torch.no_grad():
             model.embed_tokens.weight.copy_(weights.embed_tokens)
@@ -172,14 +174,9 @@ class Eagle3Speculator(RecurrentSpeculator):
         methods = sc.get("proposal_methods") or [{}]
         num_steps = int(native.get("num_steps") or methods[0].get("speculative_tokens") or 1)
         vocab = int(layer_cfg["vocab_size"])
-        options = {k: native.get(k) for k in ("num_steps", "num_layers", "draft_arch", "draft_vocab_size",
-                                              "intermediate_size", "step_loss_decay", "init_lm_head_from_target")}
-        options.update({flag: bool(config.get(flag, False)) for flag in SUPPORTED_NORM_FLAGS})
-        options.update(num_steps=num_steps, num_layers=int(layer_cfg["num_hidden_layers"]), draft_arch=decoder.arch)
-        if options["step_loss_decay"] is None:
-            options["step_loss_decay"] = 0.8
-        if options["init_lm_head_from_target"] is None:
-            options["init_lm_head_from_target"] = True
+        options = Eagle3Config.from_native(
+            native, num_steps=num_steps, num_layers=int(layer_cfg["num_hidden_layers"]), draft_arch=decoder.arch,
+            **{flag: bool(config.get(flag, False)) for flag in SUPPORTED_NORM_FLAGS}).to_dict()
         model = cls(decoder, num_layers=int(layer_cfg["num_hidden_layers"]), num_steps=num_steps, vocab_size=vocab,
                     draft_vocab_size=int(config.get("draft_vocab_size") or vocab),
                     layer_ids=[int(i) for i in config["eagle_aux_hidden_state_layer_ids"]],
@@ -271,5 +268,3 @@ def _check_d2t(d2t: torch.Tensor | None, draft_vocab_size: int | None, vocab: in
                                "corrupt")
     return d2t
 
-
-SPECULATOR_CLASS = Eagle3Speculator

@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculators.core.errors import SpeculatorsError
+from speculators.models import register_model
 from speculators.models.base import FeatureRequest, Speculator, TargetWeights, select_rows
 from speculators.models.drafting import propose_tree, root_only
-from speculators.models.layers import check_full_vocab, dtype_name, native_options, target_dims, verifier_info
+from speculators.models.layers import check_full_vocab, dtype_name, target_dims, verifier_info
+from speculators.models.medusa.medusa_config import MedusaConfig
 from speculators.models.static_trees import medusa_choices_from_accuracy
 from speculators.models.steppers import MarginalStepper
 
@@ -57,6 +59,7 @@ class MedusaState:
     last_token: int | None = None
 
 
+@register_model
 class MedusaSpeculator(Speculator):
     family: ClassVar[str] = "medusa"
     VLLM_METHOD: ClassVar[str | None] = "medusa"
@@ -85,7 +88,7 @@ class MedusaSpeculator(Speculator):
         tc, vocab, hidden = target_dims(target_config, weights)
         check_full_vocab("medusa", spec.draft_vocab_size, d2t, vocab)
         model = cls(hidden_size=hidden, vocab_size=vocab, num_heads=spec.num_steps, num_layers=spec.num_layers,
-                    verifier=verifier_info(target_config), options=native_options(spec))
+                    verifier=verifier_info(target_config), options=MedusaConfig.from_recipe(spec).to_dict())
         std = float(getattr(tc, "initializer_range", None) or 0.02)
         with torch.no_grad():
             for block in model.blocks:
@@ -129,10 +132,8 @@ class MedusaSpeculator(Speculator):
             hidden, vocab = int(config["hidden_size"]), int(config["vocab_size"])
         except KeyError as exc:
             raise SpeculatorsError(f"medusa config lacks {exc}") from None
-        options = {"num_steps": heads, "num_layers": layers, "draft_arch": native.get("draft_arch", "llama"),
-                   "draft_vocab_size": None, "intermediate_size": None,
-                   "step_loss_decay": native.get("step_loss_decay", 0.8),
-                   "init_lm_head_from_target": native.get("init_lm_head_from_target", True)}
+        options = MedusaConfig.from_native(native, num_steps=heads, num_layers=layers, draft_vocab_size=None,
+                                           intermediate_size=None).to_dict()
         return cls(hidden_size=hidden, vocab_size=vocab, num_heads=heads, num_layers=layers,
                    verifier=native.get("verifier") or {}, options=options, choices=native.get("medusa_choices"))
 
@@ -207,5 +208,3 @@ class MedusaSpeculator(Speculator):
         return propose_tree(MarginalStepper(logits, self.choices), int(root_token), tree, sampling, generator,
                             self.draft_to_target, self._vocab_size)
 
-
-SPECULATOR_CLASS = MedusaSpeculator

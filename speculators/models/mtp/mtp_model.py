@@ -12,7 +12,7 @@ Architecture (reference medusa-mtp-tree-verify.md §2, vllm-speculators.md §2.7
   (`recurrent.RecurrentSpeculator`), so training sees exactly what chain/tree drafting sees.
 
 Config: our own native layout (`mtp_layout: "deepseek"`, transformer_layer_config, verifier, speculators_native);
-export/mtp_stitch.py maps it into a target's MTP slot. Not here: loss, file I/O, tree policies.
+mtp_format.py names a target's MTP slot, export/mtp_stitch.py writes it. Not here: loss, file I/O, tree policies.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from speculators.core.errors import SpeculatorsError
+from speculators.models import register_model
 from speculators.models.base import FeatureRequest, TargetWeights
 from speculators.models.io import tensor_digest
 from speculators.models.layers import (
@@ -33,10 +34,10 @@ from speculators.models.layers import (
     check_full_vocab,
     dtype_name,
     init_linear_weights,
-    native_options,
     target_dims,
     verifier_info,
 )
+from speculators.models.mtp.mtp_config import MTPConfig
 from speculators.models.recurrent import RecurrentSpeculator
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class SharedHead(nn.Module):
         self.head = nn.Linear(hidden, vocab, bias=False)
 
 
+@register_model
 class MTPSpeculator(RecurrentSpeculator):
     family: ClassVar[str] = "mtp"
     VLLM_METHOD: ClassVar[str | None] = "mtp"
@@ -90,7 +92,7 @@ class MTPSpeculator(RecurrentSpeculator):
             raise SpeculatorsError(f"target final norm has shape {list(weights.final_norm.shape)}, expected [{hidden}]")
         decoder = DecoderSpec.from_target(tc, spec.draft_arch, spec.intermediate_size)
         model = cls(decoder, num_layers=spec.num_layers, num_steps=spec.num_steps, vocab_size=vocab,
-                    verifier=verifier_info(target_config), options=native_options(spec))
+                    verifier=verifier_info(target_config), options=MTPConfig.from_recipe(spec).to_dict())
         init_linear_weights(model, decoder.initializer_range)
         with torch.no_grad():
             model.embed_tokens.weight.copy_(weights.embed_tokens)
@@ -123,11 +125,9 @@ class MTPSpeculator(RecurrentSpeculator):
         if not isinstance(layer_cfg, dict) or config.get("mtp_layout") != "deepseek":
             raise SpeculatorsError("mtp config lacks transformer_layer_config or mtp_layout 'deepseek'")
         decoder = DecoderSpec.from_layer_config(layer_cfg)
-        options = {"num_steps": int(native.get("num_steps") or 1), "num_layers": int(layer_cfg["num_hidden_layers"]),
-                   "draft_arch": decoder.arch, "draft_vocab_size": None,
-                   "intermediate_size": native.get("intermediate_size"),
-                   "step_loss_decay": native.get("step_loss_decay", 0.8),
-                   "init_lm_head_from_target": native.get("init_lm_head_from_target", True)}
+        options = MTPConfig.from_native(native, num_steps=int(native.get("num_steps") or 1),
+                                       num_layers=int(layer_cfg["num_hidden_layers"]), draft_arch=decoder.arch,
+                                       draft_vocab_size=None).to_dict()
         model = cls(decoder, num_layers=options["num_layers"], num_steps=options["num_steps"],
                     vocab_size=int(layer_cfg["vocab_size"]), verifier=config.get("verifier") or {}, options=options)
         model.target_tensors = dict(native.get("target_tensors") or {})
@@ -155,5 +155,3 @@ class MTPSpeculator(RecurrentSpeculator):
     def head(self, out: torch.Tensor) -> torch.Tensor:
         return self.shared_head.head(self.shared_head.norm(out))  # [..., V]
 
-
-SPECULATOR_CLASS = MTPSpeculator

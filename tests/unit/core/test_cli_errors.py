@@ -6,6 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from speculators.core.errors import SpeculatorsError
+from speculators.core.recipes import load_recipe
+from speculators.pipeline import run_pipeline
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -33,6 +39,15 @@ def test_recipe_key_typo(tmp_path: Path) -> None:
 def test_override_typo() -> None:
     line = _one_error_line(_cli("run", "recipes/house-eagle3.yaml", "speculatr.family=medusa", "--dry-run"))
     assert "speculatr" in line and "speculator" in line
+
+
+def test_unknown_family_is_checked_against_the_registry() -> None:
+    """The recipe's family is a folder under speculators/models/: the CLI and run_pipeline say so in one line."""
+    line = _one_error_line(_cli("run", "recipes/house-eagle3.yaml", "speculator.family=eagle", "--dry-run"))
+    assert "unknown speculator family 'eagle' (speculator.family); known: eagle3, medusa, mtp, dflash" in line
+    recipe = load_recipe(None, ["speculator.family=eagle"])
+    with pytest.raises(SpeculatorsError, match=r"^unknown speculator family 'eagle' \(speculator.family\); known:"):
+        run_pipeline(recipe, log=lambda _: None)
 
 
 def test_missing_recipe() -> None:

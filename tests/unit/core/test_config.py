@@ -50,8 +50,8 @@ def test_override_typo_and_type_errors() -> None:
         load_recipe(None, ["train.epoch=3"])
     with pytest.raises(SpeculatorsError, match=r"train.batch_size: expected an integer"):
         load_recipe(None, ["train.batch_size=abc"])
-    with pytest.raises(SpeculatorsError, match=r"speculator.family: 'eagle' is not one of"):
-        load_recipe(None, ["speculator.family=eagle"])
+    with pytest.raises(SpeculatorsError, match=r"speculator.draft_arch: 'lama' is not one of"):
+        load_recipe(None, ["speculator.draft_arch=lama"])
     with pytest.raises(SpeculatorsError, match=r"section.key=value"):
         load_recipe(None, ["train.lr"])
 

@@ -20,8 +20,8 @@ from speculators.core.config import TreeConfig
 from speculators.core.errors import SpeculatorsError
 from speculators.core.sampling import SamplingParams
 from speculators.models import SPECULATORS
-from speculators.models import dflash as dflash_module
 from speculators.models.base import FeatureRequest, step_rows
+from speculators.models.dflash import dflash_model as dflash_module
 from speculators.models.layers import train_positions
 
 
