@@ -97,9 +97,6 @@ class _FamilyParts(dict):
     def __contains__(self, family: object) -> bool:
         return family in FAMILIES
 
-    def names(self) -> list[str]:
-        return list(FAMILIES)
-
 
 CONFIGS: dict[str, type[FamilyConfig]] = {}  # family -> its typed config (all imported: they are light)
 SPECULATORS: _FamilyParts = _FamilyParts("model")  # family -> its Speculator class

@@ -8,8 +8,8 @@
 - `RecurrentStepper`: drafts one tree level per batched forward into speculative KV slots beyond the committed
   length.
 
-What it does not do: the layers themselves (layers.py), family-specific inputs/heads (eagle3.py, mtp.py), file
-I/O (io.py), losses (speculators.train).
+What it does not do: the layers themselves (layers.py), family-specific inputs/heads (eagle3/eagle3_model.py,
+mtp/mtp_model.py), file I/O (io.py), losses (speculators.train).
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ from typing import ClassVar
 
 from speculators.models import FamilyConfig, register_config
 
+# every norm flag of the speculators format (written explicitly: vLLM and speculators default differently), and the
+# ones this toolkit implements (norm_before_residual is always false); the latter are Eagle3Config's own fields
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+SUPPORTED_NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+
 
 @register_config
 @dataclass

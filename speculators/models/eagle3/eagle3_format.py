@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from speculators.models import register_format
+from speculators.models.eagle3.eagle3_config import NORM_FLAGS
 from speculators.models.format_checks import (
     Tensors,
     check_layer_config,
@@ -26,7 +27,6 @@ from speculators.models.format_checks import (
 )
 
 EAGLE3_ARCHS = {"llama": "Eagle3LlamaForCausalLM", "qwen3": "Eagle3Qwen3ForCausalLM"}
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def _eagle3_layer_config(config: dict, problems: list[str]) -> dict | None:

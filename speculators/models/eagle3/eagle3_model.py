@@ -34,7 +34,7 @@ from speculators.core.errors import SpeculatorsError
 from speculators.core.target import default_tap_layers, validate_layer_ids
 from speculators.models import register_model
 from speculators.models.base import FeatureRequest, TargetWeights
-from speculators.models.eagle3.eagle3_config import Eagle3Config
+from speculators.models.eagle3.eagle3_config import NORM_FLAGS, SUPPORTED_NORM_FLAGS, Eagle3Config
 from speculators.models.io import tensor_digest
 from speculators.models.layers import (
     DecoderLayer,
@@ -50,9 +50,6 @@ from speculators.models.recurrent import RecurrentSpeculator
 
 if TYPE_CHECKING:
     from speculators.core.config import SpeculatorConfig
-
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-SUPPORTED_NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 @register_model
