@@ -1,5 +1,6 @@
 """`AcceptanceMemory`: the per-position acceptance of an engine's earlier cycles, by temperature and draft source
-(a model drafter's tree kind, or "lookup"), from which a new request's estimates start.
+(a model drafter's tree kind, or "lookup"), from which a new request's estimates start, and the probe interval the
+last request at each temperature ended with.
 
 Not here: the per-request estimates and the plan choice (adaptive.py).
 """
@@ -29,6 +30,11 @@ class AcceptanceMemory:
     prior_weight: float = 4.0
     default: float = 0.6
     counts: dict[tuple[float, str], list[tuple[float, float]]] = field(default_factory=dict)  # -> [(tries, hits)]
+    probes: dict[float, int] = field(default_factory=dict)  # temperature bucket -> the last request's probe interval
+
+    def probe_interval(self, temperature: float) -> int:
+        """The probe interval the last request at this temperature ended with (0: none yet)."""
+        return self.probes.get(self.bucket(temperature), 0)
 
     @staticmethod
     def bucket(temperature: float) -> float:

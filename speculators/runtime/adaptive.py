@@ -97,6 +97,7 @@ class AdaptiveDepth:
     lookup_depth: int = 0  # the longest lookup chain drafted alone (0: no lookup source)
     graft_nodes: int = 0  # the most lookup nodes grafted onto a model tree (0: no grafting)
     graftable: tuple[str, ...] = ()  # the kinds a lookup may be grafted onto (deterministic trees)
+    probe_interval: int = 0  # the first probe's interval (0: probe_every); the engine carries it across requests
     warm_cycles: int = 8  # cycles before a probe in which the engine captures features for the drafter
 
     def __post_init__(self) -> None:
@@ -126,7 +127,7 @@ class AdaptiveDepth:
         self._off_streak = 0  # cycles since the model last drafted
         self._last = PLAIN
         self._wanted = False
-        self._probe_interval = self.probe_every
+        self._probe_interval = self.probe_interval or self.probe_every
         self.mode = self._mode()
 
     def _mode(self) -> str:
@@ -272,6 +273,11 @@ class AdaptiveDepth:
         self._last = plan
         self.depth_histogram[plan.depth] = self.depth_histogram.get(plan.depth, 0) + 1
         self.source_histogram[plan.source] = self.source_histogram.get(plan.source, 0) + 1
+
+    @property
+    def next_probe_interval(self) -> int:
+        """The interval before the next probe (back at `probe_every` once the model drafter pays again)."""
+        return self._probe_interval
 
     def wants_features(self) -> bool:
         """Whether this cycle's forward should capture hidden states for the model drafter: it drafted now or is

@@ -34,6 +34,7 @@ from speculators.core.metrics import AcceptanceStats
 from speculators.core.sampling import SamplingParams
 from speculators.core.trees import SAMPLED_MODES, DraftTree
 from speculators.models.drafting import tree_verify_mode
+from speculators.runtime.acceptance_memory import AcceptanceMemory
 from speculators.runtime.adaptive import LOOKUP, AdaptiveDepth, Plan
 from speculators.runtime.calibration import calibrate_drafting, calibrate_verification
 from speculators.runtime.cycle_host import CycleHost
@@ -115,7 +116,8 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
     prior[LOOKUP] = memory.estimates(temperature, LOOKUP, max(lookup_depth, depth + graft))
     graftable = tuple(k for k in kinds if tree_verify_mode(k, params, engine.tree.verify) not in SAMPLED_MODES)
     ctrl = AdaptiveDepth(cost=engine.cost, max_depth=depth, max_new_tokens=params.max_new_tokens, enabled=adaptive,
-                         prior=prior, kinds=kinds, lookup_depth=lookup_depth, graft_nodes=graft, graftable=graftable)
+                         prior=prior, kinds=kinds, lookup_depth=lookup_depth, graft_nodes=graft, graftable=graftable,
+                         probe_interval=memory.probe_interval(temperature))
     if seeded and engine.adaptive and ctrl.mode.startswith("fixed"):
         ctrl.mode += " (seeded sampled request: reproducible)"
     return RequestState(generator, state, pending, ctrl, prompt_ids[-1], wants_ids,
@@ -148,7 +150,7 @@ def draft_tree(engine: CycleHost, req: RequestState, plan: Plan, remaining: int,
                cache: StaticKVCache) -> tuple[DraftTree, float, int]:
     """This cycle's tree (the root alone for plain decoding), when its proposal started, and how many of its nodes
     (root included) the model drafter proposed (the rest: the lookup's)."""
-    mode = "greedy" if params.greedy else "deterministic"
+    mode = tree_verify_mode("dynamic", params)  # a lookup chain is a deterministic draft
     if plan.depth == 0:
         drafts = (req.continuation or [])[:plan.lookup]
         tree = DraftTree.chain(req.root, drafts, mode) if drafts else DraftTree.root_only(req.root, mode)
@@ -239,3 +241,5 @@ def close_request(engine: CycleHost, req: RequestState, stats: GenerationStats) 
         engine.acceptance_memory.add(req.temperature, kind, counts, cycles)
     engine.acceptance_memory.add(req.temperature, LOOKUP, req.ctrl.lookup_counts,
                                  sum(req.ctrl.source_histogram.values()))
+    if req.ctrl.mode == "adaptive":  # a drafter still losing its probes is probed as rarely by the next request
+        engine.acceptance_memory.probes[AcceptanceMemory.bucket(req.temperature)] = req.ctrl.next_probe_interval
