@@ -97,9 +97,7 @@ class CostModel:
         while drafting, kept a stale cost. The ratio (each step clamped to [0.5, 3]) scales the plan's rate."""
         if predicted <= 0 or measured <= 0:
             return
-        ratio = min(max(measured / predicted, 0.5), 3.0)
-        old = self.scale.get(source)
-        self.scale[source] = ratio if old is None else old + self.smoothing * (ratio - old)
+        self.scale[source] = self._ewma(self.scale.get(source), min(max(measured / predicted, 0.5), 3.0))
 
     def scale_of(self, source: str) -> float:
         return self.scale.get(source, 1.0)

@@ -14,6 +14,7 @@ from speculators.core.trees import DraftTree
 from speculators.models.base import FeatureRequest
 from speculators.runtime import adaptive as adaptive_module
 from speculators.runtime.adaptive import Plan
+from speculators.runtime.cycle_costs import CostModel
 from speculators.serving import Engine, SamplingParams
 from tests.unit.runtime.runtime_helpers import FAMILIES, hf_greedy, loaded_target, make_speculator_dir, single_thread  # noqa: F401
 
@@ -104,6 +105,18 @@ class _Decoy:
         return DraftTree.chain(int(root_token), [0] * tree.depth, "greedy" if sampling.greedy else "deterministic")
 
 
+def _fixed_costs() -> CostModel:
+    """A machine's costs, frozen: cycles of 10 ms + 1 ms per node, drafting 1 ms per depth; nothing is re-measured."""
+    cost = CostModel()
+    for n in (1, 2, 4, 8):
+        cost.set_cycle(n, 0.010 + 0.001 * (n - 1))
+    for depth in range(1, 5):
+        cost.set_draft(depth, depth, 0.001 * depth, "chain")
+    for name in ("observe_cycle", "observe_draft", "observe_absorb", "observe_total"):
+        setattr(cost, name, lambda *args, **kwargs: None)
+    return cost
+
+
 def test_a_drafter_that_never_pays_costs_almost_nothing_in_counted_work(tiny_llama) -> None:
     target = loaded_target(str(tiny_llama))
     prompt, max_new = [9, 10, 11, 12, 13, 14, 15, 16, 17], 300
@@ -111,6 +124,7 @@ def test_a_drafter_that_never_pays_costs_almost_nothing_in_counted_work(tiny_lla
     assert 0 not in reference  # the decoy's token is never the target's
     decoy = _Decoy()
     engine = Engine(target, decoy, tree=TreeConfig(kind="chain", depth=4, topk=1, budget=4, adaptive=True))
+    engine.cost = _fixed_costs()  # the controller's choices follow acceptance only, not this machine's load
     plain = Engine(target).generate(prompt, SamplingParams(max_new_tokens=max_new))
     for _ in range(2):  # the engine's acceptance memory learns that the decoy never pays
         engine.generate(prompt, SamplingParams(max_new_tokens=max_new))
@@ -120,9 +134,9 @@ def test_a_drafter_that_never_pays_costs_almost_nothing_in_counted_work(tiny_lla
     assert out.token_ids == reference == plain.token_ids
     assert plain.stats.work.target_nodes == plain.stats.work.target_forwards == tokens
     assert work.target_forwards <= plain.stats.work.target_forwards  # every cycle commits >= 1 token
-    assert work.target_nodes <= 1.05 * plain.stats.work.target_nodes, out.stats.adaptive
-    assert work.captured_forwards <= 0.25 * work.target_forwards, out.stats.adaptive
-    assert decoy.absorbed - before == work.absorbed_positions <= 0.25 * tokens, out.stats.adaptive
+    assert work.target_nodes <= 1.02 * plain.stats.work.target_nodes, out.stats.adaptive
+    assert work.captured_forwards <= 0.15 * work.target_forwards, out.stats.adaptive
+    assert decoy.absorbed - before == work.absorbed_positions <= 0.15 * tokens, out.stats.adaptive
     assert work.proposals == out.stats.adaptive["plan_histogram"].get("model", 0) <= 0.05 * work.target_forwards
     print(f"decoy vs plain, {tokens} tokens: {work}", out.stats.adaptive)
 
