@@ -217,15 +217,20 @@ class AdaptiveDepth:
         return Plan("", 0, min(lookup, self.lookup_depth))
 
     def _candidates(self, limit: int, lookup: int) -> tuple[list[Plan], list[Plan]]:
-        """(plans without the model, plans with it): plain, the lookup alone, each kind at its best depth, grafted."""
-        without = [PLAIN] + ([Plan("", 0, min(lookup, self.lookup_depth))] if lookup and self.lookup_depth else [])
+        """(plans without the model, plans with it): plain, the lookup alone at its best length, each kind at its best
+        depth, alone and with the lookup grafted on at its best length (a long continuation whose tail is rarely
+        right is cut where its nodes stop paying)."""
+        without = [PLAIN]
+        if lookup and self.lookup_depth:
+            without.append(max((Plan("", 0, n) for n in range(1, min(lookup, self.lookup_depth) + 1)),
+                               key=self.plan_rate))
         with_model: list[Plan] = []
         for kind in self.kinds if limit > 0 else ():
             depth = self._best_depth(kind, limit)
             with_model.append(Plan(kind, depth))
             graft = min(lookup, self.graft_nodes) if kind in self.graftable else 0
             if graft:
-                with_model.append(Plan(kind, depth, graft))
+                with_model.append(max((Plan(kind, depth, n) for n in range(1, graft + 1)), key=self.plan_rate))
         return without, with_model
 
     def _adaptive(self, limit: int, lookup: int, model_ready: bool) -> Plan:

@@ -290,3 +290,9 @@ def test_whole_cycles_that_take_longer_than_their_parts_slow_their_plan_down() -
     assert ctrl.plan_rate(model) < ctrl.plan_rate(Plan()) and ctrl.choose_plan(1000).depth == 0
     ctrl.cost.observe_total("model", 1.0, 100.0)  # one preempted cycle moves the scale by at most a step of 3x
     assert ctrl.cost.scale_of("model") < 2.1
+
+
+def test_a_continuation_is_cut_where_its_nodes_stop_paying() -> None:
+    ctrl = _lookup_ctrl(prior={"dynamic": [0.05] * 4, "lookup": [0.9, 0.9, 0.02, 0.9, 0.9, 0.9]})
+    plan = ctrl.choose_plan(1000, lookup=6)
+    assert (plan.source, plan.lookup) == ("lookup", 2)  # the third token is rarely right: nothing past it pays
