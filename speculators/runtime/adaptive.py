@@ -127,7 +127,10 @@ class AdaptiveDepth:
         self._off_streak = 0  # cycles since the model last drafted
         self._last = PLAIN
         self._wanted = False
-        self._probe_interval = self.probe_interval or self.probe_every
+        # a request starts from the interval the engine's last one ended with, at most twice the first: the
+        # workload may have changed since (a drafter that lost on code may pay on the next request's prose)
+        self._probe_interval = min(self.probe_interval, 2 * self.probe_every) or self.probe_every
+        self._probing = False
         self.mode = self._mode()
 
     def _mode(self) -> str:
@@ -199,6 +202,7 @@ class AdaptiveDepth:
         `lookup` tokens (0: none), and the drafter holds the positions up to the root (`model_ready`)."""
         limit = min(self.max_depth, remaining - 1)
         lookup = max(0, min(lookup, remaining - 1))
+        self._probing = False
         if remaining <= 1 or self.mode.startswith("off"):
             plan = PLAIN
         elif self.mode != "adaptive" or not self.cost.calibrated:
@@ -250,6 +254,7 @@ class AdaptiveDepth:
             return best_without
         if not use_model:  # probe the most promising plan; back off while probes keep losing
             self.probe_cycles += 1
+            self._probing = True
             self._probe_interval = min(8 * self.probe_every, 2 * self._probe_interval)
             return self._probe(best_with)
         self._probe_interval = self.probe_every
@@ -313,16 +318,20 @@ class AdaptiveDepth:
         shallower ones were accepted); `accepted` counts the model's own nodes on the accepted path."""
         estimate, counts = self.estimates[kind or self.kind], self.counts[kind or self.kind]
         self.accepted_by_source["model"] += accepted
-        self._update(estimate, counts, drafted_depth, accepted)
+        # a probe is the only news of a drafter that is out: it moves the estimates 3x as far as a cycle of a drafter
+        # that is in (else a drafter judged on one cohort stays out on the next, where it pays)
+        step = 3 * self.smoothing if self._probing else self.smoothing
+        self._update(estimate, counts, drafted_depth, accepted, step)
 
     def observe_lookup(self, proposed: int, matched: int) -> None:
         """Update b_k from one scored continuation: its first `matched` of `proposed` tokens were committed."""
         self._update(self.lookup_estimates, self.lookup_counts, min(proposed, self.lookup_span), matched)
 
-    def _update(self, estimate: list[float], counts: list[tuple[int, int]], tried: int, accepted: int) -> None:
+    def _update(self, estimate: list[float], counts: list[tuple[int, int]], tried: int, accepted: int,
+                step: float | None = None) -> None:
         for k in range(min(tried, accepted + 1)):
             hit = 1.0 if accepted > k else 0.0
-            estimate[k] += self.smoothing * (hit - estimate[k])
+            estimate[k] += (step or self.smoothing) * (hit - estimate[k])
             counts[k] = (counts[k][0] + 1, counts[k][1] + int(hit))
 
     def report(self) -> dict:

@@ -135,7 +135,7 @@ def test_a_drafter_that_never_pays_costs_almost_nothing_in_counted_work(tiny_lla
     assert plain.stats.work.target_nodes == plain.stats.work.target_forwards == tokens
     assert work.target_forwards <= plain.stats.work.target_forwards  # every cycle commits >= 1 token
     assert work.target_nodes <= 1.02 * plain.stats.work.target_nodes, out.stats.adaptive
-    assert work.captured_forwards <= 0.15 * work.target_forwards, out.stats.adaptive
+    assert work.captured_forwards <= 0.2 * work.target_forwards, out.stats.adaptive
     assert decoy.absorbed - before == work.absorbed_positions <= 0.15 * tokens, out.stats.adaptive
     assert work.proposals == out.stats.adaptive["plan_histogram"].get("model", 0) <= 0.05 * work.target_forwards
     print(f"decoy vs plain, {tokens} tokens: {work}", out.stats.adaptive)
