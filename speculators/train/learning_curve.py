@@ -1,5 +1,5 @@
 """The learning curve of a training run: held-out simulated tau at a server's cycle starts, at T = 0 and at T = 1,
-against training seconds and tokens seen (issue 46: the instrument every training lever is judged by).
+against training seconds (wall and CPU) and tokens seen (issue 46: the instrument every training lever is judged by).
 
 What it does:
 - `open_curve(...)` -> `LearningCurve`: a FIXED slice of the held-out rows (evenly spaced over the split, the same
@@ -19,7 +19,8 @@ What it does:
 The rows are the training data's own held-out continuations (regenerated at the recipe's temperature(s): the
 json lists them); both temperatures read the same rows, so the T = 1 figure is the teacher-forced approximation on
 those contexts, not evaluate's replay on sampled continuations. Training seconds are the wall clock of the steps
-of this process (evaluation excluded); on resume the seconds before the resumed step are the last kept point's.
+of this process (evaluation excluded), and `train_cpu_seconds` their CPU time (all threads of this process: the
+figure to compare levers by on a machine shared with other work); on resume both continue the last kept point's.
 
 What it does not do: train, choose the best checkpoint (validation.py), or evaluate on the held-out workloads
 (speculators.evaluate).
@@ -89,8 +90,9 @@ class LearningCurve:
     points: list[dict] = field(default_factory=list)
     eval_seconds: float = 0.0  # this run's
     seconds_before: float = 0.0  # training seconds before a resumed step
+    cpu_seconds_before: float = 0.0  # the same in CPU seconds of this process
 
-    def maybe_measure(self, s: Any, train_seconds: float) -> None:
+    def maybe_measure(self, s: Any, train_seconds: float, train_cpu_seconds: float = 0.0) -> None:
         """A point at `s.step` when it is a curve step (every rank calls it: the forwards and sums are
         collective). `s`: the loop's session (acc, model, setup, features, vocab, spec, pad_id, recipe, tokens)."""
         if s.step not in self.steps or any(p["step"] == s.step for p in self.points):
@@ -99,7 +101,8 @@ class LearningCurve:
         counts = _score(s, self.rows, self.depth)
         tokens = int(s.acc.reduce(torch.tensor([float(s.tokens)], dtype=torch.float64, device=s.acc.device),
                                   reduction="sum").item())
-        point = {"step": s.step, "train_seconds": round(self.seconds_before + train_seconds, 2), "tokens": tokens}
+        point = {"step": s.step, "train_seconds": round(self.seconds_before + train_seconds, 2),
+                 "train_cpu_seconds": round(self.cpu_seconds_before + train_cpu_seconds, 2), "tokens": tokens}
         for name, c in zip(("t0", "t1"), counts, strict=True):
             point[f"tau_cycle_starts_{name}"] = round(c.tau, 4)
             point[f"per_position_{name}"] = [round(a, 4) for a in c.per_position()]
@@ -154,6 +157,7 @@ def open_curve(recipe: Recipe, setup: Any, num_steps: int, total_steps: int, sta
         curve.points = kept
         if kept:
             curve.seconds_before = float(kept[-1]["train_seconds"])
+            curve.cpu_seconds_before = float(kept[-1].get("train_cpu_seconds", 0.0))
     return curve
 
 

@@ -361,7 +361,7 @@ def _run_steps(s: _Session) -> _Totals:
     loader = iter(micro_batch_loader(s.setup.source, s.batch_plan, s.micro, (total - s.step) * t.grad_accum,
                                      t.num_workers, s.pad_id))
     s.model.train()
-    s.curve.maybe_measure(s, totals.seconds)  # the start (a fresh run's step 0)
+    s.curve.maybe_measure(s, totals.seconds, totals.cpu_seconds)  # the start (a fresh run's step 0)
     while s.step < total:
         t0, c0 = time.perf_counter(), time.process_time()
         indices, batch = next(loader)
@@ -378,7 +378,7 @@ def _run_steps(s: _Session) -> _Totals:
             continue
         s.step += 1
         bar.update(1)
-        s.curve.maybe_measure(s, totals.seconds)
+        s.curve.maybe_measure(s, totals.seconds, totals.cpu_seconds)
         if s.step % max(1, t.log_every) == 0 or s.step == total:
             totals.last_loss = _log_window(s, window, grad_norm, bar)
         final = s.step == total

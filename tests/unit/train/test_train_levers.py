@@ -67,10 +67,12 @@ def test_a_resumed_run_keeps_the_points_it_continues(tmp_path: Path) -> None:
     setup = SimpleNamespace(val_idx=list(range(40)), store=None,
                             source=SimpleNamespace(row_ids=lambda: [f"r{i}" for i in range(40)]))
     (tmp_path / "checkpoints").mkdir()
-    old = [{"step": s, "train_seconds": 10.0 * s, "tokens": 100 * s} for s in (0, 5, 10, 15)]
+    old = [{"step": s, "train_seconds": 10.0 * s, "train_cpu_seconds": 15.0 * s, "tokens": 100 * s}
+           for s in (0, 5, 10, 15)]
     (tmp_path / "checkpoints" / CURVE_FILE).write_text(json.dumps({"points": old}))
     curve = open_curve(recipe, setup, 5, 20, 12, tracker=None, world=1)
     assert [p["step"] for p in curve.points] == [0, 5, 10] and curve.seconds_before == 100.0
+    assert curve.cpu_seconds_before == 150.0
     fresh = open_curve(recipe, setup, 5, 20, 0, tracker=None, world=1)
     assert fresh.points == [] and fresh.seconds_before == 0.0 and 0 in fresh.steps and 20 in fresh.steps
     assert fresh.meta["slice"]["regenerated_at"] == ["the dataset's own answers"]
@@ -91,11 +93,12 @@ def test_a_training_run_writes_its_learning_curve(tmp_path: Path, tiny_llama: Pa
     steps = [p["step"] for p in curve["points"]]
     assert steps == [0, 2, 4, 6]
     for p in curve["points"]:
-        assert {"train_seconds", "tokens", "tau_cycle_starts_t0", "tau_cycle_starts_t1", "per_position_t0",
+        assert {"train_seconds", "train_cpu_seconds", "tokens", "tau_cycle_starts_t0", "tau_cycle_starts_t1", "per_position_t0",
                 "per_position_t1", "eval_seconds"} <= p.keys()
         assert 1.0 <= p["tau_cycle_starts_t0"] <= 3.0 and 1.0 <= p["tau_cycle_starts_t1"] <= 3.0
     assert curve["points"][0]["tokens"] == 0 and curve["points"][0]["train_seconds"] == 0.0
     assert all(a["tokens"] < b["tokens"] and a["train_seconds"] < b["train_seconds"]
+               and a["train_cpu_seconds"] < b["train_cpu_seconds"]
                for a, b in zip(curve["points"], curve["points"][1:], strict=False))
     assert (ckpts / "learning-curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summary["curve_points"] == 4 and summary["learning_curve"] == str(ckpts / "learning-curve.json")
