@@ -5,12 +5,14 @@
     out.token_ids, out.text, out.stats.tau, out.stats.per_position_acceptance, out.stats.target_calls
 
 Per request (batch 1 here; batching.py runs several in lockstep), one code path on CPU (fp32) and CUDA (bf16):
-1. Prefill: the prompt minus its last token goes through the target runner (`module_runner.make_runner`) into the static KV cache (a shared
-   prefix with the previous request is reused, features included); the drafter absorbs those positions.
-2. Each cycle: the root is the last committed token (not yet in the cache). The drafter proposes a tree
-   (depth chosen by `AdaptiveDepth`; the root alone = plain decoding; at T > 0 with a drafter that samples its own
-   law also the kind: the configured tree, a sampled chain verified by block verification, or a sampled tree
-   verified by traversal verification: `SAMPLED_KINDS`), the target runs ONE forward over it with
+1. Prefill: the prompt minus its last token goes through the target runner (`module_runner.make_runner`) into the
+   static KV cache (a shared prefix with the previous request is reused, features included); the drafter absorbs
+   those positions.
+2. Each cycle: the root is the last committed token (not yet in the cache). The drafter proposes a tree (its plan
+   chosen per cycle by the controller, `adaptive.AdaptiveDepth.choose_plan`: plain = the root alone, prompt lookup
+   alone, the model drafter at a depth, or the model drafter with the lookup grafted on; at T > 0 with a drafter
+   that samples its own law also the kind: the configured tree, a sampled chain verified by block verification, or
+   a sampled tree verified by traversal verification: `SAMPLED_KINDS`), the target runs ONE forward over it with
    the ancestor mask at positions committed + depth, `verify_tree_lazy` picks the accepted path and the next
    token, reading the filtered target law (`sampling.logits_to_probs`, the operator plain decoding uses) of
    only the nodes it visits (`TargetRows` runs the output head for those), the cache keeps only the root +
@@ -35,10 +37,10 @@ A seeded sampled request is reproducible (same engine settings, same seed -> sam
 instead of timing-driven. Equal seeds do NOT give equal tokens with and without a drafter (lossless in distribution,
 not per sample path).
 
-Several requests share each target forward through `batching.generate_batch` / `batching.BatchRunner`, which drive the same
-per-request coroutine (`request`) that `stream` drives alone. The steps around a cycle (opening a request, drafting,
-observing, closing) are in cycle_steps.py. Not here: CUDA graphs, paged KV, penalties /
-grammars, HTTP (server.py).
+Several requests share each target forward through `batching.generate_batch` / `batching.BatchRunner`, which drive
+the same per-request coroutine (`request`) that `stream` drives alone. The steps around a cycle (opening a request,
+drafting, observing, closing) are in cycle_steps.py. Not here: CUDA graphs, paged KV, penalties / grammars, HTTP
+(server.py).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class Engine:
         wants = self.drafter.required_features()
         # a drafter that reads hidden states: while it is out, forwards skip capturing them (token ids are free)
         self.reads_hidden = bool(wants.tap_layer_ids) or bool(wants.last_hidden)
-        self.runner = make_runner(target.model, self.drafter.required_features())
+        self.runner = make_runner(target.model, wants)
         self.set_tree(tree or default_tree(self.drafter, self.runner.device), adaptive)
         limit = int(getattr(self.target.config, "max_position_embeddings", 0) or DEFAULT_MAX_LEN)
         self.max_len = int(max_len or min(limit, DEFAULT_MAX_LEN))
