@@ -41,6 +41,7 @@ from speculators.evaluate.chain_prediction import sequence_chain_cycles
 from speculators.evaluate.live import LiveRun, load_engine, run_live
 from speculators.evaluate.replay import CycleCounts, replay_drafter, tau_interval, wilson
 from speculators.evaluate.teacher import EvalSequence, teacher_pass
+from speculators.models.base import speculator_depth
 from speculators.runtime.drafters.model_free import NgramDrafter
 
 TOLERANCE = 0.02  # T = 0: |predicted tau - live tau| <= 2% of live tau
@@ -66,7 +67,7 @@ def predict_chain(spec: Any, target_model: Any, sequences: Sequence[EvalSequence
     vLLM-style argmax drafts; both greedy at T = 0) PER ROW (row id -> counts; `by_cohort` merges them) on
     sequences produced by `teacher.continuations` (prompt + the target's continuation at the sequence's
     temperature). `spec` is a loaded speculator (float32, eval mode) and `target_model` the target."""
-    depth = min(int(k), int(spec.num_steps))
+    depth = speculator_depth(k, spec.num_steps)
     return {seq.row.id: sequence_chain_cycles(spec, target_model, seq, depth, draft, seq.row.max_new_tokens)
             for seq in tqdm(sequences, desc=f"predict chain k={depth}", unit="seq", disable=not progress)}
 
@@ -189,7 +190,7 @@ def serving_agreement(target: Any, spec: Any, spec_dir: str, sequences: dict[flo
     """{str(T): {"chain", "tree", "ngram": comparison blocks, "speculator" / "ngram_live" / "chain_live": the
     live per-cohort stats}} on the rows of `sequences` (the evaluated continuations of the live rows)."""
     rows = [s.row for s in next(iter(sequences.values()))]
-    k = min(int(chain_depth), int(spec.num_steps))
+    k = speculator_depth(chain_depth, spec.num_steps)
     # token-wise at T > 0, as `predict_chain` assumes (the runtime's default for sampled chains is block verification,
     # which accepts more: a live block chain read ~6-9% above this prediction; block's gain is predicted as "block tau")
     chain_tree = TreeConfig(kind="chain", depth=k, topk=1, budget=k, adaptive=False, verify="token")

@@ -42,6 +42,7 @@ from speculators.evaluate.alpha import speculator_alpha
 from speculators.evaluate.drafts import draft_logits
 from speculators.evaluate.replay import Z95, CycleCounts, chain_weights, replay_chain
 from speculators.evaluate.teacher import EvalSequence, continuations, encode_row, greedy_tokens, teacher_pass
+from speculators.models.base import speculator_depth
 
 GREEDY = SamplingParams(max_new_tokens=1, temperature=0.0)
 
@@ -68,7 +69,7 @@ def predict_row(spec: Any, model: Any, tokenizer: Any, row: WorkloadRow, k: int,
     req = spec.required_features()
     passed = teacher_pass(model, prompt + tokens, list(req.tap_layer_ids or []))
     steps = draft_logits(spec, prompt + tokens, passed.features(req.tap_layer_ids, req.last_hidden), len(prompt),
-                         min(k, int(spec.num_steps)))  # k' x [T, Vd]
+                         speculator_depth(k, spec.num_steps))  # k' x [T, Vd]
     alpha, _ = speculator_alpha(steps, passed.logits, spec.draft_to_target.cpu(), len(prompt), GREEDY, k)
     return RowPrediction(row, prompt, tokens[:total], walk_chain(leading_accepts(alpha), k, total))
 
@@ -107,7 +108,7 @@ def predict_sampled_rows(spec: Any, target: Any, rows: Sequence[WorkloadRow], k:
     vLLM's probabilistic drafting verified token by token (importance weights, `replay.chain_weights`). `target` is
     the loaded target (`speculators.core.target.LoadedTarget`); `seed` fixes the continuations (`teacher.row_seed`)."""
     spec = spec.float().eval()
-    depth = min(int(k), int(spec.num_steps))
+    depth = speculator_depth(k, spec.num_steps)
     longer = [dataclasses.replace(r, max_new_tokens=r.max_new_tokens + depth) for r in rows]
     seqs = continuations(target, longer, [temperature], seed, "", None, progress=False)[float(temperature)]  # uncached
     by_id = {s.row.id: s for s in seqs}

@@ -71,6 +71,7 @@ from speculators.evaluate.select import (
 )
 from speculators.evaluate.tally import CeilingTally, SpeculatorTally
 from speculators.evaluate.teacher import EvalSequence, continuations, crosscheck_record, teacher_pass
+from speculators.models.base import speculator_depth
 from speculators.models.io import load_speculator, target_weights
 from speculators.runtime.drafters.ngram import ngram_propose
 from speculators.runtime.forward import support as runtime_support
@@ -155,7 +156,7 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
     """
     requests = {name: spec.required_features() for name, spec in specs.items()}
     union = sorted({i for r in requests.values() for i in (r.tap_layer_ids or ())})
-    depths = {name: min(depth, int(spec.num_steps)) for name, spec in specs.items()}
+    depths = {name: speculator_depth(depth, spec.num_steps) for name, spec in specs.items()}
     tallies = {name: SpeculatorTally(depths[name], spec.draft_to_target, list(sequences)) for name, spec in specs.items()}
     ceilings = CeilingTally(depth, teacher_topk, next(iter(specs.values())).draft_to_target, list(sequences))
     block_acc = {name: {_tkey(t): AlphaAccumulator(depths[name]) for t in sequences if t > 0} for name in specs}

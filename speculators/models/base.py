@@ -146,6 +146,12 @@ class Speculator(nn.Module, ABC):
                 generator: torch.Generator | None) -> DraftTree: ...
 
 
+def speculator_depth(depth: int, num_steps: int) -> int:
+    """The chain depth a speculator of K = `num_steps` steps is evaluated, replayed and predicted at when `depth`
+    is asked for (evaluate.depth, a chain's k): min(depth, K), as it predicts no token past its K-th step."""
+    return min(int(depth), int(num_steps))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the one loss every family trains with
 

@@ -40,7 +40,7 @@ import torch
 from speculators.core.atomic import atomic_path, write_text_atomic
 from speculators.core.config import Recipe
 from speculators.evaluate.replay import CycleCounts, replay_chain
-from speculators.models.base import step_rows, step_valid_mask
+from speculators.models.base import speculator_depth, step_rows, step_valid_mask
 from speculators.train.batches import load_batch
 from speculators.train.loss import sampled_acceptance
 
@@ -149,7 +149,7 @@ def open_curve(recipe: Recipe, setup: Any, num_steps: int, total_steps: int, sta
             "rows_per_step": rows_per_step}
     path = recipe.paths.checkpoints / CURVE_FILE
     curve = LearningCurve(rows=rows, steps=set(curve_steps(total_steps, n_points)) if rows else set(),
-                          depth=min(num_steps, recipe.evaluate.depth),
+                          depth=speculator_depth(recipe.evaluate.depth, num_steps),
                           temperatures=(0.0, float(t.teacher_temperature)), json_path=path, tracker=tracker,
                           meta=meta)
     if start > 0 and path.is_file():
