@@ -29,6 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+def temperature_key(temperature: float) -> str:
+    """The key of a temperature in every per-temperature map a report holds (evaluation, selection, the live
+    check, the export's summary): str(float(T)), so 0 and 0.0 both read "0.0"."""
+    return str(float(temperature))
+
+
 def tau(committed_tokens: int, target_calls: int) -> float:
     """Acceptance length: committed tokens per target call (bonus included)."""
     return committed_tokens / target_calls if target_calls else 0.0

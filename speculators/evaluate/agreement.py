@@ -209,5 +209,5 @@ def serving_agreement(target: Any, spec: Any, spec_dir: str, sequences: dict[flo
         entry["speculator"] = runs["tree"].to_dict()  # the runtime's default tree, live (earlier reports' field)
         entry["ngram_live"] = runs["ngram"].to_dict()
         entry["chain_live"] = runs["chain"].to_dict()
-        out[str(float(t))] = entry
+        out[metrics.temperature_key(t)] = entry
     return out

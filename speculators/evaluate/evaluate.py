@@ -50,6 +50,7 @@ from speculators.core.atomic import atomic_dir, write_json_atomic
 from speculators.core.checkpoints import describe_incomplete, list_checkpoints, read_pointer, step_number, write_pointer
 from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import temperature_key
 from speculators.core.pairing import check_pairing, draft_revision, read_pairing
 from speculators.core.recipes import to_dict
 from speculators.core.sampling import SamplingParams
@@ -79,10 +80,6 @@ from speculators.runtime.forward import support as runtime_support
 EVAL_FORMAT = "speculators.eval/v1"
 
 log = logging.getLogger(__name__)
-
-
-def _tkey(t: float) -> str:
-    return str(float(t))
 
 
 def eval_key(fingerprint: dict, rows: list[WorkloadRow], recipe: Recipe, backend: str | None = None) -> str:
@@ -159,8 +156,9 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
     depths = {name: speculator_depth(depth, spec.num_steps) for name, spec in specs.items()}
     tallies = {name: SpeculatorTally(depths[name], spec.draft_to_target, list(sequences)) for name, spec in specs.items()}
     ceilings = CeilingTally(depth, teacher_topk, next(iter(specs.values())).draft_to_target, list(sequences))
-    block_acc = {name: {_tkey(t): AlphaAccumulator(depths[name]) for t in sequences if t > 0} for name in specs}
-    ngram_acc = {_tkey(t): AlphaAccumulator(depth) for t in sequences}
+    block_acc = {name: {temperature_key(t): AlphaAccumulator(depths[name]) for t in sequences if t > 0}
+                 for name in specs}
+    ngram_acc = {temperature_key(t): AlphaAccumulator(depth) for t in sequences}
     bar = tqdm(total=sum(len(v) for v in sequences.values()), desc="teacher-forced acceptance", unit="seq",
                disable=not progress)
     for t, seqs in sequences.items():
@@ -174,14 +172,15 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
                                      seq.prompt_len, depths[name])  # K x [T, Vd]
                 tallies[name].add(seq, steps, teacher_logits, t)
                 if t > 0:
-                    block_acc[name][_tkey(t)].add(seq.row.cohort, *speculator_block_alpha(
+                    block_acc[name][temperature_key(t)].add(seq.row.cohort, *speculator_block_alpha(
                         steps, teacher_logits, spec.draft_to_target.cpu(), seq.prompt_len, params, depths[name]))
             ceilings.add(seq, teacher_logits, t)
             alpha, valid = ngram_alpha(seq.token_ids, teacher_logits, seq.prompt_len, params, depth, ngram_propose)
-            ngram_acc[_tkey(t)].add(seq.row.cohort, alpha, valid)
+            ngram_acc[temperature_key(t)].add(seq.row.cohort, alpha, valid)
             bar.update(1)
     bar.close()
-    sums = {name: {_tkey(t): tally.summary(_tkey(t), ceilings) for t in sequences} for name, tally in tallies.items()}
+    sums = {name: {temperature_key(t): tally.summary(temperature_key(t), ceilings) for t in sequences}
+            for name, tally in tallies.items()}
     return (sums, {name: {t: a.summary() for t, a in accs.items()} for name, accs in block_acc.items()},
             {t: a.summary() for t, a in ngram_acc.items()}, depths)
 
@@ -339,7 +338,7 @@ def _write_outputs(recipe: Recipe, reports: dict[str, dict], best: str, changed:
 
 
 def _summary(recipe: Recipe, reports: dict[str, dict], best: str, evaluated: int) -> dict:
-    t = _tkey(recipe.evaluate.select_temperature)
+    t = temperature_key(recipe.evaluate.select_temperature)
     entry = reports[best]["temperatures"][t]
     out: dict[str, Any] = {
         "checkpoints": len(reports), "evaluated": evaluated, "best": best,

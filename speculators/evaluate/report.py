@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from speculators.core.atomic import write_json_atomic, write_text_atomic
+from speculators.core.metrics import temperature_key
 
 
 def _fmt(x: object, nd: int = 3) -> str:
@@ -255,7 +256,7 @@ def render_overview(selection: dict, reports: dict[str, dict]) -> str:
         mark = " ← best" if row["checkpoint"] == selection["best"] else ""
         lines.append(f"| {row['checkpoint']}{mark} | {_fmt(row['mean_tau'])} | {_fmt(row['loss'], 4)} |")
     lines += ["", f"Per-cohort tables of the best checkpoint: `eval/{selection['best']}/report.md`.", ""]
-    summary = selection["summary"].get(str(float(t)))
+    summary = selection["summary"].get(temperature_key(t))
     if summary:
         lines += [f"## Best checkpoint at T = {t}", "", "| cohort | speculator tau | n-gram tau |", "|---|---|---|"]
         for c, v in summary["tau"].items():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from speculators.core.checkpoints import step_number
 from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import temperature_key
 from speculators.models import family_of
 
 SELECTION_FORMAT = "speculators.selection/v1"
@@ -48,15 +49,11 @@ def checkpoint_family(step_dir: str | Path) -> str:
 
 def tau_of(report: dict, temperature: float) -> float:
     """The selection metric of one checkpoint report: mean over cohorts of the simulated tau at `temperature`."""
-    entry = report.get("temperatures", {}).get(_tkey(temperature))
+    entry = report.get("temperatures", {}).get(temperature_key(temperature))
     if entry is None:
         raise SpeculatorsError(f"evaluation report of {report.get('checkpoint')} has no temperature {temperature}; "
                                f"add it to evaluate.temperatures or change evaluate.select_temperature")
     return float(entry["speculator"]["mean_tau"])
-
-
-def _tkey(temperature: float) -> str:
-    return str(float(temperature))
 
 
 def choose_best(reports: dict[str, dict], temperature: float) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from speculators.core.metrics import temperature_key
 from speculators.core.sampling import SamplingParams
 from speculators.evaluate.alpha import (
     AlphaAccumulator,
@@ -31,10 +32,6 @@ from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain
 from speculators.evaluate.teacher import EvalSequence
 
 DRAFT_SCALES: tuple[float, ...] = (0.8, 0.9, 1.1, 1.25)  # draft logits / s; 1 (as trained) is the main entry
-
-
-def _tkey(t: float) -> str:
-    return str(float(t))
 
 
 def cycle_summary(per_cohort: dict[str, CycleCounts]) -> dict:
@@ -54,23 +51,25 @@ class SpeculatorTally:
 
     def __init__(self, depth: int, draft_to_target: torch.Tensor, temperatures: Sequence[float]) -> None:
         self.depth, self.d2t = depth, draft_to_target.cpu()
-        self.alpha = {_tkey(t): AlphaAccumulator(depth) for t in temperatures}
-        self.cycles: dict[str, dict[str, CycleCounts]] = {_tkey(t): {} for t in temperatures}
-        self.argmax_cycles: dict[str, dict[str, CycleCounts]] = {_tkey(t): {} for t in temperatures if t > 0}
-        self.scaled = {_tkey(t): {s: AlphaAccumulator(depth) for s in DRAFT_SCALES} for t in temperatures if t > 0}
+        keys, sampled = [temperature_key(t) for t in temperatures], [temperature_key(t) for t in temperatures if t > 0]
+        self.alpha = {k: AlphaAccumulator(depth) for k in keys}
+        self.cycles: dict[str, dict[str, CycleCounts]] = {k: {} for k in keys}
+        self.argmax_cycles: dict[str, dict[str, CycleCounts]] = {k: {} for k in sampled}
+        self.scaled = {k: {s: AlphaAccumulator(depth) for s in DRAFT_SCALES} for k in sampled}
 
     def add(self, seq: EvalSequence, step_logits: list[torch.Tensor], teacher_logits: torch.Tensor,
             t: float) -> None:
         params = SamplingParams(temperature=float(t))
         alpha, valid = speculator_alpha(step_logits, teacher_logits, self.d2t, seq.prompt_len, params, self.depth)
-        self.alpha[_tkey(t)].add(seq.row.cohort, alpha, valid)
-        drafts = [("sampled", self.cycles[_tkey(t)])] + ([("argmax", self.argmax_cycles[_tkey(t)])] if t > 0 else [])
+        key = temperature_key(t)
+        self.alpha[key].add(seq.row.cohort, alpha, valid)
+        drafts = [("sampled", self.cycles[key])] + ([("argmax", self.argmax_cycles[key])] if t > 0 else [])
         for draft, store in drafts:
             w = chain_weights(step_logits, teacher_logits, seq.token_ids, seq.prompt_len, self.d2t, params,
                               self.depth, draft=draft)
             counts = replay_chain(w, seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, self.depth)
             store.setdefault(seq.row.cohort, CycleCounts(self.depth)).merge(counts)
-        scan = self.scaled.get(_tkey(t), {})
+        scan = self.scaled.get(key, {})
         if scan:
             by_scale = speculator_alpha_scaled(step_logits, teacher_logits, self.d2t, seq.prompt_len, params,
                                                self.depth, list(scan))
@@ -93,14 +92,15 @@ class CeilingTally:
 
     def __init__(self, depth: int, topk: int, draft_to_target: torch.Tensor, temperatures: Sequence[float]) -> None:
         self.depth, self.topk, self.d2t = depth, topk, draft_to_target.cpu()
-        self.tallies = {_tkey(t): (AlphaAccumulator(depth), AlphaAccumulator(depth)) for t in temperatures if t > 0}
+        self.tallies = {temperature_key(t): (AlphaAccumulator(depth), AlphaAccumulator(depth))
+                        for t in temperatures if t > 0}
 
     def add(self, seq: EvalSequence, teacher_logits: torch.Tensor, t: float) -> None:
         if t <= 0:
             return
         top, voc, valid = teacher_ceilings(teacher_logits, seq.prompt_len, SamplingParams(temperature=float(t)),
                                            self.depth, self.topk, self.d2t)
-        acc_top, acc_voc = self.tallies[_tkey(t)]
+        acc_top, acc_voc = self.tallies[temperature_key(t)]
         acc_top.add(seq.row.cohort, top, valid)
         acc_voc.add(seq.row.cohort, voc, valid)
 

@@ -16,6 +16,7 @@ from typing import Any
 from speculators.core.atomic import atomic_dir
 from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import temperature_key
 from speculators.core.pairing import check_pairing, draft_revision, read_pairing, write_pairing
 from speculators.core.target import fingerprint_target, load_target
 from speculators.export.mtp_stitch import export_mtp
@@ -50,7 +51,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
                                "vllm": record["export"].get("vllm_served")}
     ev = record.get("evaluation")
     if ev:
-        t = str(float(recipe.evaluate.select_temperature))
+        t = temperature_key(recipe.evaluate.select_temperature)
         summary[f"mean tau@T={t}"] = ev["temperatures"].get(t, {}).get("mean_tau")
     summary["launch"] = str(out / "launch.sh")
     return summary

@@ -34,6 +34,7 @@ from speculators.core.atomic import write_json_atomic, write_text_atomic
 from speculators.core.checkpoints import CHECKPOINT_FILES, describe_incomplete, list_checkpoints, read_pointer
 from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
+from speculators.core.metrics import temperature_key
 from speculators.core.pairing import draft_revision, pairing_record
 from speculators.core.recipes import to_dict
 from speculators.core.target import forward_with_taps
@@ -227,7 +228,7 @@ def evaluation_for(recipe: Recipe, ckpt: Path) -> tuple[dict | None, dict | None
 def tau_by_depth(report: dict, temperature: float, side: str = "speculator") -> list[float]:
     """Mean over cohorts of the simulated tau of a depth-d chain, d = 1..D (`side` "speculator_block": verified by
     block verification)."""
-    cohorts = report["temperatures"][str(float(temperature))][side]["cohorts"].values()
+    cohorts = report["temperatures"][temperature_key(temperature)][side]["cohorts"].values()
     per = [c["tau_by_depth"] for c in cohorts]
     depth = min(len(p) for p in per)
     return [round(sum(p[d] for p in per) / len(per), 4) for d in range(depth)]

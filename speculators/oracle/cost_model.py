@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from speculators.core.errors import SpeculatorsError
-from speculators.core.metrics import committed_distribution, per_position_from_reach, simulated_tau
+from speculators.core.metrics import committed_distribution, per_position_from_reach, simulated_tau, temperature_key
 from speculators.oracle.costs import DrafterCosts
 from speculators.runtime.cycle_costs import CostModel
 
@@ -61,7 +61,7 @@ def cohort_mean(per_cohort: list[list[float]]) -> list[float]:
 
 
 def _from_report(report: dict, source: str, temperature: float) -> Acceptance:
-    key = str(float(temperature))
+    key = temperature_key(temperature)
     temps = report.get("temperatures") or {}
     if key not in temps:
         raise SpeculatorsError(f"{source} has no evaluation at temperature {temperature} (it has "
