@@ -5,17 +5,45 @@ yet in the target's KV cache); `parents[i] < i`; `depths[i]` = distance from the
 whole tree in one forward with `ancestor_mask` (node i sees the committed prefix, itself and its ancestors) at
 positions `committed_len + depths`.
 
+It is also the one home of the verify modes (`VERIFY_MODES`, `SAMPLED_MODES`) and of the rule that picks one:
+`verify_mode` (temperature 0 verifies every tree greedily) and `tree_verify_mode` (the mode of a tree kind drafted
+under given sampling; the kinds drafted by sampling the draft's law at T > 0 are `SAMPLED_KINDS`).
+
 This module holds pure tensor code (no models, no I/O). Tree-building policies live with the drafters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from speculators.core.sampling import SamplingParams
+
 VERIFY_MODES = ("greedy", "deterministic", "iid", "without_replacement", "block", "traversal", "traversal_iid")
 SAMPLED_MODES = ("iid", "without_replacement", "block", "traversal", "traversal_iid")  # need draft_probs
+# the tree kinds drafted by sampling the draft's law at T > 0 -> their mode when verified as a sequence (the
+# default, `TreeConfig.verify` "sequence") and token by token ("token"); every other kind is a top-k tree
+SAMPLED_KIND_MODES: dict[str, tuple[str, str]] = {"chain": ("block", "iid"),
+                                                   "sampled": ("traversal", "without_replacement")}
+SAMPLED_KINDS = tuple(SAMPLED_KIND_MODES)  # ("chain", "sampled")
+TOKEN_WISE_MODES = dict(SAMPLED_KIND_MODES.values())  # a sequence mode -> the same draft verified token by token
+
+
+def verify_mode(sampling: SamplingParams, drafted: str = "deterministic") -> str:
+    """The mode a tree is verified in: "greedy" at temperature 0 whatever it was drafted for, else `drafted` (the
+    mode its drafter built it for; "deterministic" for any draft without draft_probs: top-k, n-gram, lookup)."""
+    return "greedy" if sampling.greedy else drafted
+
+
+def tree_verify_mode(kind: str, sampling: SamplingParams, verify: str = "sequence") -> str:
+    """How a tree of `kind` (`TreeConfig.kind`) drafted under `sampling` is verified (`verify`: "sequence" or
+    "token", see `TreeConfig.verify`): sampled chains by "block" / "iid", sampled trees by "traversal" /
+    "without_replacement", top-k trees "deterministic"; all "greedy" at temperature 0 (`verify_mode`)."""
+    modes = SAMPLED_KIND_MODES.get(kind)
+    return verify_mode(sampling, "deterministic" if modes is None else modes[0 if verify == "sequence" else 1])
 
 
 @dataclass

@@ -23,11 +23,12 @@ What it does:
     are drawn one after another without replacement from the spine node's draft law and the first draw is continued
     (`sampled_tree_widths`: up to top-k per level, shallow levels first, within the budget); at T=0 the level's top
     ranks. Drafting costs what a chain costs (one draft row per level); the siblings are extra draws of the same law.
-- Verify modes: T=0 -> "greedy"; T>0: sampled drafts carry `draft_probs` (row i = the law node i's children were
-  drawn from: `logits_to_probs` on the draft logits mapped to the target vocab, -inf outside the draft vocab, with
-  the request's SamplingParams; rows of leaves are zero) and are verified as sequences — chains by "block", sampled
-  trees by "traversal" — or token-wise ("iid" / "without_replacement") when `TreeConfig.verify` is "token"; top-k
-  trees (dynamic, static, best_first: no draft_probs) -> "deterministic".
+- Verify modes (decided by `core.trees.tree_verify_mode`): T=0 -> "greedy"; T>0: sampled drafts carry
+  `draft_probs` (row i = the law node i's children were drawn from: `logits_to_probs` on the draft logits mapped to
+  the target vocab, -inf outside the draft vocab, with the request's SamplingParams; rows of leaves are zero) and are
+  verified as sequences — chains by "block", sampled trees by "traversal" — or token-wise ("iid" /
+  "without_replacement") when `TreeConfig.verify` is "token"; top-k trees (dynamic, static, best_first: no
+  draft_probs) -> "deterministic".
 - Tree tokens are TARGET ids (draft ids mapped through `draft_to_target`); top-k siblings are distinct.
 
 Every builder drafts through a stepper (steppers.py: `Stepper`, `PathIndependentStepper`, `MarginalStepper`).
@@ -45,7 +46,7 @@ import torch
 
 from speculators.core.errors import SpeculatorsError
 from speculators.core.sampling import SamplingParams, logits_to_probs, sample, sample_without_replacement
-from speculators.core.trees import SAMPLED_MODES, DraftTree
+from speculators.core.trees import SAMPLED_MODES, DraftTree, tree_verify_mode, verify_mode
 from speculators.models.static_trees import build_static_tree, default_choices
 from speculators.models.steppers import PathIndependentStepper, Stepper
 
@@ -56,18 +57,6 @@ __all__ = ["TREE_KINDS", "propose_tree", "build_chain", "build_dynamic_tree", "b
            "build_best_first_tree", "sampled_tree_widths", "root_only", "tree_verify_mode", "to_target_logits"]
 
 TREE_KINDS = ("dynamic", "static", "chain", "sampled", "best_first")  # what `propose_tree` builds (TreeConfig.kind)
-
-
-def tree_verify_mode(kind: str, sampling: SamplingParams, verify: str = "sequence") -> str:
-    """How a tree of `kind` drafted under `sampling` is verified (`verify`: "sequence" or "token", see
-    `TreeConfig.verify`)."""
-    if sampling.greedy:
-        return "greedy"
-    if kind == "chain":
-        return "block" if verify == "sequence" else "iid"
-    if kind == "sampled":
-        return "traversal" if verify == "sequence" else "without_replacement"
-    return "deterministic"
 
 
 def root_only(root_token: int, sampling: SamplingParams, kind: str = "dynamic") -> DraftTree:
@@ -145,7 +134,7 @@ def build_chain(stepper: Stepper, root_token: int, length: int, sampling: Sampli
         logits = stepper.step([d], torch.tensor([tok], dtype=torch.long), [d - 1 if d > 1 else -1], d)[0]
     n = len(tokens)
     if sampling.greedy:
-        return DraftTree.chain(tokens[0], tokens[1:], mode="greedy")
+        return DraftTree.chain(tokens[0], tokens[1:], mode=verify_mode(sampling, mode))
     probs = torch.zeros(n, vocab_size, dtype=torch.float32, device=logits.device)  # [N, V]; leaf row unused
     if rows:
         probs[: n - 1] = torch.stack(rows)

@@ -14,14 +14,10 @@ from typing import Any
 import torch
 
 from speculators.core.sampling import SamplingParams
-from speculators.core.trees import DraftTree
+from speculators.core.trees import SAMPLED_KINDS, DraftTree
 from speculators.runtime.cycle_host import CycleHost
 from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.requests import NO_LOGIT_ROWS
-
-# tree kinds the controller may choose at T > 0 besides the configured one, for drafters that sample their own law:
-# sampled chains (block verification) and sampled trees (traversal verification)
-SAMPLED_KINDS = ("chain", "sampled")
 
 
 def calibrate_verification(engine: CycleHost, token: int, cache: StaticKVCache) -> None:

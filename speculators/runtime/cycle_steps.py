@@ -32,8 +32,7 @@ import torch
 
 from speculators.core.metrics import AcceptanceStats
 from speculators.core.sampling import SamplingParams
-from speculators.core.trees import SAMPLED_MODES, DraftTree
-from speculators.models.drafting import tree_verify_mode
+from speculators.core.trees import SAMPLED_MODES, DraftTree, tree_verify_mode, verify_mode
 from speculators.runtime.acceptance_memory import AcceptanceMemory
 from speculators.runtime.adaptive import LOOKUP, AdaptiveDepth, Plan
 from speculators.runtime.calibration import calibrate_drafting, calibrate_verification
@@ -150,7 +149,7 @@ def draft_tree(engine: CycleHost, req: RequestState, plan: Plan, remaining: int,
                cache: StaticKVCache) -> tuple[DraftTree, float, int]:
     """This cycle's tree (the root alone for plain decoding), when its proposal started, and how many of its nodes
     (root included) the model drafter proposed (the rest: the lookup's)."""
-    mode = tree_verify_mode("dynamic", params)  # a lookup chain is a deterministic draft
+    mode = verify_mode(params)  # a lookup chain is a deterministic draft
     if plan.depth == 0:
         drafts = (req.continuation or [])[:plan.lookup]
         tree = DraftTree.chain(req.root, drafts, mode) if drafts else DraftTree.root_only(req.root, mode)

@@ -57,10 +57,9 @@ from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import AcceptanceStats
 from speculators.core.sampling import SamplingParams, logits_to_probs
 from speculators.core.target import eos_token_ids, load_target
-from speculators.core.trees import DraftTree, ancestor_mask
+from speculators.core.trees import SAMPLED_KINDS, DraftTree, ancestor_mask, verify_mode
 from speculators.models.drafting import TREE_KINDS
 from speculators.runtime.acceptance_memory import AcceptanceMemory
-from speculators.runtime.calibration import SAMPLED_KINDS
 from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.cycle_steps import (
     choose_plan,
@@ -380,6 +379,6 @@ class Engine:
         """(accepted node indices, next token): `verify_tree_lazy` in the tree's mode ("greedy" at temperature
         0), reading the target law of node i as target_row(i)."""
         return verify_tree_lazy(tree.tokens, tree.parents, target_row, tree.draft_probs,
-                                vocab_size=self.runner.vocab_size, mode="greedy" if params.greedy else tree.mode,
+                                vocab_size=self.runner.vocab_size, mode=verify_mode(params, tree.mode),
                                 generator=generator)
 

@@ -52,6 +52,7 @@ from speculators.core.metrics import AcceptanceStats
 from speculators.core.options import BenchOptions, floats
 from speculators.core.sampling import SamplingParams
 from speculators.core.target import load_target
+from speculators.core.trees import TOKEN_WISE_MODES
 from speculators.core.workloads import load_workloads
 from speculators.runtime.batch_generate import TREE_ROOM
 from speculators.runtime.batching import generate_batch
@@ -95,7 +96,6 @@ class Method:
 # verifier comparisons (`compare_verify`): (row suffix, tree kind, TreeConfig.verify)
 VERIFY_ROWS = (("chain token", "chain", "token"), ("chain block", "chain", "sequence"),
                ("sampled token", "sampled", "token"), ("sampled traversal", "sampled", "sequence"))
-TOKEN_WISE = {"block": "iid", "traversal": "without_replacement"}
 
 
 def _paired_engine_class() -> type:
@@ -106,12 +106,12 @@ def _paired_engine_class() -> type:
         paired: dict[str, float]
 
         def _verify(self, tree: Any, target_row: Any, params: Any, generator: Any) -> tuple[list[int], int]:
-            if not params.greedy and tree.mode in TOKEN_WISE and tree.size > 1:
+            if not params.greedy and tree.mode in TOKEN_WISE_MODES and tree.size > 1:
                 t0, c0 = time.perf_counter(), time.process_time()
                 totals = self.__dict__.setdefault("paired", dict.fromkeys(("cycles", "token", "sequence", "seconds",
                                                                            "cpu_seconds"), 0.0))
                 totals["cycles"] += 1
-                for key, mode in (("sequence", tree.mode), ("token", TOKEN_WISE[tree.mode])):
+                for key, mode in (("sequence", tree.mode), ("token", TOKEN_WISE_MODES[tree.mode])):
                     totals[key] += expected_accepted(tree.tokens, tree.parents, target_row, tree.draft_probs, mode)
                 totals["seconds"] += time.perf_counter() - t0  # left out of the row's measured time
                 totals["cpu_seconds"] += time.process_time() - c0

@@ -12,7 +12,7 @@ import torch
 
 from speculators.core.config import TreeConfig
 from speculators.core.errors import SpeculatorsError
-from speculators.core.trees import DraftTree
+from speculators.core.trees import DraftTree, verify_mode
 from speculators.models.base import FeatureRequest
 from speculators.runtime.drafters.ngram import ngram_continuations
 
@@ -33,10 +33,6 @@ class Drafter(Protocol):
 LOOKUP_DEPTH = 6  # the prompt-lookup chain's length: the n-gram drafter's default tree, and the lookup drafted alone
 
 
-def _root_mode(sampling: SamplingParams) -> str:
-    return "greedy" if sampling.greedy else "deterministic"
-
-
 class NoDrafter:
     """Plain decoding through the same loop: every tree is the root alone."""
 
@@ -55,7 +51,7 @@ class NoDrafter:
 
     def propose(self, state: Any, root_token: int, tree: TreeConfig, sampling: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree:
-        return DraftTree.root_only(int(root_token), _root_mode(sampling))
+        return DraftTree.root_only(int(root_token), verify_mode(sampling))
 
 
 @dataclass
@@ -107,4 +103,4 @@ class NgramDrafter:
                 parents.append(parent)
                 parent = len(tokens) - 1
         return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long),
-                         parents=torch.tensor(parents, dtype=torch.long), mode=_root_mode(sampling))
+                         parents=torch.tensor(parents, dtype=torch.long), mode=verify_mode(sampling))

@@ -64,10 +64,10 @@ from typing import Protocol, TypeVar
 import torch
 
 from speculators.core.sampling import sample
+from speculators.core.trees import SAMPLED_MODES, VERIFY_MODES
 from speculators.runtime.verify.inputs import check_draft, check_rows, describe
 
 __all__ = [
-    "MODES",
     "RandomSource",
     "RowOps",
     "TorchRandomness",
@@ -81,10 +81,7 @@ __all__ = [
     "walk_tree",
 ]
 
-MODES: tuple[str, ...] = ("greedy", "deterministic", "iid", "without_replacement", "block", "traversal",
-                          "traversal_iid")
-_TRAVERSAL_MODES = ("block", "traversal", "traversal_iid")
-_SAMPLED_MODES = ("iid", "without_replacement", *_TRAVERSAL_MODES)
+_TRAVERSAL_MODES = ("block", "traversal", "traversal_iid")  # of `trees.SAMPLED_MODES`: verified as sequences
 _DISTINCT_SIBLING_MODES = ("without_replacement", "traversal")
 
 Row = TypeVar("Row")
@@ -198,7 +195,7 @@ def _try_children(
             r = _or_keep(ops.remove(r, x), r)
         return None, r
     if mode not in ("iid", "without_replacement"):
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"mode must be one of {VERIFY_MODES}, got {mode!r}")
     if draft_row is None:
         raise ValueError(f"mode {mode!r} needs the draft law of every node with children (draft_probs)")
     q: Row | None = draft_row(node)
@@ -411,7 +408,7 @@ def _walk(tree: Tree, parents: torch.Tensor, target_row: Callable[[int], torch.T
         raise ValueError(
             f"verify_tree: tokens[{bad[0]}] = {tree.tokens[bad[0]]} is outside the vocabulary [0, {vocab})"
         )
-    sampled = mode in _SAMPLED_MODES
+    sampled = mode in SAMPLED_MODES
     if sampled:
         check_draft(tree.tokens, tree.children, parents, draft_probs, mode, vocab, distinct_siblings=mode in _DISTINCT_SIBLING_MODES)
     return walk_tree(
@@ -425,8 +422,8 @@ def _walk(tree: Tree, parents: torch.Tensor, target_row: Callable[[int], torch.T
 
 
 def _check_tree(tokens: torch.Tensor, parents: torch.Tensor, mode: str, generator: torch.Generator | None) -> Tree:
-    if mode not in MODES:
-        raise ValueError(f"verify_tree: mode must be one of {MODES}, got {mode!r}")
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify_tree: mode must be one of {VERIFY_MODES}, got {mode!r}")
     if mode != "greedy" and not isinstance(generator, torch.Generator):
         raise ValueError(f"verify_tree: mode {mode!r} needs a torch.Generator, got {type(generator).__name__}")
     for name, t in (("tokens", tokens), ("parents", parents)):
