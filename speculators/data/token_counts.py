@@ -22,14 +22,14 @@ from speculators.core.target import eos_token_ids, load_tokenizer
 from speculators.core.workloads import load_workloads
 from speculators.data import shards
 from speculators.data.chat import ChatEncoder
+from speculators.data.vocab import forced_draft_ids
 
 
 def always_included_ids(recipe: Recipe, data_manifest: dict, vocab_size: int) -> list[int]:
-    """Special tokens, EOS and the prepared data's end-of-turn ids (every draft vocabulary keeps them)."""
+    """Special tokens, EOS (the tokenizer's) and the prepared data's end-of-turn ids: `vocab.forced_draft_ids` of the
+    recipe's tokenizer (every draft vocabulary keeps them)."""
     tok = load_tokenizer(recipe.target)
-    ids = set(int(i) for i in tok.all_special_ids if i is not None) | set(eos_token_ids(tok))
-    ids.update(int(i) for i in data_manifest.get("tokenizer", {}).get("end_of_turn_ids", []))
-    return sorted(i for i in ids if 0 <= i < vocab_size)
+    return forced_draft_ids(tok.all_special_ids, eos_token_ids(tok), data_manifest, vocab_size)
 
 
 def split_counts(ds: Any, vocab_size: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

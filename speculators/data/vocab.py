@@ -1,6 +1,8 @@
 """Draft vocabulary for EAGLE-3: token frequencies over loss-masked tokens -> `d2t` / `t2d`.
 
 - `token_frequencies(input_ids, loss_mask, vocab_size)`: counts of assistant tokens (what the draft must predict).
+- `forced_draft_ids(special_ids, eos_ids, data_manifest, vocab_size)`: the ids every draft vocabulary keeps
+  (capture's and online training's alike).
 - `build_vocab(token_freq, draft_vocab_size, always_include_ids)`: the `always_include_ids` (EOS, chat markers,
   every special token) plus the most frequent tokens (ties broken by the lower id), padded with the lowest unused
   ids when too few tokens occur, sorted ascending. `d2t[i] = target_id(i) - i` (int64 offsets, vLLM layout:
@@ -17,6 +19,7 @@ This module does not run models or read datasets.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -39,6 +42,17 @@ def token_frequencies(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_si
         raise SpeculatorsError(f"token id {int(ids.max())} is outside the target vocab ({vocab_size}); the data was "
                                "tokenized for another tokenizer — re-run prepare")
     return torch.bincount(ids, minlength=vocab_size).long()
+
+
+def forced_draft_ids(special_ids: Iterable[int | None], eos_ids: Iterable[int], data_manifest: dict,
+                     vocab_size: int) -> list[int]:
+    """The ids every draft vocabulary keeps whatever their counts (`build_vocab`'s `always_include_ids`): the
+    tokenizer's special tokens (`all_special_ids`), the EOS ids the caller takes the target's end from, and the
+    end-of-turn ids the prepared data's manifest records; those inside the target vocab, ascending."""
+    ids = {int(i) for i in special_ids if i is not None}
+    ids |= {int(i) for i in eos_ids}
+    ids.update(int(i) for i in data_manifest.get("tokenizer", {}).get("end_of_turn_ids", []))
+    return sorted(i for i in ids if 0 <= i < vocab_size)
 
 
 def build_vocab(token_freq: torch.Tensor, draft_vocab_size: int,

@@ -120,9 +120,8 @@ def _online_d2t(recipe: Recipe, source: Any, train_idx: list[int], vocab_size: i
     for i in train_idx:
         s = source.sequence(i)
         freq += vocab_mod.token_frequencies(s["input_ids"], s["loss_mask"], vocab_size)
-    forced = set(eos_ids) | set(int(i) for i in getattr(tokenizer, "all_special_ids", []) or [])
-    forced |= set(int(i) for i in source.manifest.get("tokenizer", {}).get("end_of_turn_ids", []))
-    forced = sorted(i for i in forced if 0 <= i < vocab_size)
+    forced = vocab_mod.forced_draft_ids(getattr(tokenizer, "all_special_ids", None) or [], eos_ids, source.manifest,
+                                        vocab_size)
     d2t, _ = vocab_mod.build_vocab(freq, vd, forced)
     return d2t
 
