@@ -4,6 +4,8 @@ on, so a resume or a skipped stage never mixes two trainings).
 
 - `preflight(recipe)`: the cheap checks (no weights loaded); the launcher runs them before starting workers.
 - `load_setup(recipe, device)` -> `Setup`: everything the loop needs, nothing written.
+- `checked_draft_vocab(recipe, vocab_size, eos_ids, build)`: the draft vocabulary checks both run (the stored
+  vocabulary, or online the one built from the training split, covers every EOS id).
 - `train_signature(recipe)`: the hash a checkpoint and `train-summary.json` record.
 
 Not here: the optimisation loop (loop.py), the accelerator (accelerator.py), checkpoints (checkpoint.py).
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,6 @@ from speculators.core.target import (
 from speculators.data import vocab as vocab_mod
 from speculators.data.artifacts import read_manifest
 from speculators.data.shards import FeatureStore
-from speculators.data.vocab import load_vocab
 from speculators.models import SPECULATORS, check_family, family_of
 from speculators.models.base import TargetWeights
 from speculators.models.io import read_speculator_config, target_weights
@@ -106,23 +108,46 @@ def check_eos_covered(d2t: Any, eos_ids: list[int], where: str) -> None:
                                "EOS included (re-run capture) or raise speculator.draft_vocab_size")
 
 
-def _online_d2t(recipe: Recipe, source: Any, train_idx: list[int], vocab_size: int, tokenizer: Any,
-                eos_ids: list[int]) -> Any:
-    """The draft vocab in online mode: the features dir's vocab file if capture wrote one, else built from the
-    assistant tokens of the training split."""
-    vd = recipe.speculator.draft_vocab_size
-    features = recipe.paths.features
-    if vocab_mod.vocab_file(features, vd).is_file() or (features / vocab_mod.TOKEN_FREQ_FILE).is_file():
-        d2t, _ = vocab_mod.load_vocab(features, vd)
-        return d2t
+def stored_vocab_dir(recipe: Recipe) -> Path | None:
+    """Where training reads its reduced draft vocabulary (or the token counts that build it): the features dir when
+    training offline, or online when capture wrote either file there; None when online training builds its own."""
+    features, vd = recipe.paths.features, recipe.speculator.draft_vocab_size
+    if recipe.capture.mode == "offline" or (vd is not None and (
+            vocab_mod.vocab_file(features, vd).is_file() or (features / vocab_mod.TOKEN_FREQ_FILE).is_file())):
+        return features
+    return None
 
+
+def checked_draft_vocab(recipe: Recipe, vocab_size: int, eos_ids: list[int],
+                        build: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+    """The reduced draft vocabulary training uses (d2t [Vd] long), checked to cover every EOS id in `eos_ids`: the
+    stored one (`stored_vocab_dir`), else `build()` (online: from the training split). None for a speculator on the
+    target's whole vocabulary, or with no stored vocabulary and no `build` (preflight: nothing to check yet)."""
+    vd = recipe.speculator.draft_vocab_size
+    if vd is None or vd == vocab_size:
+        return None
+    directory = stored_vocab_dir(recipe)
+    if directory is not None:
+        d2t, _ = vocab_mod.load_vocab(directory, vd)
+    elif build is not None:
+        d2t = build()
+    else:
+        return None
+    check_eos_covered(d2t, eos_ids, f"{vd} tokens" if directory is None else f"{directory}, {vd} tokens")
+    return d2t
+
+
+def _built_d2t(recipe: Recipe, source: Any, train_idx: list[int], vocab_size: int, tokenizer: Any,
+               eos_ids: list[int]) -> torch.Tensor:
+    """The draft vocab online training builds when none is stored: from the assistant tokens of the training
+    split, keeping `vocab.forced_draft_ids`."""
     freq = torch.zeros(vocab_size, dtype=torch.long)
     for i in train_idx:
         s = source.sequence(i)
         freq += vocab_mod.token_frequencies(s["input_ids"], s["loss_mask"], vocab_size)
     forced = vocab_mod.forced_draft_ids(getattr(tokenizer, "all_special_ids", None) or [], eos_ids, source.manifest,
                                         vocab_size)
-    d2t, _ = vocab_mod.build_vocab(freq, vd, forced)
+    d2t, _ = vocab_mod.build_vocab(freq, recipe.speculator.draft_vocab_size, forced)
     return d2t
 
 
@@ -146,23 +171,13 @@ def preflight(recipe: Recipe, *, force: bool = False) -> None:
                                         trust_remote_code=recipe.target.trust_remote_code)
     fp = fingerprint_target(recipe.target, tokenizer, config).to_dict()
     vocab_size = int(text_config(config).vocab_size)
-    vd = recipe.speculator.draft_vocab_size
-    features = recipe.paths.features
-    vocab_dir = None
     if recipe.capture.mode == "offline":
-        store = FeatureStore(features)
+        store = FeatureStore(recipe.paths.features)
         store.check_target(fp)
         store.verify_checksums()  # every shard, before any worker starts (one line naming a damaged shard)
-        vocab_dir = features
     else:
         read_manifest(recipe.training_data_dir, "speculators.prepared/v1", "prepared data")
-
-        if vd is not None and (vocab_mod.vocab_file(features, vd).is_file() or
-                               (features / vocab_mod.TOKEN_FREQ_FILE).is_file()):
-            vocab_dir = features
-    if vd is not None and vd != vocab_size and vocab_dir is not None:
-        d2t, _ = load_vocab(vocab_dir, vd)
-        check_eos_covered(d2t, eos_token_ids(config, tokenizer), f"{vocab_dir}, {vd} tokens")
+    checked_draft_vocab(recipe, vocab_size, eos_token_ids(config, tokenizer))
     if not force:
         ckpt = ck.find_resume(recipe.train.resume, recipe.paths.checkpoints)
         if ckpt is not None:
@@ -275,14 +290,8 @@ def load_setup(recipe: Recipe, device: Any) -> Setup:
         taps = SPECULATORS[recipe.speculator.family].capture_request(recipe.capture.layer_ids, n_layers).tap_layer_ids
         layer_ids = list(taps) if taps is not None else None
     train_idx, val_idx = split_indices(source, recipe.data.val_fraction, recipe.seed)
-    d2t = None
-    vd = recipe.speculator.draft_vocab_size
-    if vd is not None and vd != vocab_size:
-        if store is not None:
-            d2t, _ = load_vocab(recipe.paths.features, vd)
-        else:
-            d2t = _online_d2t(recipe, source, train_idx, vocab_size, tokenizer, eos)
-        check_eos_covered(d2t, eos, f"{vd} tokens")
+    d2t = checked_draft_vocab(recipe, vocab_size, eos,
+                              lambda: _built_d2t(recipe, source, train_idx, vocab_size, tokenizer, eos))
     return Setup(model_config=model_config, weights=weights, fingerprint=fp, tokenizer=tokenizer,
                  layer_ids=layer_ids, d2t=d2t, source=source, train_idx=train_idx, val_idx=val_idx,
                  target_model=target_model, mode=mode, store=store)
