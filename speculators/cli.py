@@ -204,8 +204,8 @@ def profile(opts: o.ProfileOptions) -> None:
 
 @_command("train-bench", o.TrainBenchOptions)
 def train_bench(opts: o.TrainBenchOptions) -> None:
-    from speculators.train.train_bench import bench_command
-    Console().print(bench_command(opts)[1])
+    from speculators.train.train_bench import train_bench_command
+    Console().print(train_bench_command(opts)[1])
 
 
 @_command("fetch-target", o.FetchTargetOptions)

@@ -12,6 +12,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+from speculators.core.config import Recipe
+
 VLLM_PYTHON_ENV = "SPECULATORS_VLLM_PYTHON"
 
 
@@ -22,6 +24,12 @@ def find_vllm_python(root: Path | None = None) -> Path | None:
         return Path(explicit)
     candidate = (root or Path.cwd()) / ".venv-vllm" / "bin" / "python"
     return candidate if candidate.is_file() else None
+
+
+def vllm_python(recipe: Recipe) -> Path | None:
+    """The vLLM environment's python a recipe runs: its `vllm.python`, else `find_vllm_python()`; None when neither
+    names one."""
+    return Path(recipe.vllm.python) if recipe.vllm.python else find_vllm_python()
 
 
 def server_env(python: Path, threads: int = 2) -> dict[str, str]:

@@ -38,7 +38,7 @@ def hash_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def read_json(path: Path, what: str) -> dict:
+def read_stage_json(path: Path, what: str) -> dict:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -55,7 +55,7 @@ def read_manifest(directory: Path, fmt: str, what: str) -> dict:
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise SpeculatorsError(f"{what} at {directory} is missing or incomplete (no {MANIFEST}); run that stage first")
-    m = read_json(path, f"{what} manifest")
+    m = read_stage_json(path, f"{what} manifest")
     if m.get("format") != fmt:
         raise SpeculatorsError(f"{path} has format {m.get('format')!r}, expected {fmt!r}; re-run that stage")
     if not m.get("complete"):

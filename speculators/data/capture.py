@@ -42,7 +42,7 @@ from speculators.data.capture_job import Job, job_dataset, make_job, setup_parti
 from speculators.data.features import HfFeatures, feature_request
 from speculators.data.token_counts import always_included_ids, split_counts, workload_counts
 from speculators.data.vllm_capture import VllmFeatures
-from speculators.data.vllm_engine import vllm_python
+from speculators.data.vllm_engine import require_vllm_python
 from speculators.models import SPECULATORS
 
 TOPK_MASS_WARNING = 0.9  # the summary says so when the stored top-k holds less of the target's mass on average
@@ -77,7 +77,7 @@ def _capture_shard(job: Job, source: Any, i: int, bar: Any) -> dict:
             err[name][1] += float(x.pow(2).sum())
             out.update(enc)
         if cap.teacher == "topk":
-            pos = shards.teacher_positions(mask)
+            pos = shards.stored_teacher_positions(mask)
             lp = feats["teacher_topk_logprobs"][pos]  # [M_row, k]
             out["teacher_topk_ids"] = feats["teacher_topk_ids"][pos].to(shards.topk_id_dtype(job.vocab_size))
             out["teacher_topk_logprobs"] = lp.to(torch.float16)
@@ -300,7 +300,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         manifest = artifacts.read_manifest(job.final, shards.FEATURES_FORMAT, "features")
         return summary_of(manifest, "done")
     if recipe.capture.backend == "vllm":
-        vllm_python(recipe)  # the vLLM environment exists, before anything is written
+        require_vllm_python(recipe)  # the vLLM environment exists, before anything is written
     setup_partial(job, force)
     stats = capture_rank(job, 0, 1)
     missing = missing_shards(job)

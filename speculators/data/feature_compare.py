@@ -23,7 +23,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)
 
 
-def _summary(errors: list[torch.Tensor]) -> dict[str, float]:
+def _error_stats(errors: list[torch.Tensor]) -> dict[str, float]:
     flat = torch.cat(errors)
     return {"max_relative_error": round(float(flat.max()), 6), "mean_relative_error": round(float(flat.mean()), 6)}
 
@@ -68,12 +68,12 @@ def compare_features(a_dir: str | Path, b_dir: str | Path) -> dict[str, Any]:
         if "teacher_topk_ids" in sa and "teacher_topk_ids" in sb:
             _teacher(sa, sb, teacher)
     out: dict[str, Any] = {"rows": len(ids_a), "tokens": tokens,
-                           "taps": [{"layer": layer, **_summary(errs)} for layer, errs in
+                           "taps": [{"layer": layer, **_error_stats(errs)} for layer, errs in
                                     zip(a.layer_ids or [], taps, strict=True) if errs],
                            "storage_rmse": [{k: v for k, v in s.manifest.get("quality", {}).items()
                                              if k.endswith("relative_rmse")} for s in (a, b)]}
     if last:
-        out["last_hidden"] = _summary(last)
+        out["last_hidden"] = _error_stats(last)
     if teacher["positions"]:
         out["teacher"] = {"positions": teacher["positions"],
                           "top1_agreement": round(teacher["top1_equal"] / teacher["positions"], 6),

@@ -12,14 +12,14 @@ from __future__ import annotations
 from speculators.core.config import Recipe
 from speculators.core.target import load_tokenizer
 from speculators.data.regen_tokens import TokenBackend
-from speculators.data.vllm_engine import VllmEngine, engine_for, vllm_python
+from speculators.data.vllm_engine import VllmEngine, engine_for, require_vllm_python
 
 
 class VllmBackend(TokenBackend):
     """See the module docstring."""
 
     def __init__(self, recipe: Recipe) -> None:
-        vllm_python(recipe)  # the vLLM environment exists, before anything is written
+        require_vllm_python(recipe)  # the vLLM environment exists, before anything is written
         super().__init__(recipe, load_tokenizer(recipe.target))
         self.vllm_engine: VllmEngine | None = None
 

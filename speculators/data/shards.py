@@ -94,8 +94,8 @@ def topk_id_dtype(vocab_size: int) -> torch.dtype:
     return torch.int16 if vocab_size <= 32767 else torch.int32
 
 
-def teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
-    """[T] -> [T] bool: positions whose next token is an assistant token (where a loss reads the teacher)."""
+def stored_teacher_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[T] -> [T] bool: positions whose next token is an assistant token: where capture stores the teacher."""
     out = torch.zeros_like(loss_mask, dtype=torch.bool)
     out[:-1] = loss_mask[1:] > 0
     return out
@@ -125,10 +125,12 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> tup
 # reading
 
 
-def split_indices(n: int, name: str, val_fraction: float, seed: int, row_ids: Sequence[str] | None = None) -> list[int]:
-    """Deterministic train/val split of n sequences (the same for capture's vocab and for training). With `row_ids`
-    (one per sequence) the split is made over source rows (`schemas.source_row_id`): the temperature copies of one
-    regenerated row land on the same side; with every source row distinct it is the plain split of n."""
+def split_side_indices(n: int, name: str, val_fraction: float, seed: int,
+                       row_ids: Sequence[str] | None = None) -> list[int]:
+    """The indices of side `name` ("train" or "val") of the deterministic train/val split of n sequences (the same
+    for capture's vocab and for training). With `row_ids` (one per sequence) the split is made over source rows
+    (`schemas.source_row_id`): the temperature copies of one regenerated row land on the same side; with every
+    source row distinct it is the plain split of n."""
     if name not in ("train", "val"):
         raise SpeculatorsError(f"split must be 'train' or 'val', got {name!r}")
     if not 0.0 <= val_fraction < 1.0:
@@ -162,7 +164,7 @@ class _OpenShard:
         self.teacher_starts: list[int] = [0]
         for r in range(len(offsets) - 1):
             seg = loss_mask[int(offsets[r]):int(offsets[r + 1])]
-            self.teacher_starts.append(self.teacher_starts[-1] + int(teacher_positions(seg).sum()))
+            self.teacher_starts.append(self.teacher_starts[-1] + int(stored_teacher_positions(seg).sum()))
 
     def rows(self, name: str, a: int, b: int) -> torch.Tensor:
         return self.handle.get_slice(name)[a:b]
@@ -230,7 +232,7 @@ class FeatureStore:
         return out
 
     def split(self, name: str, val_fraction: float, seed: int) -> list[int]:
-        return split_indices(len(self), name, val_fraction, seed, self.row_ids())
+        return split_side_indices(len(self), name, val_fraction, seed, self.row_ids())
 
     def check_target(self, fingerprint: dict) -> None:
         """Raise if these features were captured from another target (or tokenizer) than `fingerprint`."""
@@ -347,7 +349,8 @@ class FeatureStore:
             scale = f"{name}_scale"
             check_finite(name, h.get_tensor(scale if scale in keys else name), str(path))
         if self.manifest["teacher"] == "topk":
-            m = sum(int(teacher_positions(loss_mask[int(off[r]):int(off[r + 1])]).sum()) for r in range(len(off) - 1))
+            m = sum(int(stored_teacher_positions(loss_mask[int(off[r]):int(off[r + 1])]).sum())
+                    for r in range(len(off) - 1))
             k = int(self.manifest["teacher_topk"])
             for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
                 if shape(name) != (m, k):
@@ -368,7 +371,7 @@ class FeatureStore:
                     part[f"{name}_scale"] = sh.rows(f"{name}_scale", a, b)
                 out[name] = decode_hidden(part, name)
         if "teacher_topk_ids" in sh.keys:
-            pos = teacher_positions(out["loss_mask"])  # [T] bool
+            pos = stored_teacher_positions(out["loss_mask"])  # [T] bool
             start, stop = sh.teacher_starts[r], sh.teacher_starts[r + 1]
             k = int(self.manifest["teacher_topk"])
             ids = torch.arange(k).repeat(b - a, 1)  # [T, k] placeholder where no loss reads the teacher

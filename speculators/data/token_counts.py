@@ -38,7 +38,7 @@ def split_counts(ds: Any, vocab_size: int, val_fraction: float, seed: int) -> tu
     n = len(ds)
     row_ids = [str(i) for i in ds["id"]] if "id" in ds.column_names else None
     is_val = np.zeros(n, dtype=bool)
-    is_val[shards.split_indices(n, "val", val_fraction, seed, row_ids)] = True
+    is_val[shards.split_side_indices(n, "val", val_fraction, seed, row_ids)] = True
     counts = {False: np.zeros(vocab_size, dtype=np.int64), True: np.zeros(vocab_size, dtype=np.int64)}
     ids_col, mask_col = ds.data.column("input_ids"), ds.data.column("loss_mask")
     base = 0

@@ -34,7 +34,7 @@ from transformers import AutoConfig
 from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import resolve_device, resolve_dtype, text_config
-from speculators.core.vllm_env import find_vllm_python, last_error_line, server_env, stop_process_group
+from speculators.core.vllm_env import last_error_line, server_env, stop_process_group, vllm_python
 from speculators.data.features import feature_request, stored_features
 
 VLLM_SIDE = Path(__file__).resolve().parent / "vllm_side"
@@ -42,9 +42,10 @@ REQUEST_TIMEOUT_S = 3600.0  # one message of rows
 _ENGINES: dict[str, VllmEngine] = {}
 
 
-def vllm_python(recipe: Recipe) -> Path:
-    """The vLLM environment's interpreter (recipe `vllm.python`, $SPECULATORS_VLLM_PYTHON, ./.venv-vllm)."""
-    python = Path(recipe.vllm.python) if recipe.vllm.python else find_vllm_python()
+def require_vllm_python(recipe: Recipe) -> Path:
+    """The vLLM environment's interpreter (recipe `vllm.python`, $SPECULATORS_VLLM_PYTHON, ./.venv-vllm), or a
+    one-line error naming how to make one."""
+    python = vllm_python(recipe)
     if python is None or not python.is_file():
         raise SpeculatorsError("the vLLM backend needs a vLLM environment: run `make vllm-env`, or set vllm.python "
                                "/ $SPECULATORS_VLLM_PYTHON to its python")
@@ -80,7 +81,7 @@ class VllmEngine:
     def __init__(self, recipe: Recipe, config: dict[str, Any]) -> None:
         self.recipe, self.config = recipe, config
         self.key = json.dumps(config, sort_keys=True)  # its place in the registry
-        self.python = vllm_python(recipe)  # before anything is written
+        self.python = require_vllm_python(recipe)  # before anything is written
         self.proc: subprocess.Popen | None = None
         self.replies: Any = None
         self._batch = 0

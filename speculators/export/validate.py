@@ -35,7 +35,7 @@ from pathlib import Path
 
 from speculators.core.errors import SpeculatorsError
 from speculators.models import VLLM_FORMATS, family_of
-from speculators.models.format_checks import read_json
+from speculators.models.format_checks import read_json_or_note
 
 
 def export_kind(config: dict) -> str:
@@ -53,7 +53,7 @@ def validate_vllm_export(directory: str | Path, *, deep: bool = True) -> list[st
     problems: list[str] = []
     if not d.is_dir():
         return [f"{d} is not a directory"]
-    config = read_json(d / "config.json", problems)
+    config = read_json_or_note(d / "config.json", problems)
     if config is None:
         return problems
     kind = export_kind(config)

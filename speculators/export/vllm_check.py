@@ -39,7 +39,7 @@ from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import ChainCounts
 from speculators.core.pairing import draft_revision, read_pairing
 from speculators.core.target import load_target
-from speculators.core.vllm_env import find_vllm_python, server_env
+from speculators.core.vllm_env import server_env, vllm_python
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.evaluate.chain_prediction import (
     comparison,
@@ -64,15 +64,11 @@ from speculators.export.vllm_consumer import (
     spec_counters,
 )
 from speculators.models.io import load_speculator, target_weights
-from speculators.serving import Engine
+from speculators.runtime.engine import Engine
 
 CHECK_FORMAT = "speculators.vllm-check/v1"
 DRAFTING_RULES = {"argmax": "vLLM drafts its argmax and accepts a draft with the target's probability of it",
                   "sampled": "vLLM draws the drafts from the draft law and accepts each with min(1, p/q)"}
-
-
-def vllm_python(recipe: Recipe) -> Path | None:
-    return Path(recipe.vllm.python) if recipe.vllm.python else find_vllm_python()
 
 
 def enabled(recipe: Recipe) -> bool:
@@ -80,7 +76,7 @@ def enabled(recipe: Recipe) -> bool:
     return recipe.vllm.mode == "always" or (recipe.vllm.mode == "auto" and vllm_python(recipe) is not None)
 
 
-def check_rows(recipe: Recipe) -> list[WorkloadRow]:
+def rows_to_check(recipe: Recipe) -> list[WorkloadRow]:
     rows = load_workloads(recipe.evaluate.workloads, recipe.vllm.rows_per_cohort)
     if not rows:
         raise SpeculatorsError(f"evaluate.workloads {recipe.evaluate.workloads} hold no rows for the vLLM check")
@@ -145,7 +141,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     require_valid_export(export_dir)
     out_dir = recipe.paths.eval / "vllm"
     record = read_pairing(export_dir)
-    rows = check_rows(recipe)
+    rows = rows_to_check(recipe)
     key = check_key(recipe, export_dir, rows)
     if not record.get("export", {}).get("vllm_loadable", True):
         report = {"format": CHECK_FORMAT, "key": key, "servable": False, "vllm": record["export"].get("vllm_served")}
@@ -178,7 +174,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
                     log=out_dir / "vllm-speculator.log") as server:
         served, counts, served_s = serve_rows(server, rows, prompts, k, counted=True)
         sampled = serve_rows(server, rows, prompts, k, True, temperature, recipe.seed)[1] if sampled_pred else []
-    report = build_report(key, k, rows, predicted, live, plain, served, counts, record)
+    report = build_vllm_check_report(key, k, rows, predicted, live, plain, served, counts, record)
     report["vllm_env"] = env_notes
     report["throughput"] = throughput(plain, plain_s, served, served_s, [out for out, _ in live], live_s)
     if sampled_pred:
@@ -197,8 +193,9 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
             "report": str(out_dir / "report.md")}
 
 
-def build_report(key: str, k: int, rows: list[WorkloadRow], predicted: list, live: list, plain: list[list[int]],
-                 served: list[list[int]], counts: list[ChainCounts | None], record: dict) -> dict[str, Any]:
+def build_vllm_check_report(key: str, k: int, rows: list[WorkloadRow], predicted: list, live: list,
+                            plain: list[list[int]], served: list[list[int]], counts: list[ChainCounts | None],
+                            record: dict) -> dict[str, Any]:
     cohorts: dict[str, dict[str, ChainCounts]] = {}
     per_row = []
     for i, row in enumerate(rows):
@@ -312,6 +309,6 @@ def _write(out_dir: Path, eval_dir: Path, report: dict, body: str) -> None:
 def is_complete(recipe: Recipe) -> bool:
     try:
         report = json.loads((recipe.paths.eval / "vllm" / "report.json").read_text())
-        return report.get("key") == check_key(recipe, recipe.paths.export, check_rows(recipe))
+        return report.get("key") == check_key(recipe, recipe.paths.export, rows_to_check(recipe))
     except (OSError, json.JSONDecodeError, SpeculatorsError):
         return False

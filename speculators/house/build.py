@@ -188,7 +188,7 @@ def make_model(cfg: BuildConfig, tokenizer):
     return model
 
 
-def train(model, inputs, labels, cfg: BuildConfig, log) -> list[dict]:
+def train_house_target(model, inputs, labels, cfg: BuildConfig, log) -> list[dict]:
     decay, no_decay = [], []
     for _name, p in model.named_parameters():
         (decay if p.ndim >= 2 else no_decay).append(p)
@@ -349,7 +349,7 @@ def build(opts: BuildHouseOptions) -> None:
     model = make_model(cfg, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     note(f"model: {n_params} parameters")
-    history = train(model, inputs, labels, cfg, note)
+    history = train_house_target(model, inputs, labels, cfg, note)
     train_s = time.time() - t_start
     report = heldout_report(model, tokenizer, data, cfg)
     report["samples"] = greedy_samples(model, tokenizer, data)

@@ -2,8 +2,8 @@
 
 - `Tensors(directory, problems)`: name -> (dtype, shape, file) of every *.safetensors file, from the headers only
   (`load(name)` reads one tensor when a check needs the values).
-- `read_json`, `is_int`, `expect_shape`, `unknown_tensors`, `no_model_prefix`: small checks that append one line per
-  problem to `problems`.
+- `read_json_or_note`, `is_int`, `expect_shape`, `unknown_tensors`, `no_model_prefix`: small checks that append one
+  line per problem to `problems`.
 - `check_floats`: float tensors in one dtype, the one config.json declares, and (deep) finite.
 - `check_speculators_config` / `check_layer_config`: the `speculators_config` block and `transformer_layer_config`
   vLLM reads first from a speculators-format config (EAGLE-3, DFlash).
@@ -59,7 +59,7 @@ class Tensors:
         return self.info[name][0] if name in self.info else None
 
 
-def read_json(path: Path, problems: list[str]) -> dict | None:
+def read_json_or_note(path: Path, problems: list[str]) -> dict | None:
     if not path.is_file():
         problems.append(f"{path.name} is missing from {path.parent}")
         return None

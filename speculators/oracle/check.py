@@ -14,7 +14,7 @@ speedups are in the costs' clock (`costs.timed`: CUDA wall clock; on a CPU this 
 processes of a shared machine do not inflate), with the wall-clock ratio beside them; both include the prefill,
 like `speculators bench`.
 
-Not here: the costs (costs.py), the model (oracle.py).
+Not here: the costs (costs.py), the model (cost_model.py).
 """
 
 from __future__ import annotations
@@ -27,12 +27,8 @@ from speculators.oracle.cost_model import Acceptance, Costs, cost_model, expecte
 from speculators.oracle.costs import clock_name
 from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.engine import Engine
+from speculators.runtime.requests import common_prefix_length
 from speculators.serving.bench import Method, bench_rows, run_methods
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    return n
 
 
 def _row_seconds(costs: Costs, family: str, prefill: dict, acc: list[float], depth: int, row: dict) -> float:
@@ -55,7 +51,7 @@ def _requests(rows: list[tuple[str, list[int], int]], plain_out: list[list[int]]
     for i, ((cohort, ids, max_new), gen) in enumerate(zip(rows, plain_out, strict=True)):
         prev = rows[i - 1][1] if i else ids
         out.append({"cohort": cohort, "prompt_tokens": len(ids), "tokens": len(gen), "max_new_tokens": max_new,
-                    "new_prompt_tokens": len(ids) - 1 - _common_prefix(prev[:-1], ids[:-1])})
+                    "new_prompt_tokens": len(ids) - 1 - common_prefix_length(prev[:-1], ids[:-1])})
     return out
 
 

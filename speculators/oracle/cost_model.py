@@ -11,7 +11,7 @@ forward for all of them):
 Plain decoding is the root-only cycle: cycle(1) per token. Per batch size the oracle predicts every candidate
 (chains of depth 1..K with the teacher-forced chain acceptance of `speculators evaluate`; the drafter's own tree
 kind with the live tree acceptance the evaluation measured, when it did) and picks the fastest; speculation is off
-(k = 0) where none beats plain decoding. `schedule` turns the chain choices into the batch-size schedule that
+(k = 0) where none beats plain decoding. `predicted_schedule` turns the chain choices into the batch-size schedule that
 `speculators export` writes for vLLM (`export/launch_plan.py` rows: start_bs, end_bs, measured_at, k, ...).
 
 `expected_seconds` is the same model over a whole request of N tokens (the depth shrinks near the end exactly as
@@ -223,7 +223,7 @@ def best_chain(row: dict, ks: list[int] | None = None) -> tuple[int, float]:
     return (best["depth"], best["speedup"]) if best and best["speedup"] > 1.0 else (0, 1.0)
 
 
-def schedule(predictions: list[dict], ks: list[int] | None = None, max_batch: int = 512) -> list[dict]:
+def predicted_schedule(predictions: list[dict], ks: list[int] | None = None, max_batch: int = 512) -> list[dict]:
     """k per max-concurrency bucket in `export/launch_plan.py`'s row format: bucket B covers concurrencies (previous B,
     B], the last one extends to `max_batch`; consecutive buckets with the same k merge."""
     rows: list[dict] = []

@@ -8,15 +8,15 @@
    B x n tokens (batch sizes x verified tree/chain tokens), each drafter's proposing per depth (chains and its tree
    kind) and absorbing, and whole runtime steps, from which the per-cycle overhead follows.
 4. With a per-position acceptance (`acceptance`: an evaluation report, an export dir, an eval dir or a list), the
-   oracle (oracle.py) predicts tokens/s and speedup per batch size for every chain depth and tree depth, picks the
+   oracle (cost_model.py) predicts tokens/s and speedup per batch size for every chain depth and tree depth, picks the
    best per batch size, and derives the vLLM batch-size schedule (`export/launch_plan.py`'s format; a family
    with a fixed vLLM k, DFlash or Medusa, gets that k or plain).
 5. With `check_rows` (real target + real speculator only), the same rows run through `speculators bench`'s own
    code (plain decoding and fixed-depth chains, adaptive off) and the predicted speedup is printed next to the
-   measured one (profile_check.py).
+   measured one (check.py).
 Writes `profile.json` and `profile.md` to `out` (atomically) and returns the Markdown (cli.py prints it).
 
-Not here: option parsing and printing (cli.py), the model (oracle.py), the timing (costs.py), the formatting
+Not here: option parsing and printing (cli.py), the model (cost_model.py), the timing (costs.py), the formatting
 (profile_report.py).
 """
 
@@ -33,9 +33,10 @@ from speculators.core.machine import device_name
 from speculators.core.options import DTYPES, ProfileOptions, choices, ints
 from speculators.core.target import load_target, resolve_device, resolve_dtype
 from speculators.models import FAMILIES
+from speculators.models.base import vllm_fixed_k
 from speculators.oracle import costs as measure
 from speculators.oracle.check import check_against_bench
-from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, schedule
+from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, predicted_schedule
 from speculators.oracle.profile_report import build_report, write_report
 from speculators.oracle.shapes import random_drafter, random_target
 from speculators.runtime.cycle_costs import CostModel
@@ -171,12 +172,13 @@ def measure_costs(loaded: Any, drafters: dict[str, tuple[Any, str]], primary: st
                    "seconds": round(time.perf_counter() - start, 1)}
 
 
-def vllm_schedule(prediction: list[dict], drafter: Any) -> list[dict]:
+def family_schedule(prediction: list[dict], drafter: Any) -> list[dict]:
     """The vLLM batch-size schedule of one family's prediction: the fastest chain k per bucket, except for a family
     whose vLLM proposer drafts a fixed k (`VLLM_FIXED_K`: DFlash's block, Medusa's heads), which gets its own k or
     plain (k = 0) per bucket, as `export/vllm.plan_launch` writes it."""
-    fixed = [int(drafter.num_steps)] if getattr(drafter, "VLLM_FIXED_K", False) else None
-    return schedule(prediction, fixed)
+    k = vllm_fixed_k(drafter)
+    fixed = None if k is None else [k]
+    return predicted_schedule(prediction, fixed)
 
 
 def profile_command(opts: ProfileOptions) -> tuple[dict, str]:
@@ -211,7 +213,7 @@ def profile_command(opts: ProfileOptions) -> tuple[dict, str]:
     report = build_report(
         loaded=loaded, name=target or f"shape:{shape}", device=device_name(str(loaded.device)),
         context_len=context_len, drafters=drafters, costs=costs, extras=extras, acceptance=acc,
-        predictions=predictions, schedules={f: vllm_schedule(p, drafters[f][0]) for f, p in predictions.items()},
+        predictions=predictions, schedules={f: family_schedule(p, drafters[f][0]) for f, p in predictions.items()},
         check=check,
         budget_s=budget_s)
     report["format"] = PROFILE_FORMAT

@@ -23,7 +23,7 @@ def _ms(x: float) -> float:
     return round(1000 * x, 4)
 
 
-def _table(d: dict) -> dict:
+def _to_ms(d: dict) -> dict:
     return {str(k): _ms(v) for k, v in sorted(d.items())}
 
 
@@ -45,7 +45,7 @@ def _drafters(drafters: dict[str, tuple[Any, str]], costs: Costs, trees: dict) -
                        "propose_ms": {k: {str(d): _ms(s) for d, (s, _) in sorted(v.items())}
                                       for k, v in c.propose.items()},
                        "draft_nodes": {k: {str(d): n for d, (_, n) in sorted(v.items())} for k, v in c.propose.items()},
-                       "absorb_ms_by_tokens": _table(c.absorb)}
+                       "absorb_ms_by_tokens": _to_ms(c.absorb)}
     return out
 
 
@@ -66,11 +66,11 @@ def build_report(*, loaded: Any, name: str, device: str, context_len: int, draft
         "dtype": str(loaded.dtype).replace("torch.", ""), "torch": torch.__version__, "context_len": context_len,
         "clock": clock_name(loaded.device), "threads": torch.get_num_threads(),
         "budget_s": budget_s, "measure_seconds": extras["seconds"], "skipped": extras["skipped"],
-        "target_forward_ms": {str(b): _table(v) for b, v in sorted(costs.forward.items())},
-        "prefill_ms": {k: _table(v) for k, v in extras["prefill"].items()},
+        "target_forward_ms": {str(b): _to_ms(v) for b, v in sorted(costs.forward.items())},
+        "prefill_ms": {k: _to_ms(v) for k, v in extras["prefill"].items()},
         "drafters": _drafters(drafters, costs, extras["trees"]),
-        "overhead_ms": {"plain": _table(costs.overhead_plain),
-                        "speculative": {str(b): _table(v) for b, v in sorted(costs.overhead_spec.items())}},
+        "overhead_ms": {"plain": _to_ms(costs.overhead_plain),
+                        "speculative": {str(b): _to_ms(v) for b, v in sorted(costs.overhead_spec.items())}},
         "acceptance": None if acceptance is None else dataclasses.asdict(acceptance),
         "predictions": predictions,
         "schedule": {f: _schedule(rows) for f, rows in schedules.items()},

@@ -2,7 +2,7 @@
 
 - `encode_prompt` / `check_prompt`: a raw prompt, a chat or token ids -> checked token ids (one-line errors).
 - `Slot`: one sequence's static KV cache and the prefix it holds; `Slot.prefill` puts a prompt into it, reusing the
-  prefix it shares with the previous request (features included).
+  prefix it shares with the previous request (features included; `common_prefix_length`: how much that is).
 - `take_committed` / `final_text`: where an output ends (EOS / stop token, stop string, length).
 - `VerifyForward`: the verification forward a request's cycle loop asks whoever runs the target for.
 - `StreamChunk`, `GenerateOutput`, `GenerationStats`: what a request streams and returns.
@@ -89,7 +89,9 @@ def final_text(text: str, stops: list[str]) -> str:
     return text[: min(cuts)] if cuts else text
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share: what a slot's prefix cache keeps of its previous request (the
+    speedup oracle's check predicts the same reuse)."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -111,7 +113,7 @@ class Slot:
         """Put the prompt minus its last token into the cache (reusing the prefix it shares with what the slot
         holds, when `reuse_prefix`); return the features of those positions and the reused length."""
         body = prompt_ids[:-1]
-        reuse = _common_prefix(self.prefix_ids, body) if reuse_prefix else 0
+        reuse = common_prefix_length(self.prefix_ids, body) if reuse_prefix else 0
         self.cache.reset(reuse)
         new = body[reuse:]
         features = {k: v[:reuse] for k, v in self.prefix_features.items()} if reuse else {}

@@ -262,7 +262,7 @@ def bench_command(opts: BenchOptions) -> tuple[dict, str]:
     for temperature in temperatures:
         report["results"][str(temperature)] = _run_temperature(methods, rows, temperature, opts.seed, opts.batch,
                                                                loaded.model)
-    text = format_report(report)
+    text = format_bench_report(report)
     if opts.out is not None:
         write_json_and_markdown(opts.out, "bench", report, text)
     return report, text
@@ -333,7 +333,7 @@ def _summarise(methods: list[Method]) -> dict:
     return out
 
 
-def format_report(report: dict) -> str:
+def format_bench_report(report: dict) -> str:
     """The Markdown table (also what the terminal shows)."""
     lines = [f"# speculators bench — {report['target']} on {report['device']} ({report['dtype']}, "
              f"{report['threads']} threads), {report['rows']} rows ({report['rows_per_cohort']} per cohort)", "",

@@ -38,9 +38,9 @@ Output = tuple[str, bool]  # a line to print, and whether it goes to stderr
 TreeFlags = tuple[str | None, int | None, int | None, int | None]  # --tree, --depth, --topk, --budget
 
 
-def _engine(target: str | None, speculator: str | None, device: str, dtype: str, allow_revision_mismatch: bool,
-            tree: TreeFlags | None = None, draft_dtype: str = "auto", ngram_graft: int = DEFAULT_NGRAM_GRAFT,
-            max_len: int | None = None) -> Engine:
+def _command_engine(target: str | None, speculator: str | None, device: str, dtype: str,
+                    allow_revision_mismatch: bool, tree: TreeFlags | None = None, draft_dtype: str = "auto",
+                    ngram_graft: int = DEFAULT_NGRAM_GRAFT, max_len: int | None = None) -> Engine:
     """The engine of a command; `tree`: (kind, depth, topk, budget) flags applied over the drafter's own tree."""
     engine = Engine.from_pretrained(target, None if speculator in (None, "", "none") else speculator, device=device,
                                     dtype=dtype, allow_revision_mismatch=allow_revision_mismatch,
@@ -92,8 +92,8 @@ def generate_command(opts: GenerateOptions) -> Iterator[Output]:
         raise SpeculatorsError(f"--batch must be >= 1, got {opts.batch}")
     tree_config(opts.tree, opts.depth, opts.topk, opts.budget, None)  # the flags' errors before any loading
     rows = _rows(opts)
-    engine = _engine(opts.target, opts.speculator, opts.device, opts.dtype, opts.allow_revision_mismatch,
-                     (opts.tree, opts.depth, opts.topk, opts.budget), opts.draft_dtype, opts.ngram_graft)
+    engine = _command_engine(opts.target, opts.speculator, opts.device, opts.dtype, opts.allow_revision_mismatch,
+                             (opts.tree, opts.depth, opts.topk, opts.budget), opts.draft_dtype, opts.ngram_graft)
     per_cohort: dict[str, dict] = {}
     requests = [dataclasses.replace(params, max_new_tokens=mnt) for _, _, _, mnt in rows]
     if opts.batch > 1:
@@ -162,8 +162,8 @@ def serve_command(opts: ServeOptions, recipe: Recipe | None = None) -> None:
         if not api_key:
             raise SpeculatorsError(f"--api-key-env {config.api_key_env}: that environment variable is unset or "
                                    f"empty; export it, or drop the option to serve without a key")
-    engine = _engine(target, speculator, device, dtype, config.allow_revision_mismatch,
-                     ngram_graft=config.ngram_graft, max_len=config.max_model_len)
+    engine = _command_engine(target, speculator, device, dtype, config.allow_revision_mismatch,
+                             ngram_graft=config.ngram_graft, max_len=config.max_model_len)
     app = create_app(engine, config, api_key=api_key)  # refuses settings that contradict the model's context
     svc = app.state.service
     if config.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

@@ -4,7 +4,7 @@ features + teacher of each batch (offline from feature shards, or online from a 
 What it does:
 - `PreparedSource` (online mode: the prepared/regenerated Arrow rows) and `FeatureSource` (offline mode: a
   `speculators.data.shards.FeatureStore`) give `len`, per-sequence lengths and `sequence(i) -> dict of tensors`.
-- `split_indices`: the train / val split of a source's sequences (`speculators.data.shards.split_indices`, the
+- `train_val_indices`: the train / val split of a source's sequences (`speculators.data.shards.split_side_indices`, the
   split capture uses, for the Arrow rows of online mode too): the copies of one row regenerated at several
   temperatures stay on one side.
 - `BatchPlan`: for epoch e, a seeded shuffle, grouped by length (windows of 16 batches, sorted) so padding stays
@@ -31,15 +31,15 @@ import torch
 from speculators.core.errors import SpeculatorsError
 from speculators.data.artifacts import load_token_dataset
 from speculators.data.features import compute_features
-from speculators.data.shards import split_indices as split
+from speculators.data.shards import split_side_indices as split
 from speculators.train.loss import (
     Teacher,
     TeacherShape,
     VocabMap,
     dense_teacher,
     hidden_teacher,
+    loss_teacher_positions,
     sparse_teacher,
-    teacher_positions,
 )
 
 FLOAT_KEYS = ("taps", "last_hidden", "teacher_topk_logprobs")
@@ -114,7 +114,7 @@ class FeatureSource:
         return self.store.sequence(int(i))
 
 
-def split_indices(source: SequenceSource, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+def train_val_indices(source: SequenceSource, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(train, val) indices of the source's sequences: the same deterministic split capture uses for the features
     (grouped by source row, so the temperature copies of one regenerated row are never on both sides)."""
     ids, n = source.row_ids(), len(source)
@@ -293,7 +293,7 @@ class OfflineFeatures:
             teacher = sparse_teacher(batch["teacher_topk_ids"].to(device), batch["teacher_topk_logprobs"].to(device),
                                      self.vocab, self.shape)
         elif "last_hidden" in batch and self.lm_head is not None:
-            needed = teacher_positions(batch["loss_mask"].to(device), inputs["attention_mask"])  # [B, T]
+            needed = loss_teacher_positions(batch["loss_mask"].to(device), inputs["attention_mask"])  # [B, T]
             teacher = hidden_teacher(batch["last_hidden"].to(device), self.lm_head, self.vocab, shape=self.shape,
                                      needed=needed)
         else:

@@ -49,7 +49,7 @@ POINTER_TMP_RE = re.compile(r"^\..+\.tmp\d+$")  # `write_text_atomic`'s temp of 
 SUMMARY_FILE = "train-summary.json"
 
 
-def remove_dir(path: Path) -> None:
+def remove_checkpoint_dir(path: Path) -> None:
     """Rename out of the way first (to `.trash-<name>-<pid>`, which `clean_partial` removes), then delete: a
     half-deleted dir never keeps a valid-looking name."""
     path = Path(path)
@@ -82,7 +82,7 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     removed = []
     for p in ckpts:
         if p.name not in keep:
-            remove_dir(p)
+            remove_checkpoint_dir(p)
             removed.append(p)
     return removed
 
@@ -200,7 +200,7 @@ class CheckpointWriter:
                                     recipe=recipe, evaluation=evaluation, extra={"training": {"step": step}})
             write_pairing(tmp, record)
             write_text_atomic(tmp / STATE_DIR / TRAINER_STATE, json.dumps(trainer_state, indent=2) + "\n")
-            remove_dir(final)
+            remove_checkpoint_dir(final)
             atomic.replace_dir(tmp, final)  # `final` is gone by now: a plain rename
             write_pointer(self.root, "latest", final)
             if is_best:

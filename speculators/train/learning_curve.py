@@ -71,7 +71,7 @@ def slice_size(n_val: int, total_steps: int, rows_per_step: int, points: int, sh
     return rows, max(min(points, 2), min(points, int(budget // max(rows, 1))))
 
 
-def pick_rows(val: list[int], n: int) -> list[int]:
+def evenly_spaced_rows(val: list[int], n: int) -> list[int]:
     """n held-out rows evenly spaced over the split (the same rows at every point of the curve)."""
     if n >= len(val):
         return list(val)
@@ -141,7 +141,7 @@ def open_curve(recipe: Recipe, setup: Any, num_steps: int, total_steps: int, sta
     n_rows, n_points = slice_size(len(setup.val_idx), total_steps, rows_per_step, t.curve_points, t.curve_share)
     if t.curve_rows is not None:
         n_rows, n_points = min(int(t.curve_rows), len(setup.val_idx)), t.curve_points
-    rows = pick_rows(list(setup.val_idx), n_rows) if t.curve_points > 0 else []
+    rows = evenly_spaced_rows(list(setup.val_idx), n_rows) if t.curve_points > 0 else []
     meta = {"family": recipe.speculator.family, "num_steps": num_steps, "total_steps": total_steps,
             "slice": {"rows": len(rows), "held_out_rows": len(setup.val_idx),
                       "regenerated_at": _regenerated_at(recipe, setup, rows)},

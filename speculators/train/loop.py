@@ -270,7 +270,7 @@ def _open(recipe: Recipe, force: bool) -> _Session:
     # ---- from here on we write ----
     if acc.is_main_process:
         if force and root.exists():
-            ck.remove_dir(root)
+            ck.remove_checkpoint_dir(root)
         ck.clean_partial(root)
     acc.wait_for_everyone()
     module = train_module_class()(spec)

@@ -6,7 +6,7 @@ What it does:
 - `Teacher`: the target's next-token law at every position, restricted and renormalised to the draft vocab, in one
   of two forms: dense probabilities [B, T, Vd] with their sum p log p (from full logits, or recomputed from the
   target's post-norm last hidden state with its `lm_head`, then only at the positions the loss reads:
-  `teacher_positions`), or sparse top-k probabilities [B, T, k] (stored by `capture` with teacher=topk). It also
+  `loss_teacher_positions`), or sparse top-k probabilities [B, T, k] (stored by `capture` with teacher=topk). It also
   keeps the target's greedy token over the FULL vocab, so accuracy counts a miss where the target's choice is
   outside the draft vocab.
 - `TeacherShape`: how the stored teacher becomes the training target: a temperature (the law the draft should match;
@@ -113,7 +113,7 @@ def _dense_law(restricted_logits: torch.Tensor, temperature: float) -> tuple[tor
     return p, torch.xlogy(p, p).sum(-1)  # 0 where p underflows (a -inf logit gives 0 * -inf otherwise)
 
 
-def teacher_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def loss_teacher_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] bool: the positions whose law the loss reads. Step k at t reads the teacher at p = t+1+k and counts
     when token t+2+k = p+1 is a real assistant token (`models.base.step_valid_mask`), whatever k."""
     return step_valid_mask(loss_mask, attention_mask, -1)
@@ -125,7 +125,7 @@ def hidden_teacher(last_hidden: torch.Tensor, lm_head: torch.Tensor, vocab: Voca
 
     One product with the whole lm_head per chunk of positions gives both the full-vocab argmax and the draft-vocab
     columns of the log-probs, so no [B, T, V] float32 tensor is ever materialised for a reduced draft vocab. With
-    `needed` ([B, T] bool, `teacher_positions`) only those positions are computed; the others hold argmax -1 and
+    `needed` ([B, T] bool, `loss_teacher_positions`) only those positions are computed; the others hold argmax -1 and
     NaN probabilities, so a read of one is loud."""
     with torch.no_grad():
         b, t, hdim = last_hidden.shape

@@ -47,7 +47,7 @@ from speculators.models import SPECULATORS, check_family, family_of
 from speculators.models.base import TargetWeights
 from speculators.models.io import read_speculator_config, target_weights
 from speculators.train import checkpoint as ck
-from speculators.train.batches import FeatureSource, PreparedSource, split_indices
+from speculators.train.batches import FeatureSource, PreparedSource, train_val_indices
 
 _NOT_IN_SIGNATURE = {"resume", "trackers", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "log_every",
                      "num_workers", "eval_every", "keep_last", "accelerate_config", "num_processes", "save_every",
@@ -289,7 +289,7 @@ def load_setup(recipe: Recipe, device: Any) -> Setup:
     else:
         taps = SPECULATORS[recipe.speculator.family].capture_request(recipe.capture.layer_ids, n_layers).tap_layer_ids
         layer_ids = list(taps) if taps is not None else None
-    train_idx, val_idx = split_indices(source, recipe.data.val_fraction, recipe.seed)
+    train_idx, val_idx = train_val_indices(source, recipe.data.val_fraction, recipe.seed)
     d2t = checked_draft_vocab(recipe, vocab_size, eos,
                               lambda: _built_d2t(recipe, source, train_idx, vocab_size, tokenizer, eos))
     return Setup(model_config=model_config, weights=weights, fingerprint=fp, tokenizer=tokenizer,

@@ -9,8 +9,9 @@ forward if any, forward, loss, backward, optimizer; evaluation and checkpoint wr
 CPU, max CUDA allocated on GPU), steps, final loss, and the capture time.
 
 `python -m speculators.cli worker-train-bench RECIPE FILE` is the per-family child (`child_main`); it
-writes its result JSON to FILE (`<work dir>/<family>/result.json`), which the parent reads. `bench_command` returns
-the results and their table; it does not parse options or print (cli.py does) and writes only under its work dir.
+writes its result JSON to FILE (`<work dir>/<family>/result.json`), which the parent reads. `train_bench_command`
+returns the results and their table; it does not parse options or print (cli.py does) and writes only under its work
+dir.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _rows_file(source: Path, n: int, out: Path) -> Path:
     return out
 
 
-def bench_command(opts: TrainBenchOptions) -> tuple[list[dict], Table]:
+def train_bench_command(opts: TrainBenchOptions) -> tuple[list[dict], Table]:
     """Run the benchmark `opts` describes; (one result dict per family, the table cli.py prints). The results are
     also written to `<work dir>/train-bench.json`."""
     fams = choices(opts.families, "--families", FAMILIES)

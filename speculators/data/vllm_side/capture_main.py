@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.inputs import TokensPrompt
 
 
-def _engine(cfg: dict) -> LLM:
+def _capture_llm(cfg: dict) -> LLM:
     topk = int(cfg["topk"])
     return LLM(model=cfg["model"], revision=cfg.get("revision"), dtype=cfg["dtype"], seed=int(cfg["seed"]),
                max_model_len=int(cfg["max_model_len"]), enforce_eager=bool(cfg["enforce_eager"]),
@@ -116,7 +116,7 @@ def main() -> int:
     reply = os.fdopen(int(os.environ["CAPTURE_REPLY_FD"]), "w", buffering=1)
     try:
         t0 = time.time()
-        llm = _engine(cfg)
+        llm = _capture_llm(cfg)
         reply.write(json.dumps({"ready": True, "seconds": round(time.time() - t0, 2)}) + "\n")
         for line in sys.stdin:
             if not line.strip():

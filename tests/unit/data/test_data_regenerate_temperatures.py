@@ -17,7 +17,7 @@ from speculators.data import capture, prepare, regenerate, shards
 from speculators.data.schemas import copy_id, source_row_id
 from speculators.data.shards import FeatureStore
 from speculators.data.token_counts import split_counts
-from speculators.train.batches import FeatureSource, PreparedSource, split_indices
+from speculators.train.batches import FeatureSource, PreparedSource, train_val_indices
 
 
 def _recipe(tmp_path, target, run, temperature, n=8):
@@ -55,7 +55,7 @@ def test_each_row_once_per_temperature_and_copies_share_a_split_side(tmp_path, t
     # the split: both copies of a row on one side, in training's online source and in capture's counts
     ds = datasets.load_from_disk(str(mixed.paths.regenerated))
     ids = list(ds["id"])
-    train, val = split_indices(PreparedSource(mixed.paths.regenerated), 0.25, mixed.seed)
+    train, val = train_val_indices(PreparedSource(mixed.paths.regenerated), 0.25, mixed.seed)
     assert sorted(train + val) == list(range(16)) and len(val) == 4  # 2 of 8 source rows
     val_sources = {source_row_id(ids[i]) for i in val}
     assert val_sources.isdisjoint(source_row_id(ids[i]) for i in train) and len(val_sources) == 2
@@ -67,21 +67,21 @@ def test_each_row_once_per_temperature_and_copies_share_a_split_side(tmp_path, t
     capture.run(mixed)
     store = FeatureStore(mixed.paths.features)
     assert store.row_ids() == ids
-    assert split_indices(FeatureSource(store), 0.25, mixed.seed) == (train, val)
+    assert train_val_indices(FeatureSource(store), 0.25, mixed.seed) == (train, val)
     assert store.split("val", 0.25, mixed.seed) == val
 
 
 def test_split_groups_reduce_to_the_plain_split_and_bad_temperature_lists_are_one_line(tmp_path, tiny_llama) -> None:
-    plain = shards.split_indices(20, "val", 0.1, 3)
-    assert shards.split_indices(20, "val", 0.1, 3, [f"r{i}" for i in range(20)]) == plain  # distinct: unchanged
+    plain = shards.split_side_indices(20, "val", 0.1, 3)
+    assert shards.split_side_indices(20, "val", 0.1, 3, [f"r{i}" for i in range(20)]) == plain  # distinct: unchanged
     groups = [f"r{i % 10}" for i in range(20)]
-    val = shards.split_indices(20, "val", 0.1, 3, groups)
+    val = shards.split_side_indices(20, "val", 0.1, 3, groups)
     assert len(val) == 2 and groups[val[0]] == groups[val[1]]
     copies = [copy_id(f"r{i % 10}", 0.0 if i < 10 else 1.0) for i in range(20)]  # ids of two temperature copies
-    assert shards.split_indices(20, "val", 0.1, 3, copies) == val
+    assert shards.split_side_indices(20, "val", 0.1, 3, copies) == val
     assert source_row_id(copy_id("a@T=x", 0.7)) == "a@T=x" and source_row_id("a@T=x") == "a@T=x"
     with pytest.raises(SpeculatorsError, match="3 row ids for 4"):
-        shards.split_indices(4, "val", 0.5, 0, ["a", "b", "c"])
+        shards.split_side_indices(4, "val", 0.5, 0, ["a", "b", "c"])
 
     for bad, message in (([], "non-empty list"), ([1.0, 1.0], "lists a temperature twice")):
         r = _recipe(tmp_path, tiny_llama, f"bad-{len(bad)}", bad)

@@ -33,15 +33,15 @@ def test_group_size_divides_hidden():
 
 def test_teacher_positions_are_those_before_assistant_tokens():
     mask = torch.tensor([0, 0, 1, 1, 0, 1])
-    assert shards.teacher_positions(mask).tolist() == [False, True, True, False, True, False]
+    assert shards.stored_teacher_positions(mask).tolist() == [False, True, True, False, True, False]
 
 
 def test_split_is_deterministic_disjoint_and_complete():
-    tr = shards.split_indices(20, "train", 0.1, 3)
-    va = shards.split_indices(20, "val", 0.1, 3)
+    tr = shards.split_side_indices(20, "train", 0.1, 3)
+    va = shards.split_side_indices(20, "val", 0.1, 3)
     assert len(va) == 2 and sorted(tr + va) == list(range(20))
-    assert va == shards.split_indices(20, "val", 0.1, 3) != shards.split_indices(20, "val", 0.1, 4)
-    assert shards.split_indices(1, "val", 0.1, 0) == [] and len(shards.split_indices(3, "val", 0.01, 0)) == 1
+    assert va == shards.split_side_indices(20, "val", 0.1, 3) != shards.split_side_indices(20, "val", 0.1, 4)
+    assert shards.split_side_indices(1, "val", 0.1, 0) == [] and len(shards.split_side_indices(3, "val", 0.01, 0)) == 1
 
 
 def test_build_vocab_frequency_ties_specials_and_padding():

@@ -18,7 +18,7 @@ from speculators.oracle.cost_model import (
     expected_seconds,
     load_acceptance,
     predict,
-    schedule,
+    predicted_schedule,
 )
 from speculators.oracle.costs import DrafterCosts
 from speculators.runtime.adaptive import AdaptiveDepth
@@ -105,11 +105,13 @@ def test_predict_picks_the_fastest_candidate_and_turns_speculation_off_when_it_l
     assert rows[1]["best"]["depth"] <= rows[0]["best"]["depth"]
     poor = predict(_costs(draft_step=0.02), Acceptance(source="test", chain=[0.2, 0.1]), "eagle3")
     assert all(r["best"]["kind"] == "plain" and r["best"]["speedup"] == 1.0 for r in poor)
-    assert schedule(poor) == [{"start_bs": 1, "end_bs": 512, "measured_at": 1, "k": 0, "tokens_per_unit_cost": 1.0}]
+    assert predicted_schedule(poor) == [{"start_bs": 1, "end_bs": 512, "measured_at": 1, "k": 0,
+                                         "tokens_per_unit_cost": 1.0}]
 
 
 def test_schedule_rows_use_the_export_launch_format() -> None:
-    rows = schedule(predict(_costs(per_token=0.004, batches=(1, 2, 8)), Acceptance("t", [0.9, 0.8, 0.6]), "eagle3"))
+    rows = predicted_schedule(predict(_costs(per_token=0.004, batches=(1, 2, 8)), Acceptance("t", [0.9, 0.8, 0.6]),
+                                      "eagle3"))
     assert rows[0]["start_bs"] == 1 and rows[-1]["end_bs"] == 512
     assert all(set(r) == {"start_bs", "end_bs", "measured_at", "k", "tokens_per_unit_cost"} for r in rows)
     assert all(a["k"] != b["k"] and a["end_bs"] + 1 == b["start_bs"] for a, b in zip(rows, rows[1:], strict=False))
@@ -174,11 +176,11 @@ def test_a_fixed_k_family_gets_its_own_k_or_plain_in_the_vllm_schedule() -> None
     from types import SimpleNamespace
 
     from speculators.models import SPECULATORS
-    from speculators.oracle.profile import vllm_schedule
+    from speculators.oracle.profile import family_schedule
 
     pred = predict(_costs(per_token=0.004, batches=(1, 2, 8)), Acceptance("t", [0.9, 0.8, 0.6]), "eagle3")
-    free = vllm_schedule(pred, SimpleNamespace(num_steps=3, VLLM_FIXED_K=SPECULATORS["eagle3"].VLLM_FIXED_K))
-    assert [r["k"] for r in free] == [r["k"] for r in schedule(pred)] and {r["k"] for r in free} - {0, 3}
+    free = family_schedule(pred, SimpleNamespace(num_steps=3, VLLM_FIXED_K=SPECULATORS["eagle3"].VLLM_FIXED_K))
+    assert [r["k"] for r in free] == [r["k"] for r in predicted_schedule(pred)] and {r["k"] for r in free} - {0, 3}
     for family in ("dflash", "medusa"):
-        fixed = vllm_schedule(pred, SimpleNamespace(num_steps=3, VLLM_FIXED_K=SPECULATORS[family].VLLM_FIXED_K))
+        fixed = family_schedule(pred, SimpleNamespace(num_steps=3, VLLM_FIXED_K=SPECULATORS[family].VLLM_FIXED_K))
         assert {r["k"] for r in fixed} <= {0, 3} and fixed[0]["k"] == 3, (family, fixed)

@@ -238,11 +238,11 @@ def test_context_and_batch_that_do_not_fit_are_refused_at_start(engine: Engine, 
     """serve.max_model_len sizes each running request's KV cache; more caches than memory holds
     (max_batch_size of them) are refused when the app is made, in one line, before any is allocated."""
     from speculators.runtime.forward.memory import available_bytes
-    from speculators.serving.commands import _engine
+    from speculators.serving.commands import _command_engine
 
     with pytest.raises(SpeculatorsError, match="serve.max_model_len must be >= 2"):
         ServeConfig(max_model_len=1).validate()
-    assert _engine(str(tiny_llama), "none", "cpu", "float32", False, max_len=96).max_len == 96
+    assert _command_engine(str(tiny_llama), "none", "cpu", "float32", False, max_len=96).max_len == 96
     too_many = available_bytes("cpu") // engine.runner.cache_bytes(engine.max_len) + 2
     with pytest.raises(SpeculatorsError) as exc:
         create_app(engine, ServeConfig(max_batch_size=too_many, max_concurrent_requests=too_many))

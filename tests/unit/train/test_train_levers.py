@@ -17,8 +17,8 @@ from speculators.train.learning_curve import (
     ROW_COST,
     _replay_rows,
     curve_steps,
+    evenly_spaced_rows,
     open_curve,
-    pick_rows,
     slice_size,
 )
 from tests.unit.train.train_helpers import load, prepare, recipe_dict, write_rows
@@ -40,7 +40,7 @@ def test_curve_steps_and_slice_sizing() -> None:
     assert points == 20 and rows * points * ROW_COST <= 0.05 * 426 * 8
     rows, points = slice_size(n_val=5, total_steps=6, rows_per_step=4, points=20, share=0.05)
     assert rows == 5 and points == 2  # a tiny run: the whole small split, start and end only
-    assert pick_rows(list(range(100, 110)), 3) == [100, 103, 106]
+    assert evenly_spaced_rows(list(range(100, 110)), 3) == [100, 103, 106]
 
 
 def test_cycles_are_replayed_per_assistant_span() -> None:

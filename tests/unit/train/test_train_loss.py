@@ -12,9 +12,9 @@ from speculators.train.loss import (
     VocabMap,
     dense_teacher,
     hidden_teacher,
+    loss_teacher_positions,
     sparse_teacher,
     speculator_loss,
-    teacher_positions,
 )
 
 
@@ -84,7 +84,7 @@ def test_hidden_teacher_equals_dense_teacher_of_the_same_logits() -> None:
 
 
 def test_hidden_teacher_at_the_needed_positions_only_gives_the_same_loss() -> None:
-    """The positions the loss reads (`teacher_positions`) are computed exactly as without the restriction, the
+    """The positions the loss reads (`loss_teacher_positions`) are computed exactly as without the restriction, the
     others are NaN and argmax -1, and the loss, step losses and accuracies are unchanged."""
     torch.manual_seed(3)
     b, t, h_dim, v, k_steps = 2, 9, 6, 13, 3
@@ -92,7 +92,7 @@ def test_hidden_teacher_at_the_needed_positions_only_gives_the_same_loss() -> No
     vocab = VocabMap.build(torch.tensor([0, 2, 3, 5, 8, 9, 12]), v)
     loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 1, 1], [0, 1, 1, 1, 1, 1, 1, 0, 0]])
     attn = torch.tensor([[1] * 9, [1] * 7 + [0, 0]])
-    needed = teacher_positions(loss_mask, attn)
+    needed = loss_teacher_positions(loss_mask, attn)
     assert needed.tolist() == [[False, False, True, True, True, False, True, True, False],
                                [True, True, True, True, True, True, False, False, False]]
     full = hidden_teacher(h, lm, vocab, chunk=4)
