@@ -39,6 +39,7 @@ from speculators.evaluate.report import render_markdown
 from speculators.export.validate import validate_vllm_export
 from speculators.export.vllm import (
     _DTYPES,
+    config_k,
     evaluation_for,
     evaluation_summary,
     export_config,
@@ -153,7 +154,7 @@ def export_mtp(recipe: Recipe, ckpt: Path, family: str, target: Any, fingerprint
         problems = validate_vllm_export(out_dir)
         if problems:
             raise SpeculatorsError(f"stitched MTP export is not vLLM-loadable: {'; '.join(problems[:3])}")
-        k = int(recipe.export.speculative_tokens)
+        k = config_k(spec, recipe)  # the recipe's: MTP fixes no k
         section = "\n".join([
             "## Serving with vLLM", "", "This directory is the target checkpoint with the trained MTP module in "
             f"its native slot (`{info['tensors'][0].rsplit('.', 2)[0]}...`).", "", "```bash",

@@ -152,6 +152,12 @@ def speculator_depth(depth: int, num_steps: int) -> int:
     return min(int(depth), int(num_steps))
 
 
+def vllm_fixed_k(spec: Speculator) -> int | None:
+    """The k vLLM drafts a family's export with when its proposer fixes it (`VLLM_FIXED_K`: the speculator's
+    num_steps tokens per step, DFlash's block, Medusa's heads); None when any k may be served."""
+    return int(spec.num_steps) if getattr(spec, "VLLM_FIXED_K", False) else None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the one loss every family trains with
 
