@@ -8,6 +8,10 @@
 - Every pipeline stage is a module `speculators.<room>.<stage>` with `enabled`, `is_complete` and `run`.
 - No file over 450 lines, no function over 80 lines; no two modules share a file name (bar `__init__`);
   `os.replace` only in the one atomic writer (core/atomic.py).
+- Names are unique by meaning: no two rooms define the same top-level function name (bar the stage contract and
+  `main`); a name is imported from the room that defines it, never through another room's re-export
+  (`speculators.serving` keeps the runtime's names importable for users, not for the package).
+- Docstrings name only module files (`foo.py`, `room/foo.py`) and dotted `speculators.x.y` paths that exist.
 - No import circle between files (every import counts: top level, inside functions, under TYPE_CHECKING).
 - Every `speculators.*` import names a module that exists and, for `from X import name`, a name X defines.
 - Nothing outside cli.py parses arguments (argparse, typer, click, sys.argv).
@@ -21,6 +25,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +41,15 @@ STAGES = {"data", "train", "evaluate", "export", "serving", "oracle", "house"}
 RANK = {"cli": 5, "pipeline": 4, **{s: 3 for s in STAGES}, "runtime": 2, "models": 1, **{s: 0 for s in SHARED}}
 FORBIDDEN_STAGE_EDGES = {(app, stage) for app in ("serving", "oracle") for stage in ("train", "data")}
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
+STAGE_CONTRACT = ("enabled", "is_complete", "run")  # what every stage module defines (pipeline.py's docstring)
+ENTRY_POINTS = ("main",)  # a process's entry (cli.py, data/vllm_side/capture_main.py)
+REPO = Path(__file__).resolve().parents[1]
+# folders (beside the package) and files whose modules a docstring may name
+DOC_FILE_ROOTS = ("scripts", "tests", "serving", "setup.py")
+# files of other projects that docstrings name, never ours
+EXTERNAL_FILES = {
+    "vllm/config/speculative.py",  # vLLM's SpeculativeConfig (export/launch_plan.py: the fields the launch sets)
+}
 ATOMIC_WRITER = "speculators.core.atomic"
 ARGUMENT_PARSERS = ("argparse", "typer", "click", "optparse")
 LAZY_EXTRAS = {"deepspeed", "wandb", "torch.utils.tensorboard", "fastapi", "uvicorn", "starlette", "prometheus_client",
@@ -269,7 +283,8 @@ def test_import_speculators_stays_light(heavy: str) -> None:
 
 def test_the_rules_catch_a_broken_house(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks above are not vacuous: on a copy of the package with a model importing serving, a circle, a module the
-    rooms share left at the root, and an argparse import, each of them fails."""
+    rooms share left at the root, an argparse import, a function name another room defines, a runtime name taken
+    from serving and a docstring naming files that do not exist, each of them fails."""
     copy = tmp_path / "speculators"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "models" / "upward.py").write_text("from speculators.runtime.engine import Engine\n")
@@ -280,6 +295,9 @@ def test_the_rules_catch_a_broken_house(tmp_path: Path, monkeypatch: pytest.Monk
     (copy / "core" / "own_writer.py").write_text("def put(tmp, final):\n    tmp.replace(final)\n")
     (copy / "shared_at_root.py").write_text("LIMIT = 1\n")
     (copy / "core" / "reads_root.py").write_text("from speculators.shared_at_root import LIMIT\n")
+    (copy / "core" / "twin.py").write_text("def enabled():\n    return True\n\n\ndef load_speculator():\n    pass\n")
+    (copy / "core" / "via_serving.py").write_text("from speculators.serving import Engine\n")
+    (copy / "core" / "stale_doc.py").write_text('"""Not here: the model (oracle.py), `speculators.core.gone`."""\n')
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy)
     for fn in (_modules, _tree):
         fn.cache_clear()
@@ -287,7 +305,8 @@ def test_the_rules_catch_a_broken_house(tmp_path: Path, monkeypatch: pytest.Monk
         for check in (test_imports_point_downward_only, test_no_import_circle_between_files,
                       test_every_module_is_in_a_known_room, test_no_import_circle_between_folders,
                       test_only_cli_parses_arguments, test_every_internal_import_resolves, test_imports_sit_at_the_top,
-                      test_one_atomic_writer):
+                      test_one_atomic_writer, test_no_two_rooms_share_a_function_name,
+                      test_names_are_imported_from_their_own_room, test_docstrings_name_files_that_exist):
             with pytest.raises(AssertionError):
                 check()
     finally:
@@ -304,7 +323,7 @@ def test_every_stage_keeps_the_contract() -> None:
             broken.append(f"{stage.name}: no module {stage.module}")
             continue
         defined = _defined_names(stage.module) or set()
-        broken += [f"{stage.module} has no {fn}()" for fn in ("enabled", "is_complete", "run") if fn not in defined]
+        broken += [f"{stage.module} has no {fn}()" for fn in STAGE_CONTRACT if fn not in defined]
     assert not broken, "\n".join(broken)
 
 
@@ -347,3 +366,99 @@ def test_one_atomic_writer() -> None:
                 # Path.replace(target) / Path.rename(target) take one argument (str.replace takes two)
                 calls.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: Path.{node.func.attr}")
     assert not calls, "\n".join(calls)
+
+
+def _room(module: str) -> str:
+    """The room a module lives in: its top-level subpackage (core, data, runtime, ...), 'speculators' for the modules
+    at the package root (cli, pipeline)."""
+    parts = _package(module).split(".")
+    return parts[1] if len(parts) > 1 else "speculators"
+
+
+def test_no_two_rooms_share_a_function_name() -> None:
+    """A top-level function name (public or `_private`) means one thing: two rooms defining the same name either
+    duplicate a helper (merge it into its owner) or mean different things (rename one to say what it computes).
+    Exempt: the stage contract every stage module implements, and a process's `main`."""
+    where: dict[str, set[tuple[str, str]]] = {}
+    for module, path in _modules().items():
+        for node in _tree(module).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and \
+                    node.name not in STAGE_CONTRACT + ENTRY_POINTS:
+                where.setdefault(node.name, set()).add((_room(module), str(path.relative_to(PACKAGE.parent))))
+    shared = {name: sorted(f for _, f in places) for name, places in where.items()
+              if len({room for room, _ in places}) > 1}
+    assert not shared, "function names defined in more than one room:\n" + \
+        "\n".join(f"{name}: {', '.join(files)}" for name, files in sorted(shared.items()))
+
+
+def _reexports(package: str) -> set[str]:
+    """The names a package's `__init__` takes from another room (it re-exports them; it does not own them)."""
+    return {name for base, names, _ in _imports(package) if base in _modules() and _room(base) != _room(package)
+            for name in names if f"{base}.{name}" not in _modules()}
+
+
+def test_names_are_imported_from_their_own_room() -> None:
+    """`from speculators.serving import Engine` works for users (the runtime's names used to live there), but a
+    module of the package imports a name from the room that defines it (`speculators.runtime...`): a re-export is
+    an edge between rooms that says nothing about who owns the name."""
+    packages = {m for m, p in _modules().items() if p.name == "__init__.py"}
+    foreign = {pkg: _reexports(pkg) for pkg in packages}
+    offenders = []
+    for module, path in _modules().items():
+        for base, names, line in _imports(module):
+            if base in foreign and base != module:
+                offenders += [f"{path.relative_to(PACKAGE.parent)}:{line}: {name} through {base} (import it from "
+                              f"the room that defines it)" for name in names if name in foreign[base]]
+    assert not offenders, "\n".join(offenders)
+
+
+def _known_files() -> set[str]:
+    """Every file a docstring may name, as a path relative to the repository: the package's and those under
+    DOC_FILE_ROOTS."""
+    roots = [PACKAGE] + [REPO / r for r in DOC_FILE_ROOTS]
+    files = {p for r in roots for p in ([r] if r.is_file() else r.rglob("*.py"))}
+    files |= set(REPO.glob("*.py"))
+    return {str(p.relative_to(PACKAGE.parent if p.is_relative_to(PACKAGE.parent) else REPO))
+            for p in files if "__pycache__" not in p.parts}
+
+
+# a file name (`oracle.py`, `export/launch_plan.py`); not the tail of a pattern (`<family>_format.py`, `*_model.py`)
+_FILE_MENTION = re.compile(r"(?<![\w./<>*{}-])((?:[\w-]+/)*\w+\.py)\b")
+# a dotted module path; not a format id (`speculators.features/v1`) nor part of another dotted name
+_DOTTED_MENTION = re.compile(r"(?<![\w./-])(speculators(?:\.[A-Za-z_]\w*)+)(?![\w/])")
+
+
+def _stale_dotted(mention: str) -> bool:
+    """Whether `speculators.a.b[.Name[.attr]]` names no module, or a name its module does not define."""
+    parts = mention.split(".")
+    for i in range(len(parts), 1, -1):
+        module = ".".join(parts[:i])
+        if module in _modules():
+            rest = parts[i:]
+            defined = _defined_names(module)
+            return bool(rest) and (len(rest) > 2 or (defined is not None and rest[0] not in defined))
+    return True
+
+
+def test_docstrings_name_files_that_exist() -> None:
+    """A docstring that points at `oracle.py` after it became `cost_model.py`, or at `speculators.x.y` after it moved,
+    sends the reader nowhere. A bare `name.py` must be some file of the repository with that name; `room/name.py` a
+    file whose path ends so; names of other projects' files are listed in EXTERNAL_FILES."""
+    known = _known_files()
+    names = {Path(f).name for f in known}
+    stale = []
+    for module, path in _modules().items():
+        for node in ast.walk(_tree(module)):
+            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            doc = ast.get_docstring(node, clean=False) or ""
+            where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', 1)}"
+            for mention in _FILE_MENTION.findall(doc):
+                if mention in EXTERNAL_FILES:
+                    continue
+                exists = any(f == mention or f.endswith("/" + mention) for f in known) if "/" in mention \
+                    else mention in names
+                if not exists:
+                    stale.append(f"{where}: no file {mention}")
+            stale += [f"{where}: no {m}" for m in _DOTTED_MENTION.findall(doc) if _stale_dotted(m)]
+    assert not stale, "docstrings naming files or modules that do not exist:\n" + "\n".join(stale)

@@ -1,4 +1,4 @@
-"""Live acceptance: the bundled runtime (`speculators.serving.Engine`) generating held-out workload rows.
+"""Live acceptance: the bundled runtime (`speculators.runtime.Engine`) generating held-out workload rows.
 
 `run_live` runs rows through one engine — a speculator or the n-gram drafter with a FIXED drafting tree or chain
 (adaptive depth off, so every cycle drafts what the prediction assumes) — on the already loaded target, and
@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from speculators.core import metrics
 from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import WorkloadRow
-from speculators.serving import Engine
+from speculators.runtime.engine import Engine
 
 
 def pick_rows(rows: Sequence[WorkloadRow], per_cohort: int) -> list[WorkloadRow]:

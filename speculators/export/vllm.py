@@ -16,7 +16,7 @@ dtype rounding, same greedy drafts) before it is moved into place.
 Directory: config.json, model.safetensors, pairing.json (target fingerprint, draft revision, recipe, evaluation
 summary, source checkpoint), report.json / report.md (evaluation of the exported checkpoint + launch choice),
 README.md, launch.sh. Everything is written into a temp dir and renamed into place; pairing.json is written last
-inside it (by stage.py). This module does not train or evaluate.
+inside it (by export.py). This module does not train or evaluate.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from speculators.evaluate.select import checkpoint_family
 from speculators.export import launch_plan as launch
 from speculators.export.validate import validate_vllm_export
 from speculators.export.vllm_consumer import CPU_FIXES
-from speculators.models.base import Speculator, vllm_fixed_k
 from speculators.models.io import digests_match, load_speculator, target_weights, tensor_digest
 
 EXPORT_FORMAT = "speculators.export/v1"
@@ -132,14 +131,6 @@ def export_tensors(spec: Any, weights: Any, dtype: torch.dtype) -> tuple[dict[st
     return out, records
 
 
-def config_k(spec: Speculator, recipe: Recipe) -> int:
-    """The k an export declares (`speculators_config.proposal_methods[0].speculative_tokens`, what `vllm serve DIR`
-    drafts) and launches with when it was not evaluated: the family's fixed k (`vllm_fixed_k`), else the recipe's
-    export.speculative_tokens."""
-    fixed = vllm_fixed_k(spec)
-    return fixed if fixed is not None else int(recipe.export.speculative_tokens)
-
-
 def export_config(spec: Any, family: str, recipe: Recipe, fingerprint: dict, records: dict,
                   source: Path, dtype_name: str) -> dict:
     """The family's vLLM-layout config with the export's values filled in."""
@@ -152,7 +143,8 @@ def export_config(spec: Any, family: str, recipe: Recipe, fingerprint: dict, rec
     cfg["dtype"] = dtype_name
     if "speculators_config" in cfg:  # the vLLM speculators format: self-describing
         sc = cfg["speculators_config"]
-        sc["proposal_methods"][0]["speculative_tokens"] = config_k(spec, recipe)
+        sc["proposal_methods"][0]["speculative_tokens"] = int(spec.num_steps if spec.VLLM_FIXED_K
+                                                              else recipe.export.speculative_tokens)
         sc["default_proposal_method"] = sc["proposal_methods"][0]["proposal_type"]
         sc["verifier"] = {"name_or_path": verifier_name(recipe),
                           "architectures": list(fingerprint.get("architectures") or [])}
@@ -260,10 +252,9 @@ def evaluation_summary(report: dict | None, selection: dict | None, ckpt: Path) 
 
 def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: Any) -> dict:
     """k + schedule from measured tau(k) and measured verify cost (or the recipe's k when not evaluated)."""
-    fixed_k = vllm_fixed_k(spec)  # e.g. vLLM's Medusa proposer drafts exactly num_heads tokens
-    fixed = fixed_k is not None
+    fixed = bool(spec.VLLM_FIXED_K)  # e.g. vLLM's Medusa proposer drafts exactly num_heads tokens
     if report is None:
-        k = config_k(spec, recipe)
+        k = int(spec.num_steps) if fixed else int(recipe.export.speculative_tokens)
         source = ("this family's fixed k (its vLLM proposer drafts the speculator's num_steps tokens per step)"
                   if fixed else "the recipe's export.speculative_tokens")
         return {"k": k, "schedule": [{"start_bs": 1, "end_bs": 512, "measured_at": None, "k": k,
@@ -272,10 +263,10 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
                 "note": f"the exported checkpoint was not evaluated: k is {source} and no batch-size schedule was "
                         "derived (run `speculators evaluate` first)"}
     taus = tau_by_depth(report, recipe.evaluate.select_temperature)
-    allowed = [fixed_k] if fixed_k is not None else None
+    allowed = [int(spec.num_steps)] if fixed else None
+    short = fixed and len(taus) < int(spec.num_steps)
     # evaluated to a depth below the fixed k: tau(depth) is a lower bound of tau(k) (tau never falls with k)
-    bounded = taus + [taus[-1]] * (fixed_k - len(taus)) if fixed_k is not None and len(taus) < fixed_k else taus
-    short = len(bounded) > len(taus)
+    bounded = taus + [taus[-1]] * (int(spec.num_steps) - len(taus)) if short else taus
     max_k = len(bounded)
     cs = sorted(set(int(c) for c in recipe.export.concurrencies))
     if not cs or cs[0] < 1:
@@ -286,7 +277,7 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
     note = f"tau(k) at T={float(recipe.evaluate.select_temperature)} (evaluate.select_temperature)"
     if short:
         note += (f"; evaluated to depth {len(taus)} only (evaluate.depth), below this family's fixed k = "
-                 f"{fixed_k}: k was priced with the lower bound tau(k) >= tau({len(taus)})")
+                 f"{spec.num_steps}: k was priced with the lower bound tau(k) >= tau({len(taus)})")
     if fixed and len({r["k"] for r in rows}) > 1:
         rows, note = launch.without_off_buckets(rows), note + "; " + launch.FIXED_K_NOTE
     k = max(r["k"] for r in rows)
@@ -294,7 +285,7 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
     block = None if fixed else launch.block_choice(
         {t: tau_by_depth(report, float(t)) for t in sampled},
         {t: tau_by_depth(report, float(t), "speculator_block") for t in sampled},
-        k or config_k(spec, recipe))  # k = 0 (speculation off here): the config's k, for the record
+        k or int(recipe.export.speculative_tokens))  # k = 0 (speculation off here): the config's k, for the record
     cycles = {t: e["speculator"] for t, e in report["temperatures"].items()
               if "cycle_starts" in e["speculator"] and "cycle_starts_argmax_drafts" in e["speculator"]}
     drafts = None if fixed else launch.draft_choice(
@@ -305,15 +296,15 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
             "note": note}
 
 
-def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict, declared_k: int) -> str:
+def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict) -> str:
     """Write launch.sh; return the README section that explains it. A speculators-format config (with
-    `speculators_config`) is self-describing: `vllm serve <dir>` works and takes its k from the config, the
-    `declared_k` (`config_k`) it was written with; a config that declares none (Medusa) is described by the plan's k."""
+    `speculators_config`) is self-describing: `vllm serve <dir>` works and takes its k from the config."""
     method = plan["method"]
     target = verifier_name(recipe)
     self_describing = "speculators_config" in config
     fixes = str(CPU_FIXES) if (CPU_FIXES / "sitecustomize.py").is_file() else None
-    shown_k = declared_k if self_describing else plan["k"]
+    config_k = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]) if self_describing \
+        else plan["k"]
     if plan["measured"] is None:
         script = launch.unevaluated_script(target=target, method=method, k=plan["k"], note=plan["note"],
                                            cpu_fixes=fixes)
@@ -329,7 +320,7 @@ def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict
         section = launch.readme_section(export_dir_name=str(recipe.paths.export), target=target, method=method,
                                         k=plan["k"], rows=plan["schedule"], self_describing=self_describing,
                                         measured=plan["measured"], tau_by_depth=plan["tau_by_depth"],
-                                        config_k=shown_k, fixed_k=plan["fixed_k"], block=plan.get("block"),
+                                        config_k=config_k, fixed_k=plan["fixed_k"], block=plan.get("block"),
                                         drafts=plan.get("drafts"))
     write_text_atomic(directory / "launch.sh", script)
     os.chmod(directory / "launch.sh", 0o755)
@@ -380,7 +371,7 @@ def export_vllm(recipe: Recipe, ckpt: Path, family: str, target: Any, fingerprin
     report, selection = evaluation_for(recipe, ckpt)
     summary = evaluation_summary(report, selection, ckpt)
     plan = plan_launch(recipe, spec, report, target.model)
-    section = write_launch_files(out_dir, recipe, plan, config, config_k(spec, recipe))
+    section = write_launch_files(out_dir, recipe, plan, config)
     write_text_atomic(out_dir / "README.md", readme(recipe, family, ckpt, summary, section))
     write_json_atomic(out_dir / "report.json", {"format": EXPORT_FORMAT, "source_checkpoint": str(ckpt),
                                                 "evaluation": report, "launch": plan})

@@ -1,7 +1,8 @@
 """vLLM as the consumer: serve an export with the real vLLM and read the acceptance it measures.
 
-- `find_vllm_python()`: the interpreter of the vLLM environment (`SPECULATORS_VLLM_PYTHON`, else `.venv-vllm/` of
-  the working directory, which `make vllm-env` builds), or None.
+- (not here: core/vllm_env.py) `find_vllm_python()` / `vllm_python(recipe)`: the interpreter of the vLLM environment
+  (the recipe's `vllm.python`, `SPECULATORS_VLLM_PYTHON`, else `.venv-vllm/` of the working directory, which `make
+  vllm-env` builds), or None.
 - `VllmServer`: one vLLM OpenAI server process on 127.0.0.1 — started with the export's own `launch.sh` (the exact
   command `speculators export` wrote), with the short form (`--model <export dir>`) or with a plain target — that
   waits for `/health`, and on failure raises one line quoting vLLM's own error.

@@ -1,4 +1,4 @@
-"""What the bundled runtime costs on this device, measured for the speedup oracle (`oracle.py`).
+"""What the bundled runtime costs on this device, measured for the speedup oracle (`cost_model.py`).
 
 Every figure is the runtime's own code timed on the current device (`timed`: CUDA wall clock, synchronised before
 each reading; on a CPU the process's CPU time, as `export/launch_plan.py` measures, so that other processes sharing the
@@ -15,7 +15,7 @@ interleaved within a repeat so that drifting load hits every size alike (whole s
 Every measurement stops at `deadline` (time.perf_counter() seconds) and says what it skipped; a size that does not
 fit in device memory is recorded as skipped, never an error.
 
-Not here: the model that combines them (oracle.py), building shapes (shapes.py).
+Not here: the model that combines them (cost_model.py), building shapes (shapes.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ Speed does not depend on the weights, so `speculators profile` times a model *sh
   config with random weights (`Speculator.from_target`, on the CPU, as a speculator is loaded), prepared for drafting as the runtime would (`drafters.prepare_for_drafting`: device, drafting dtype). EAGLE-3 gets a reduced draft vocabulary of `draft_vocab_size` ids (32,000 by
   default, the size of published EAGLE-3 heads for Llama-3.1-8B), capped at the target's vocabulary.
 
-Not here: timing (costs.py), the oracle's model (oracle.py). Real checkpoints load through `speculators.core.target`.
+Not here: timing (costs.py), the oracle's model (cost_model.py). Real checkpoints load through
+`speculators.core.target`.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ class CostModel:
     def rate(self, acceptance: list[float], depth: int, kind: str = "") -> float:
         """Expected committed tokens per second of one cycle drafting a `kind` tree to `depth` with per-position
         acceptance a_k (0 = plain decoding): E(depth) / (draft(depth) + cycle(1 + nodes(depth))), E =
-        `simulated_tau`. The ONE formula the adaptive controller and the speedup oracle (`oracle.py`) share."""
+        `simulated_tau`. The ONE formula the adaptive controller and the speedup oracle (`oracle/cost_model.py`)
+        share."""
         if depth == 0:
             return 1.0 / max(self.cycle(1), 1e-9)
         seconds = self.draft_cost(depth, kind) + self.cycle_of(1 + self.draft_nodes(depth, kind), kind)

@@ -8,6 +8,7 @@ The runtime itself moved to `speculators.runtime`; these names stay importable f
 
 from __future__ import annotations
 
-from speculators.runtime import Engine, GenerateOutput, SamplingParams, verify_tree
+from speculators.core.sampling import SamplingParams
+from speculators.runtime import Engine, GenerateOutput, verify_tree
 
 __all__ = ["Engine", "GenerateOutput", "SamplingParams", "verify_tree"]

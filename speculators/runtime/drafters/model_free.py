@@ -1,4 +1,4 @@
-"""The model-free drafters, behind the runtime's drafter protocol (`Drafter`, documented in drafters.py):
+"""The model-free drafters, behind the runtime's drafter protocol (`Drafter`, documented in load.py):
 `NgramDrafter` (prompt lookup: a chain or a small tree of the continuations of earlier matches of the context's
 last n-gram) and `NoDrafter` (plain decoding through the same loop: root-only trees). No models, no I/O.
 """

@@ -13,7 +13,7 @@ small tree. No weights, no training, no probabilities: trees built from these ar
 `TokenBuffer` holds a growing context as a numpy array (amortised appends), so a lookup per cycle does not convert
 the whole context from a list each time.
 
-Not here: the Drafter protocol adapter (drafters.py), suffix trees over past requests, match scoring.
+Not here: the Drafter protocol adapter (model_free.py), suffix trees over past requests, match scoring.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ depends only on the tree and on rows already made, never on a random draw. The f
 chain, `first_child_chain`) can be made by the target forward itself (`Segment.logit_rows`) and handed in as
 `premade` logits: several requests sharing a forward then share that product too (`batching.py`).
 
-Not here: the target forward (target_runner.py), the filter (`sampling.logits_to_probs`), verification (verify.py).
+Not here: the target forward (target_runner.py), the filter (`sampling.logits_to_probs`), verification
+(verify/lossless.py).
 """
 
 from __future__ import annotations
