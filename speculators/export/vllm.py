@@ -43,6 +43,7 @@ from speculators.evaluate.select import checkpoint_family
 from speculators.export import launch_plan as launch
 from speculators.export.validate import validate_vllm_export
 from speculators.export.vllm_consumer import CPU_FIXES
+from speculators.models.base import Speculator, vllm_fixed_k
 from speculators.models.io import digests_match, load_speculator, target_weights, tensor_digest
 
 EXPORT_FORMAT = "speculators.export/v1"
@@ -131,6 +132,14 @@ def export_tensors(spec: Any, weights: Any, dtype: torch.dtype) -> tuple[dict[st
     return out, records
 
 
+def config_k(spec: Speculator, recipe: Recipe) -> int:
+    """The k an export declares (`speculators_config.proposal_methods[0].speculative_tokens`, what `vllm serve DIR`
+    drafts) and launches with when it was not evaluated: the family's fixed k (`vllm_fixed_k`), else the recipe's
+    export.speculative_tokens."""
+    fixed = vllm_fixed_k(spec)
+    return fixed if fixed is not None else int(recipe.export.speculative_tokens)
+
+
 def export_config(spec: Any, family: str, recipe: Recipe, fingerprint: dict, records: dict,
                   source: Path, dtype_name: str) -> dict:
     """The family's vLLM-layout config with the export's values filled in."""
@@ -143,8 +152,7 @@ def export_config(spec: Any, family: str, recipe: Recipe, fingerprint: dict, rec
     cfg["dtype"] = dtype_name
     if "speculators_config" in cfg:  # the vLLM speculators format: self-describing
         sc = cfg["speculators_config"]
-        sc["proposal_methods"][0]["speculative_tokens"] = int(spec.num_steps if spec.VLLM_FIXED_K
-                                                              else recipe.export.speculative_tokens)
+        sc["proposal_methods"][0]["speculative_tokens"] = config_k(spec, recipe)
         sc["default_proposal_method"] = sc["proposal_methods"][0]["proposal_type"]
         sc["verifier"] = {"name_or_path": verifier_name(recipe),
                           "architectures": list(fingerprint.get("architectures") or [])}
@@ -252,9 +260,10 @@ def evaluation_summary(report: dict | None, selection: dict | None, ckpt: Path) 
 
 def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: Any) -> dict:
     """k + schedule from measured tau(k) and measured verify cost (or the recipe's k when not evaluated)."""
-    fixed = bool(spec.VLLM_FIXED_K)  # e.g. vLLM's Medusa proposer drafts exactly num_heads tokens
+    fixed_k = vllm_fixed_k(spec)  # e.g. vLLM's Medusa proposer drafts exactly num_heads tokens
+    fixed = fixed_k is not None
     if report is None:
-        k = int(spec.num_steps) if fixed else int(recipe.export.speculative_tokens)
+        k = config_k(spec, recipe)
         source = ("this family's fixed k (its vLLM proposer drafts the speculator's num_steps tokens per step)"
                   if fixed else "the recipe's export.speculative_tokens")
         return {"k": k, "schedule": [{"start_bs": 1, "end_bs": 512, "measured_at": None, "k": k,
@@ -263,10 +272,10 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
                 "note": f"the exported checkpoint was not evaluated: k is {source} and no batch-size schedule was "
                         "derived (run `speculators evaluate` first)"}
     taus = tau_by_depth(report, recipe.evaluate.select_temperature)
-    allowed = [int(spec.num_steps)] if fixed else None
-    short = fixed and len(taus) < int(spec.num_steps)
+    allowed = [fixed_k] if fixed_k is not None else None
     # evaluated to a depth below the fixed k: tau(depth) is a lower bound of tau(k) (tau never falls with k)
-    bounded = taus + [taus[-1]] * (int(spec.num_steps) - len(taus)) if short else taus
+    bounded = taus + [taus[-1]] * (fixed_k - len(taus)) if fixed_k is not None and len(taus) < fixed_k else taus
+    short = len(bounded) > len(taus)
     max_k = len(bounded)
     cs = sorted(set(int(c) for c in recipe.export.concurrencies))
     if not cs or cs[0] < 1:
@@ -277,7 +286,7 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
     note = f"tau(k) at T={float(recipe.evaluate.select_temperature)} (evaluate.select_temperature)"
     if short:
         note += (f"; evaluated to depth {len(taus)} only (evaluate.depth), below this family's fixed k = "
-                 f"{spec.num_steps}: k was priced with the lower bound tau(k) >= tau({len(taus)})")
+                 f"{fixed_k}: k was priced with the lower bound tau(k) >= tau({len(taus)})")
     if fixed and len({r["k"] for r in rows}) > 1:
         rows, note = launch.without_off_buckets(rows), note + "; " + launch.FIXED_K_NOTE
     k = max(r["k"] for r in rows)
@@ -285,7 +294,7 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
     block = None if fixed else launch.block_choice(
         {t: tau_by_depth(report, float(t)) for t in sampled},
         {t: tau_by_depth(report, float(t), "speculator_block") for t in sampled},
-        k or int(recipe.export.speculative_tokens))  # k = 0 (speculation off here): the config's k, for the record
+        k or config_k(spec, recipe))  # k = 0 (speculation off here): the config's k, for the record
     cycles = {t: e["speculator"] for t, e in report["temperatures"].items()
               if "cycle_starts" in e["speculator"] and "cycle_starts_argmax_drafts" in e["speculator"]}
     drafts = None if fixed else launch.draft_choice(
@@ -296,15 +305,15 @@ def plan_launch(recipe: Recipe, spec: Any, report: dict | None, target_model: An
             "note": note}
 
 
-def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict) -> str:
+def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict, declared_k: int) -> str:
     """Write launch.sh; return the README section that explains it. A speculators-format config (with
-    `speculators_config`) is self-describing: `vllm serve <dir>` works and takes its k from the config."""
+    `speculators_config`) is self-describing: `vllm serve <dir>` works and takes its k from the config, the
+    `declared_k` (`config_k`) it was written with; a config that declares none (Medusa) is described by the plan's k."""
     method = plan["method"]
     target = verifier_name(recipe)
     self_describing = "speculators_config" in config
     fixes = str(CPU_FIXES) if (CPU_FIXES / "sitecustomize.py").is_file() else None
-    config_k = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]) if self_describing \
-        else plan["k"]
+    shown_k = declared_k if self_describing else plan["k"]
     if plan["measured"] is None:
         script = launch.unevaluated_script(target=target, method=method, k=plan["k"], note=plan["note"],
                                            cpu_fixes=fixes)
@@ -320,7 +329,7 @@ def write_launch_files(directory: Path, recipe: Recipe, plan: dict, config: dict
         section = launch.readme_section(export_dir_name=str(recipe.paths.export), target=target, method=method,
                                         k=plan["k"], rows=plan["schedule"], self_describing=self_describing,
                                         measured=plan["measured"], tau_by_depth=plan["tau_by_depth"],
-                                        config_k=config_k, fixed_k=plan["fixed_k"], block=plan.get("block"),
+                                        config_k=shown_k, fixed_k=plan["fixed_k"], block=plan.get("block"),
                                         drafts=plan.get("drafts"))
     write_text_atomic(directory / "launch.sh", script)
     os.chmod(directory / "launch.sh", 0o755)
@@ -371,7 +380,7 @@ def export_vllm(recipe: Recipe, ckpt: Path, family: str, target: Any, fingerprin
     report, selection = evaluation_for(recipe, ckpt)
     summary = evaluation_summary(report, selection, ckpt)
     plan = plan_launch(recipe, spec, report, target.model)
-    section = write_launch_files(out_dir, recipe, plan, config)
+    section = write_launch_files(out_dir, recipe, plan, config, config_k(spec, recipe))
     write_text_atomic(out_dir / "README.md", readme(recipe, family, ckpt, summary, section))
     write_json_atomic(out_dir / "report.json", {"format": EXPORT_FORMAT, "source_checkpoint": str(ckpt),
                                                 "evaluation": report, "launch": plan})
