@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from speculators.core.config import TREE_KINDS  # what `propose_tree` builds (TreeConfig.kind)
 from speculators.core.errors import SpeculatorsError
 from speculators.core.sampling import SamplingParams, logits_to_probs, sample, sample_without_replacement
 from speculators.core.trees import SAMPLED_MODES, DraftTree, tree_verify_mode, verify_mode
@@ -55,8 +56,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TREE_KINDS", "propose_tree", "build_chain", "build_dynamic_tree", "build_sampled_tree",
            "build_best_first_tree", "sampled_tree_widths", "root_only", "tree_verify_mode", "to_target_logits"]
-
-TREE_KINDS = ("dynamic", "static", "chain", "sampled", "best_first")  # what `propose_tree` builds (TreeConfig.kind)
 
 
 def root_only(root_token: int, sampling: SamplingParams, kind: str = "dynamic") -> DraftTree:

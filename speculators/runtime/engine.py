@@ -52,13 +52,12 @@ from typing import Any
 
 import torch
 
-from speculators.core.config import DEFAULT_NGRAM_GRAFT, TargetConfig, TreeConfig
+from speculators.core.config import DEFAULT_NGRAM_GRAFT, TREE_KINDS, TargetConfig, TreeConfig
 from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import AcceptanceStats
 from speculators.core.sampling import SamplingParams, logits_to_probs
 from speculators.core.target import eos_token_ids, load_target
 from speculators.core.trees import SAMPLED_KINDS, DraftTree, ancestor_mask, verify_mode
-from speculators.models.drafting import TREE_KINDS
 from speculators.runtime.acceptance_memory import AcceptanceMemory
 from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.cycle_steps import (
