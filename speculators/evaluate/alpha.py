@@ -12,7 +12,7 @@ fixed seed otherwise), so feeding it as the teacher-forced input simulates the c
   `core.sampling.logits_to_probs` of both laws (same temperature / top-k / top-p).
 - `speculator_block_alpha` (sampling only): the same laws judged by block verification of the sampled chain
   (`metrics.block_alpha`: per-depth ratios of the block reach, summarised like alpha).
-- `ngram_alpha`: the n-gram (prompt lookup) proposal of `serving.ngram.ngram_propose` is a deterministic draft;
+- `ngram_alpha`: the n-gram (prompt lookup) proposal (the served `NgramDrafter.lookup`) is a deterministic draft;
   it is accepted with probability p(x) (= `sampled_alpha(p, onehot(x))`), which for T=0 is 1[x == argmax p].
 - `summarize`: `metrics.chain_reach` -> `per_position_from_reach` -> `simulated_tau`, plus tau at every depth.
 

@@ -7,7 +7,7 @@ For every row of `recipe.evaluate.workloads` and every temperature in `recipe.ev
      speculator asks for (`required_features()`) and the teacher logits;
   3. every checkpoint's `forward_train` gives per-step draft logits, scored per position and depth by
      `alpha.speculator_alpha` (and at T > 0 by `alpha.speculator_block_alpha`: block verification of the same sampled
-     chain); the n-gram baseline (`serving.ngram.ngram_propose`) by `alpha.ngram_alpha`;
+     chain); the n-gram baseline (the served prompt lookup, `NgramDrafter.lookup`) by `alpha.ngram_alpha`;
   4. per cohort: chain reach -> a_k -> simulated tau (`speculators.core.metrics`, via `alpha.summarize`).
 Then `select.choose_best` picks the highest mean simulated tau at `evaluate.select_temperature`, the bundled
 runtime measures live acceptance of that checkpoint and of the n-gram drafter (`evaluate.live`), and the stage
@@ -27,8 +27,9 @@ Report record (eval/<step>/report.json, format "speculators.eval/v1"): checkpoin
 eval_key (what the numbers depend on: target revision, rows, temperatures, depth, seed), target, workloads,
 rows, cohorts, depth (evaluate.depth), speculator_depth (min(depth, K)), temperatures {"<T>": {"speculator":
 summary, "speculator_block": summary of block verification (T > 0 only), "ngram": summary at the speculator's depth
-(the fair comparison), "ngram_full_depth": summary at evaluate.depth}} where summary = {"cohorts": {cohort: {rows, positions, per_position_acceptance, chain_reach,
-simulated_tau, tau_by_depth}}, "overall": pooled, "mean_tau": mean over cohorts}, live (or null), loss,
+with its "cycle_starts" (the fair comparison: the same positions and depth as the speculator's), "ngram_full_depth":
+summary at evaluate.depth}} where summary = {"cohorts": {cohort: {rows, positions, per_position_acceptance,
+chain_reach, simulated_tau, tau_by_depth}}, "overall": pooled, "mean_tau": mean over cohorts}, live (or null), loss,
 continuation_backend (who wrote the continuations), runtime_unavailable (why the runtime cannot run the target, or
 null).
 
@@ -62,6 +63,7 @@ from speculators.evaluate.agreement import serving_agreement
 from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
 from speculators.evaluate.drafts import draft_logits
 from speculators.evaluate.live import pick_rows
+from speculators.evaluate.replay import CycleCounts, proposer_chain_weights, replay_chain
 from speculators.evaluate.report import write_checkpoint_report, write_overview
 from speculators.evaluate.select import (
     SELECTION_FORMAT,
@@ -70,11 +72,11 @@ from speculators.evaluate.select import (
     choose_best,
     selection_record,
 )
-from speculators.evaluate.tally import CeilingTally, SpeculatorTally
+from speculators.evaluate.tally import CeilingTally, SpeculatorTally, cycle_summary
 from speculators.evaluate.teacher import EvalSequence, continuations, crosscheck_record, teacher_pass
 from speculators.models.base import speculator_depth
 from speculators.models.io import load_speculator, target_weights
-from speculators.runtime.drafters.ngram import ngram_propose
+from speculators.runtime.drafters.model_free import NgramDrafter
 from speculators.runtime.forward import support as runtime_support
 
 EVAL_FORMAT = "speculators.eval/v1"
@@ -159,6 +161,11 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
     block_acc = {name: {temperature_key(t): AlphaAccumulator(depths[name]) for t in sequences if t > 0}
                  for name in specs}
     ngram_acc = {temperature_key(t): AlphaAccumulator(depth) for t in sequences}
+    # the n-gram at a server's cycle starts, at each speculator's depth and at evaluate.depth: {T: {d: {cohort: ..}}}
+    ngram_depths = sorted({depth, *depths.values()})
+    lookup = NgramDrafter().lookup  # the prompt lookup the runtime serves (its n-gram lengths)
+    ngram_cycles: dict[str, dict[int, dict[str, CycleCounts]]] = {
+        temperature_key(t): {d: {} for d in ngram_depths} for t in sequences}
     bar = tqdm(total=sum(len(v) for v in sequences.values()), desc="teacher-forced acceptance", unit="seq",
                disable=not progress)
     for t, seqs in sequences.items():
@@ -175,14 +182,28 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
                     block_acc[name][temperature_key(t)].add(seq.row.cohort, *speculator_block_alpha(
                         steps, teacher_logits, spec.draft_to_target.cpu(), seq.prompt_len, params, depths[name]))
             ceilings.add(seq, teacher_logits, t)
-            alpha, valid = ngram_alpha(seq.token_ids, teacher_logits, seq.prompt_len, params, depth, ngram_propose)
+            alpha, valid = ngram_alpha(seq.token_ids, teacher_logits, seq.prompt_len, params, depth, lookup)
             ngram_acc[temperature_key(t)].add(seq.row.cohort, alpha, valid)
+            w = proposer_chain_weights(seq.token_ids, seq.prompt_len, max(ngram_depths), lookup)  # [N, D]
+            for d, store in ngram_cycles[temperature_key(t)].items():
+                counts = replay_chain(w[:, :d], seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, d)
+                store.setdefault(seq.row.cohort, CycleCounts(d)).merge(counts)
             bar.update(1)
     bar.close()
     sums = {name: {temperature_key(t): tally.summary(temperature_key(t), ceilings) for t in sequences}
             for name, tally in tallies.items()}
     return (sums, {name: {t: a.summary() for t, a in accs.items()} for name, accs in block_acc.items()},
-            {t: a.summary() for t, a in ngram_acc.items()}, depths)
+            {t: {**a.summary(), "cycle_starts_by_depth": {str(d): cycle_summary(c)
+                                                          for d, c in ngram_cycles[t].items()}}
+             for t, a in ngram_acc.items()}, depths)
+
+
+def ngram_at_depth(summary: dict, depth: int) -> dict:
+    """The n-gram entry of one temperature at a speculator's depth: every position (`truncate`) and a server's
+    cycle starts ("cycle_starts", the same walk as the speculator's), so both drafters are compared at the same
+    positions and depth."""
+    cyc = (summary.get("cycle_starts_by_depth") or {}).get(str(depth))
+    return {**truncate(summary, depth), **({"cycle_starts": cyc} if cyc is not None else {})}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -244,7 +265,7 @@ def run(recipe: Recipe, *, force: bool = False, progress: bool = True) -> dict:
                 "speculator_depth": depths[c.name],
                 "temperatures": {t: {"speculator": spec_sums[c.name][t],
                                      **({"speculator_block": block_sums[c.name][t]} if t in block_sums[c.name] else {}),
-                                     "ngram": truncate(ngram_sums[t], depths[c.name]),
+                                     "ngram": ngram_at_depth(ngram_sums[t], depths[c.name]),
                                      "ngram_full_depth": ngram_sums[t]}
                                  for t in spec_sums[c.name]},
                 "live": None, "live_rows_per_cohort": None, "loss": checkpoint_loss(c),

@@ -170,6 +170,25 @@ def _committed_if(cap: int, room: int) -> list[float]:
     return [float(n) if (cap == room and n == cap) else float(n + 1) for n in range(cap + 1)]
 
 
+def proposer_chain_weights(token_ids: Sequence[int], prompt_len: int, depth: int,
+                           propose: Callable[[list[int], int], Sequence[int]]) -> torch.Tensor:
+    """w [N, depth] of a deterministic proposer of token ids (n-gram prompt lookup) for the cycle roots of
+    `chain_weights`: at root x[t+1] it proposes from the committed context x[:t+2], and its depth-k token is
+    accepted iff it equals the continuation's x[t+1+k]. Exact at T = 0; at T > 0 the continuation is the target's
+    draw and a deterministic draft is accepted iff the draw equals it, so the indicator has the serving law. A
+    proposal shorter than `depth` (or none) rejects at its end; depths past the sequence get 0."""
+    ids = [int(t) for t in token_ids]
+    total = len(ids)
+    pos = cycle_roots(total, prompt_len)  # [N]
+    w = torch.zeros(pos.shape[0], depth, dtype=torch.float64)  # [N, D]
+    for n, t in enumerate(pos.tolist()):
+        for k, tok in enumerate(list(propose(ids[: t + 2], depth))[:depth], start=1):
+            if t + 1 + k > total - 1 or int(tok) != ids[t + 1 + k]:
+                break
+            w[n, k - 1] = 1.0
+    return w
+
+
 def replay_chain(w: torch.Tensor, prompt_len: int, total_len: int, max_new_tokens: int, depth: int,
                  as_vllm: bool = False) -> CycleCounts:
     """Expected cycles of a depth-`depth` chain over one sequence from `chain_weights` (see the module docstring).

@@ -68,8 +68,11 @@ def render_markdown(report: dict) -> str:
         cyc = (spec.get("cycle_starts") or {}).get("cohorts") or {}
         head = ["cohort", "rows", "positions", *[f"a_{k}" for k in range(1, depth + 1)], "tau",
                 *(["block tau"] if block else []), "n-gram tau"]
+        ngram_cyc = ngram.get("cycle_starts") or {}
         if cyc:
             head += ["tau at cycle starts"]
+        if ngram_cyc:
+            head += ["n-gram tau at cycle starts"]
         if lv:
             head += ["live tau (tree)", "live a_k", "live n-gram tau"]
         lines += [f"## T = {t}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -87,6 +90,9 @@ def render_markdown(report: dict) -> str:
             if cyc:
                 src = (spec.get("cycle_starts") or {}).get("overall") if c == "overall" else cyc.get(c)
                 row.append(_fmt((src or {}).get("tau")))
+            if ngram_cyc:
+                src = ngram_cyc.get("overall") if c == "overall" else (ngram_cyc.get("cohorts") or {}).get(c)
+                row.append(_fmt((src or {}).get("tau")))
             if lv:
                 ls = (lv.get("speculator") or {}).get(c) or {}
                 ln = (lv.get("ngram_live") or lv.get("ngram") or {}).get(c) or {}
@@ -96,7 +102,8 @@ def render_markdown(report: dict) -> str:
         lines += ["", f"Mean over cohorts: speculator tau **{_fmt(spec['mean_tau'])}** (every position)"
                       + (f", block verification {_fmt(block['mean_tau'])}" if block else "")
                       + f", {_fmt((spec.get('cycle_starts') or {}).get('mean_tau'))} at cycle starts; n-gram tau "
-                      f"{_fmt(ngram['mean_tau'])}.", ""]
+                      f"{_fmt(ngram['mean_tau'])}"
+                      + (f", {_fmt(ngram_cyc.get('mean_tau'))} at cycle starts" if ngram_cyc else "") + ".", ""]
         if spec.get("ceilings"):
             ceil = ", ".join(f"{name.replace('_', ' ')} {_fmt(c['mean_tau'])}" for name, c in spec["ceilings"].items())
             argmax = (spec.get("cycle_starts_argmax_drafts") or {}).get("mean_tau")
@@ -258,10 +265,17 @@ def render_overview(selection: dict, reports: dict[str, dict]) -> str:
     lines += ["", f"Per-cohort tables of the best checkpoint: `eval/{selection['best']}/report.md`.", ""]
     summary = selection["summary"].get(temperature_key(t))
     if summary:
-        lines += [f"## Best checkpoint at T = {t}", "", "| cohort | speculator tau | n-gram tau |", "|---|---|---|"]
+        cyc, ncyc = summary.get("cycle_tau") or {}, summary.get("ngram_cycle_tau") or {}
+        lines += [f"## Best checkpoint at T = {t}", "",
+                  "Every position / a server's cycle starts (the positions serving drafts at), both drafters at the "
+                  "speculator's depth.", "",
+                  "| cohort | speculator tau | n-gram tau | speculator tau at cycle starts | n-gram tau at cycle starts |",
+                  "|---|---|---|---|---|"]
         for c, v in summary["tau"].items():
-            lines.append(f"| {c} | {_fmt(v)} | {_fmt(summary['ngram_tau'].get(c))} |")
-        lines.append(f"| **mean** | **{_fmt(summary['mean_tau'])}** | {_fmt(summary['ngram_mean_tau'])} |")
+            lines.append(f"| {c} | {_fmt(v)} | {_fmt(summary['ngram_tau'].get(c))} | {_fmt(cyc.get(c))} | "
+                         f"{_fmt(ncyc.get(c))} |")
+        lines.append(f"| **mean** | **{_fmt(summary['mean_tau'])}** | {_fmt(summary['ngram_mean_tau'])} | "
+                     f"**{_fmt(summary.get('cycle_mean_tau'))}** | {_fmt(summary.get('ngram_cycle_mean_tau'))} |")
     lines += _side_by_side(selection)
     return "\n".join(lines)
 
@@ -288,11 +302,11 @@ def _side_by_side(selection: dict) -> list[str]:
         for c in mine["tau"]:
             cells = [f"{_fmt(mine['tau'][c])} / {_fmt(mine['cycle_tau'].get(c))}",
                      *(f"{_fmt(b.get('tau', {}).get(c))} / {_fmt(b.get('cycle_tau', {}).get(c))}" for b in theirs),
-                     _fmt(mine["ngram_tau"].get(c))]
+                     f"{_fmt(mine['ngram_tau'].get(c))} / {_fmt((mine.get('ngram_cycle_tau') or {}).get(c))}"]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         cells = [f"{_fmt(mine['mean_tau'])} / {_fmt(mine['cycle_mean_tau'])}",
                  *(f"{_fmt(b.get('mean_tau'))} / {_fmt(b.get('cycle_mean_tau'))}" for b in theirs),
-                 _fmt(mine["ngram_mean_tau"])]
+                 f"{_fmt(mine['ngram_mean_tau'])} / {_fmt(mine.get('ngram_cycle_mean_tau'))}"]
         lines.append("| **mean** | " + " | ".join(f"**{x}**" for x in cells) + " |")
     return lines
 

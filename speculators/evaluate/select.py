@@ -77,7 +77,10 @@ def selection_record(reports: dict[str, dict], best: str, temperature: float, ch
                    "ngram_mean_tau": e["ngram"]["mean_tau"],
                    "cycle_tau": {c: s["tau"] for c, s in
                                  ((e["speculator"].get("cycle_starts") or {}).get("cohorts") or {}).items()},
-                   "cycle_mean_tau": (e["speculator"].get("cycle_starts") or {}).get("mean_tau")}
+                   "cycle_mean_tau": (e["speculator"].get("cycle_starts") or {}).get("mean_tau"),
+                   "ngram_cycle_tau": {c: s["tau"] for c, s in
+                                       ((e["ngram"].get("cycle_starts") or {}).get("cohorts") or {}).items()},
+                   "ngram_cycle_mean_tau": (e["ngram"].get("cycle_starts") or {}).get("mean_tau")}
                for t, e in best_rep["temperatures"].items()}
     return {
         "format": SELECTION_FORMAT,

@@ -14,7 +14,7 @@ from speculators.core.config import TreeConfig
 from speculators.core.errors import SpeculatorsError
 from speculators.core.trees import DraftTree, verify_mode
 from speculators.models.base import FeatureRequest
-from speculators.runtime.drafters.ngram import ngram_continuations
+from speculators.runtime.drafters.ngram import ngram_continuations, ngram_propose
 
 if TYPE_CHECKING:
     from speculators.core.sampling import SamplingParams
@@ -72,6 +72,11 @@ class NgramDrafter:
         if not 1 <= min_ngram <= max_ngram:
             raise SpeculatorsError(f"n-gram drafter needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        """The chain of up to k tokens this drafter proposes after `context` (the root included): what evaluation
+        scores as the n-gram baseline, so that it is the prompt lookup a server runs."""
+        return ngram_propose(context, k, self.max_ngram, self.min_ngram)
 
     def required_features(self) -> FeatureRequest:
         return FeatureRequest(tap_layer_ids=None, last_hidden=False)

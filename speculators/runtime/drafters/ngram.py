@@ -1,9 +1,9 @@
 """N-gram (prompt lookup) drafting: propose what followed an earlier occurrence of the context's suffix.
 
-`ngram_propose(context, k)` is the pure proposal rule (the evaluator uses it for the n-gram baseline's
-teacher-forced acceptance): for n = max_ngram down to min_ngram, find the MOST RECENT earlier occurrence of
-the last n tokens of `context` that is followed by at least one token, and return up to k tokens that
-followed it. Longer suffixes win; [] when no suffix of length >= min_ngram recurs.
+`ngram_propose(context, k)` is the pure proposal rule (the evaluator scores it at the served drafter's n-gram
+lengths, `NgramDrafter.lookup`, for the n-gram baseline): for n = max_ngram down to min_ngram, find the MOST RECENT
+earlier occurrence of the last n tokens of `context` that is followed by at least one token, and return up to k
+tokens that followed it. Longer suffixes win; [] when no suffix of length >= min_ngram recurs.
 
 `ngram_continuations(context, k, max_ngram, min_ngram, num)` returns up to `num` such continuations with
 distinct first tokens (most recent match first, at the longest matching n), from which a drafter builds a

@@ -21,8 +21,17 @@ from speculators.core.config import TreeConfig
 from speculators.core.metrics import AcceptanceStats
 from speculators.core.sampling import SamplingParams
 from speculators.core.trees import DraftTree
-from speculators.evaluate.replay import CycleCounts, chain_weights, replay_chain, replay_drafter, tau_interval
+from speculators.evaluate.replay import (
+    CycleCounts,
+    chain_weights,
+    proposer_chain_weights,
+    replay_chain,
+    replay_drafter,
+    tau_interval,
+)
 from speculators.models.base import FeatureRequest
+from speculators.runtime.drafters.model_free import NgramDrafter
+from speculators.runtime.drafters.ngram import ngram_propose
 from speculators.runtime.engine import Engine
 from tests.unit.runtime.runtime_helpers import loaded_target
 
@@ -160,3 +169,32 @@ def test_tau_interval_holds_the_measured_tau() -> None:
         s.record(accepted, drafted_depth=3, verified_nodes=3)
     lo, hi = tau_interval(s, 3)
     assert lo < s.tau < hi and hi - lo < 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ngram_weights_at_cycle_starts_equal_the_served_prompt_lookup(tiny_llama, temperature) -> None:
+    """`proposer_chain_weights` of the served lookup (`NgramDrafter.lookup`) walked by `replay_chain` gives the live
+    engine's counters with the n-gram drafter on a fixed chain (the evaluator's "n-gram tau at cycle starts"), at
+    T = 0 and on a T = 1 sample; a proposer with other n-gram lengths (the old baseline, min_ngram 1) does not."""
+    target = loaded_target(str(tiny_llama))
+    drafter = NgramDrafter()
+    prompt = [5, 17, 33, 2, 9, 41, 5, 17, 33, 2]
+    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=5)
+    depth = 4
+    engine = Engine(target, drafter, tree=TreeConfig(kind="chain", depth=depth, topk=1, budget=depth), adaptive=False)
+    live = engine.generate(prompt, params)
+    ids = prompt + live.token_ids
+    w = proposer_chain_weights(ids, len(prompt), depth, drafter.lookup)  # [N, depth]
+    counts = replay_chain(w, len(prompt), len(ids), params.max_new_tokens, depth)
+    stats = live.stats.acceptance
+    # the same cycles and the same accepted drafts per depth (the engine counts an attempt only where the lookup
+    # found a proposal, the replay at every cycle start: a_k's denominators differ, tau does not)
+    assert (counts.calls, counts.committed) == (stats.target_calls, stats.committed_tokens)
+    assert counts.accepts == [float(a) for a in stats.accepts[:depth]]
+    assert stats.attempts[0] > 0  # the lookup proposed
+    if temperature > 0:
+        return
+    assert sum(stats.accepts) > 0  # and was accepted somewhere (not a vacuous match)
+    loose = replay_chain(proposer_chain_weights(ids, len(prompt), depth, lambda c, k: ngram_propose(c, k)),
+                         len(prompt), len(ids), params.max_new_tokens, depth)
+    assert (loose.attempts, loose.accepts) != (counts.attempts, counts.accepts)

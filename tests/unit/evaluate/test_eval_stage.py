@@ -93,6 +93,13 @@ def test_every_family_goes_through_the_same_evaluator(tmp_path: Path, tiny_llama
     assert all(len(c["per_position_acceptance"]) == 3 for c in full["cohorts"].values())
     for name, c in ngram["cohorts"].items():
         assert c["simulated_tau"] == full["cohorts"][name]["tau_by_depth"][1]
+    # the n-gram at a server's cycle starts too, at the speculator's depth: the same positions as the speculator's
+    cyc, spec_cyc = ngram["cycle_starts"], spec["cycle_starts"]
+    assert cyc["cohorts"].keys() == spec_cyc["cohorts"].keys() and len(cyc["overall"]["attempts"]) == 2
+    assert all(1.0 <= c["tau"] <= 3.0 for c in cyc["cohorts"].values())
+    report = (recipe.paths.eval / "step-0000010" / "report.md").read_text()
+    assert "| n-gram tau at cycle starts |" in report
+    assert "n-gram tau at cycle starts" in (recipe.paths.eval / "report.md").read_text()
 
 
 def test_bad_inputs_fail_in_one_line(tmp_path: Path, tiny_llama: Path, tiny_qwen3: Path) -> None:
