@@ -59,7 +59,7 @@ demo: $(DEMO_STAMP)
 	$(BIN)/speculators bench --speculator $(RUN)/eagle3/export --rows-per-cohort 2 --temperatures 0 --out $(RUN)/bench
 
 test: install vllm-env
-	$(BIN)/python -m pytest tests -q -x --timeout 900
+	$(BIN)/python -m pytest tests -q -x --timeout 900 --durations=40
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit -q
