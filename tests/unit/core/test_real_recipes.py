@@ -64,7 +64,7 @@ def _check_launch_files(accelerate_config: str) -> dict:
 
 # CPU recipes of a real target shipped in a package (`package:` sources, fetched from the package registry)
 CPU_REAL = {
-    "smollm2-eagle3.yaml": dict(family="eagle3", layer_ids=[2, 15, 27], draft_vocab_size=16384),
+    "smollm2-eagle3.yaml": dict(family="eagle3", layer_ids=[2, 15, 27], draft_vocab_size=8192),
     "smollm2-dflash.yaml": dict(family="dflash", layer_ids=[2, 15, 27], draft_vocab_size=None),
 }
 
