@@ -32,6 +32,20 @@ from speculators.core.sampling import SamplingParams, logits_to_probs
 Proposer = Callable[[list[int], int], list[int]]
 
 
+def per_sequence_memo(propose: Proposer) -> Proposer:
+    """`propose` with each (prefix length, depth) looked up once: valid for prefixes of ONE sequence only (a fresh
+    memo per sequence), so the every-position and the cycle-starts scores of a proposer share its lookups."""
+    memo: dict[tuple[int, int], list[int]] = {}
+
+    def cached(prefix: list[int], depth: int) -> list[int]:
+        key = (len(prefix), depth)
+        if key not in memo:
+            memo[key] = list(propose(prefix, depth))
+        return memo[key]
+
+    return cached
+
+
 def positions(total_len: int, prompt_len: int) -> torch.Tensor:
     """Draft positions t = P-1 .. T-3 of a sequence (the roots x[t+1] are continuation tokens).  -> [N] long"""
     start = max(prompt_len - 1, 0)

@@ -60,7 +60,8 @@ from speculators.core.tracking import log_evaluation, wandb_options
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.evaluate import baselines as baseline_runs
 from speculators.evaluate.agreement import serving_agreement
-from speculators.evaluate.alpha import AlphaAccumulator, ngram_alpha, speculator_block_alpha, truncate
+from speculators.evaluate.alpha import (AlphaAccumulator, ngram_alpha, per_sequence_memo, speculator_block_alpha,
+                                        truncate)
 from speculators.evaluate.drafts import draft_logits
 from speculators.evaluate.live import pick_rows
 from speculators.evaluate.replay import CycleCounts, proposer_chain_weights, replay_chain
@@ -182,9 +183,10 @@ def evaluate_sequences(specs: dict[str, Any], sequences: dict[float, list[EvalSe
                     block_acc[name][temperature_key(t)].add(seq.row.cohort, *speculator_block_alpha(
                         steps, teacher_logits, spec.draft_to_target.cpu(), seq.prompt_len, params, depths[name]))
             ceilings.add(seq, teacher_logits, t)
-            alpha, valid = ngram_alpha(seq.token_ids, teacher_logits, seq.prompt_len, params, depth, lookup)
+            propose = per_sequence_memo(lookup)  # one lookup per position, shared by both scores
+            alpha, valid = ngram_alpha(seq.token_ids, teacher_logits, seq.prompt_len, params, depth, propose)
             ngram_acc[temperature_key(t)].add(seq.row.cohort, alpha, valid)
-            w = proposer_chain_weights(seq.token_ids, seq.prompt_len, max(ngram_depths), lookup)  # [N, D]
+            w = proposer_chain_weights(seq.token_ids, seq.prompt_len, depth, propose)  # [N, D]; every d <= depth
             for d, store in ngram_cycles[temperature_key(t)].items():
                 counts = replay_chain(w[:, :d], seq.prompt_len, len(seq.token_ids), seq.row.max_new_tokens, d)
                 store.setdefault(seq.row.cohort, CycleCounts(d)).merge(counts)

@@ -12,6 +12,7 @@ from speculators.core.sampling import SamplingParams
 from speculators.evaluate.alpha import (
     AlphaAccumulator,
     ngram_alpha,
+    per_sequence_memo,
     positions,
     speculator_alpha,
     speculator_block_alpha,
@@ -19,6 +20,8 @@ from speculators.evaluate.alpha import (
     to_target_vocab,
     valid_matrix,
 )
+from speculators.evaluate.replay import proposer_chain_weights
+from speculators.runtime.drafters.model_free import NgramDrafter
 from speculators.runtime.drafters.ngram import ngram_propose
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -188,3 +191,26 @@ def test_truncate_compares_at_equal_depth() -> None:
     assert cut["cohorts"]["a"]["per_position_acceptance"] == [1.0, 0.5]
     assert cut["cohorts"]["a"]["simulated_tau"] == 2.5 and full["cohorts"]["a"]["simulated_tau"] == 3.0
     assert cut["mean_tau"] == 2.5 and cut["overall"]["chain_reach"] == [1.0, 0.5]
+
+
+def test_per_sequence_memo_looks_each_prefix_up_once_and_returns_the_same_proposals() -> None:
+    """The n-gram is scored at every position and at cycle starts from one memo: the same proposals, half the
+    lookups."""
+    ids = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8, 5, 6]
+    calls: list[int] = []
+    lookup = NgramDrafter().lookup
+
+    def counted(prefix: list[int], depth: int) -> list[int]:
+        calls.append(len(prefix))
+        return lookup(prefix, depth)
+
+    memo = per_sequence_memo(counted)
+    logits = torch.randn(len(ids), 12)
+    params = SamplingParams(temperature=0.0)
+    a_memo, v_memo = ngram_alpha(ids, logits, 3, params, 3, memo)
+    w_memo = proposer_chain_weights(ids, 3, 3, memo)
+    assert len(calls) == len(set(calls))  # each prefix once, though both scores visit it
+    a, v = ngram_alpha(ids, logits, 3, params, 3, lookup)
+    assert torch.equal(a, a_memo) and torch.equal(v, v_memo)
+    assert torch.equal(w_memo, proposer_chain_weights(ids, 3, 3, lookup))
+    assert w_memo.sum() > 0  # the repeats are found
