@@ -24,6 +24,11 @@ from speculators.core.atomic import write_json_atomic, write_text_atomic
 from speculators.core.metrics import temperature_key
 
 
+def _cohort_entry(summary: dict, cohort: str) -> dict | None:
+    """A summary's pooled entry for "overall", else that cohort's entry (None where it has none)."""
+    return summary.get("overall") if cohort == "overall" else (summary.get("cohorts") or {}).get(cohort)
+
+
 def _fmt(x: object, nd: int = 3) -> str:
     if x is None:
         return "–"
@@ -65,11 +70,11 @@ def render_markdown(report: dict) -> str:
         spec, ngram, block = entry["speculator"], entry["ngram"], entry.get("speculator_block")
         depth = len(next(iter(spec["cohorts"].values()))["per_position_acceptance"]) if spec["cohorts"] else 0
         lv = live.get(t) or {}
-        cyc = (spec.get("cycle_starts") or {}).get("cohorts") or {}
+        cyc = spec.get("cycle_starts") or {}
         head = ["cohort", "rows", "positions", *[f"a_{k}" for k in range(1, depth + 1)], "tau",
                 *(["block tau"] if block else []), "n-gram tau"]
         ngram_cyc = ngram.get("cycle_starts") or {}
-        if cyc:
+        if cyc.get("cohorts"):
             head += ["tau at cycle starts"]
         if ngram_cyc:
             head += ["n-gram tau at cycle starts"]
@@ -78,21 +83,18 @@ def render_markdown(report: dict) -> str:
         lines += [f"## T = {t}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         cohorts = [*spec["cohorts"], "overall"]
         for c in cohorts:
-            s = spec["cohorts"].get(c) if c != "overall" else spec["overall"]
-            g = ngram["cohorts"].get(c) if c != "overall" else ngram["overall"]
+            s, g = _cohort_entry(spec, c), _cohort_entry(ngram, c)
             if s is None:
                 continue
-            b = (block["cohorts"].get(c) if c != "overall" else block["overall"]) if block else None
+            b = _cohort_entry(block, c) if block else None
             row = [c if c != "overall" else "**overall (pooled)**", str(s["rows"]), str(s["positions"]),
                    *[_fmt(a) for a in s["per_position_acceptance"]], f"**{_fmt(s['simulated_tau'])}**",
                    *([_fmt(b["simulated_tau"] if b else None)] if block else []),
                    _fmt(g["simulated_tau"] if g else None)]
-            if cyc:
-                src = (spec.get("cycle_starts") or {}).get("overall") if c == "overall" else cyc.get(c)
-                row.append(_fmt((src or {}).get("tau")))
+            if cyc.get("cohorts"):
+                row.append(_fmt((_cohort_entry(cyc, c) or {}).get("tau")))
             if ngram_cyc:
-                src = ngram_cyc.get("overall") if c == "overall" else (ngram_cyc.get("cohorts") or {}).get(c)
-                row.append(_fmt((src or {}).get("tau")))
+                row.append(_fmt((_cohort_entry(ngram_cyc, c) or {}).get("tau")))
             if lv:
                 ls = (lv.get("speculator") or {}).get(c) or {}
                 ln = (lv.get("ngram_live") or lv.get("ngram") or {}).get(c) or {}
