@@ -20,7 +20,7 @@ from speculators.core.errors import SpeculatorsError
 from speculators.core.options import CurvesOptions
 from speculators.train.learning_curve import CURVE_FILE
 
-AXES = ("train_cpu_seconds", "train_seconds", "tokens")
+AXIS_UNITS = {"train_cpu_seconds": "CPU s", "train_seconds": "s", "tokens": "tokens"}  # the axes runs compare at
 
 
 def read_curve(run_dir: Path) -> dict:
@@ -58,14 +58,14 @@ def _first_position(p: dict) -> float:
 
 def compare_table(curves: dict[str, dict], axis: str = "train_cpu_seconds", at: float | None = None) -> str:
     """A Markdown table of the runs at equal `axis` (see the module docstring)."""
-    if axis not in AXES:
-        raise SpeculatorsError(f"axis must be one of {', '.join(AXES)}, got {axis!r}")
+    if axis not in AXIS_UNITS:
+        raise SpeculatorsError(f"axis must be one of {', '.join(AXIS_UNITS)}, got {axis!r}")
     lasts = {name: max(c["points"], key=lambda p: p["step"]) for name, c in curves.items()}
     missing = [name for name, last in lasts.items() if axis not in last]
     if missing:
         raise SpeculatorsError(f"{', '.join(missing)}: the curve has no {axis!r} (written by an older version)")
     budget = float(at) if at is not None else min(float(last[axis]) for last in lasts.values())
-    unit = {"train_cpu_seconds": "CPU s", "train_seconds": "s", "tokens": "tokens"}[axis]
+    unit = AXIS_UNITS[axis]
     lines = [f"At {budget:,.0f} {unit} of training steps (`{axis}`); tau at a server's cycle starts on the held-out "
              "slice, a_1 = first-position acceptance at T = 0.", "",
              "| run | steps at budget | CPU s / step | tau T=0 | tau T=1 | a_1 | last step | last tau T=0 | last tau T=1 |",
