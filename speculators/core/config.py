@@ -50,6 +50,10 @@ class DataSource:
     split: str = "train"
     schema: Literal["auto", "messages", "sharegpt", "prompt_completion"] = "auto"
     max_rows: int | None = None
+    skip_rows: int = 0  # rows passed over before reading (so one file can feed two sources: rows 0-599, 600-...)
+    # with data.regenerate on: false keeps this source's assistant turns as written (not rewritten by the target;
+    # capture still scores them with the target's teacher) - rows that cost a forward, not a generation
+    regenerate: bool = True
 
     def __post_init__(self) -> None:  # the house datasets outside the clone: the installed package's copies
         self.path = locate(self.path)

@@ -1,6 +1,7 @@
 """`speculators prepare`: conversations -> the target's chat template -> `input_ids` + assistant-only `loss_mask`.
 
-Reads every `data.sources` entry (hub id or local jsonl/json/parquet/arrow, schemas in `schemas.py`), encodes each
+Reads every `data.sources` entry (hub id or local jsonl/json/parquet/arrow, schemas in `schemas.py`; `skip_rows`
+then `max_rows` of it; the ids of `regenerate: false` sources go to the manifest's `kept_answer_ids`), encodes each
 row with `chat.ChatEncoder` (the target's template, or `target.chat_template`), applies the length policy
 (`data.max_length`, drop or truncate; both counted) and writes `prepared/` (token-dataset format, see
 `artifacts.py`) with `manifest.json` last, listing every file's sha256. Malformed rows fail the stage with their id, or are skipped and listed
@@ -21,7 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from speculators.core.atomic import replace_dir, write_json_atomic
-from speculators.core.config import DataConfig, Recipe
+from speculators.core.config import DataConfig, DataSource, Recipe
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import load_tokenizer, saved_eos_token_ids, tokenizer_hash
 from speculators.data import artifacts
@@ -39,6 +40,7 @@ from speculators.data.schemas import (
 )
 
 MAX_LISTED_BAD_ROWS = 100
+KEPT_ANSWER_IDS = "kept_answer_ids"  # manifest key: ids of rows whose answers regeneration keeps as written
 
 
 @dataclass
@@ -111,20 +113,28 @@ def handle_bad_row(err: RowError, where: str, data: DataConfig, tally: EncodeTal
     tally.bad.append(err)
 
 
-def _require_answer(recipe: Recipe) -> bool:
-    # prompt-only rows are useful when the target writes the answers itself
-    return not recipe.data.regenerate.enabled
+def _require_answer(recipe: Recipe, source: DataSource | None = None) -> bool:
+    """Prompt-only rows are useful when the target writes the answers itself (not for a source that keeps its
+    answers)."""
+    return not recipe.data.regenerate.enabled or (source is not None and not source.regenerate)
+
+
+def _source_record(s: DataSource) -> dict:
+    """What identifies a source's rows; skip_rows / regenerate only when set (earlier runs keep their hashes)."""
+    if s.max_rows is not None and s.max_rows <= 0:
+        raise SpeculatorsError(f"data source {s.path}: max_rows must be positive, got {s.max_rows}")
+    if s.skip_rows < 0:
+        raise SpeculatorsError(f"data source {s.path}: skip_rows must be >= 0, got {s.skip_rows}")
+    return {"path": s.path, "split": s.split, "schema": s.schema, "max_rows": s.max_rows,
+            **({"skip_rows": s.skip_rows} if s.skip_rows else {}),
+            **({"regenerate": False} if not s.regenerate else {}),
+            "fingerprint": source_fingerprint(s.path, s.split)}
 
 
 def inputs_fingerprint(recipe: Recipe, tokenizer: Any) -> dict:
     if not recipe.data.sources:
         raise SpeculatorsError("the recipe has no data.sources; add e.g. data.sources: [{path: data.jsonl}]")
-    sources = []
-    for s in recipe.data.sources:
-        if s.max_rows is not None and s.max_rows <= 0:
-            raise SpeculatorsError(f"data source {s.path}: max_rows must be positive, got {s.max_rows}")
-        sources.append({"path": s.path, "split": s.split, "schema": s.schema, "max_rows": s.max_rows,
-                        "fingerprint": source_fingerprint(s.path, s.split)})
+    sources = [_source_record(s) for s in recipe.data.sources]
     if recipe.data.max_length < 8:
         raise SpeculatorsError(f"data.max_length={recipe.data.max_length} is too small (at least 8 tokens)")
     return {"sources": sources, "max_length": recipe.data.max_length, "length_policy": recipe.data.length_policy,
@@ -168,15 +178,18 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         return summary_of(existing, "complete (skipped)")
     encoder = make_encoder(recipe, tokenizer)
     writer = RowEncoder(encoder, recipe.data)
-    require_answer = _require_answer(recipe)
     seen: set[str] = set()
+    kept_answer_ids: list[str] = []  # rows of sources with regenerate: false (regenerate.py passes them through)
     infos: list[SourceInfo] = []
     t0 = time.time()
     with tqdm(desc="prepare", unit=" rows", dynamic_ncols=True) as bar:
         for src, fp in zip(recipe.data.sources, inputs["sources"], strict=True):
             info = SourceInfo(path=src.path, split=src.split, kind=source_kind(src.path), fingerprint=fp["fingerprint"])
             infos.append(info)
-            for location, raw in iter_source(src.path, src.split):
+            require_answer = _require_answer(recipe, src)
+            for n, (location, raw) in enumerate(iter_source(src.path, src.split)):
+                if n < src.skip_rows:
+                    continue
                 if src.max_rows is not None and info.rows_read >= src.max_rows:
                     break
                 info.rows_read += 1
@@ -189,7 +202,10 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
                     conv = RowError(conv.id, "duplicate row id")
                 if isinstance(conv, Conversation):
                     seen.add(conv.id)
+                    written = writer.tally.rows
                     conv = writer.add(conv, require_answer=require_answer) or conv
+                    if not src.regenerate and writer.tally.rows > written:
+                        kept_answer_ids.append(conv.id)
                 if isinstance(conv, RowError):
                     handle_bad_row(conv, f"{src.path} ({location})", recipe.data, writer.tally)
     tally = writer.tally
@@ -213,6 +229,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         "length_policy": recipe.data.length_policy,
         "counts": {"rows_read": sum(i.rows_read for i in infos), **tally.counts()},
         "bad_rows": [vars(b) for b in tally.bad[:MAX_LISTED_BAD_ROWS]],
+        **({KEPT_ANSWER_IDS: kept_answer_ids} if kept_answer_ids and recipe.data.regenerate.enabled else {}),
         "tokens": stats, "tokens_per_s": round(stats["total"] / seconds, 1),
         "bytes_per_token": round(artifacts.dir_bytes(tmp) / max(stats["total"], 1), 2),
     }

@@ -5,7 +5,8 @@ For every prepared row, turn by turn: the conversation up to an assistant turn (
 goes through the chat template with the generation prompt, the target writes the answer (stopping at an
 end-of-turn / special token or `data.regenerate.max_new_tokens`), and the answer replaces the original turn.
 Rows that end with a user turn get a final answer. Assistant turns that are tool calls and tool results are kept
-as they are. Raw prompt/completion rows get a new completion. The result is re-encoded exactly like `prepare`
+as they are. Rows of sources with `regenerate: false` (the prepared manifest's `kept_answer_ids`) are not rewritten:
+they follow the regenerated rows once each, as prepared, and capture scores them with the target's teacher. Raw prompt/completion rows get a new completion. The result is re-encoded exactly like `prepare`
 (same masks, same length policy) into `regenerated/` (token-dataset format, `stage: regenerate`).
 
 Backends (`data.regenerate.backend`):
@@ -53,7 +54,7 @@ from speculators.core.errors import SpeculatorsError
 from speculators.core.sampling import SamplingParams
 from speculators.core.target import fingerprint_target, load_target, load_tokenizer, tokenizer_hash
 from speculators.data import artifacts
-from speculators.data.prepare import RowEncoder, make_encoder
+from speculators.data.prepare import KEPT_ANSWER_IDS, RowEncoder, make_encoder
 from speculators.data.regen_openai import OpenAIBackend
 from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState
 from speculators.data.regen_tokens import TokenBackend
@@ -163,6 +164,9 @@ def _check_enabled(recipe: Recipe) -> None:
         raise SpeculatorsError(f"data.regenerate.temperature lists a temperature twice: {rg.temperature}")
     if not 0 <= rg.max_failed_fraction < 1:
         raise SpeculatorsError(f"data.regenerate.max_failed_fraction must be in [0, 1), got {rg.max_failed_fraction}")
+    if recipe.data.sources and not any(src.regenerate for src in recipe.data.sources):
+        raise SpeculatorsError("every data source keeps its answers (regenerate: false): nothing to regenerate; set "
+                               "data.regenerate.enabled=false instead")
 
 
 def inputs_fingerprint(recipe: Recipe, prepared_manifest: dict, tokenizer: Any) -> dict:
@@ -204,8 +208,9 @@ def is_complete(recipe: Recipe) -> bool:
 
 def summary_of(m: dict, status: str) -> dict:
     c, t, g = m["counts"], m["tokens"], m["generation"]
+    kept = {"kept_answer_rows": c["kept_answers"]} if c.get("kept_answers") else {}
     return {"status": status, "output": m.get("output"), "rows": c["rows"], "failed_rows": c["failed"],
-            "rejected_rows": c.get("rejected", 0), "tokens": t["total"], "masked_share": t["masked_share"],
+            "rejected_rows": c.get("rejected", 0), **kept, "tokens": t["total"], "masked_share": t["masked_share"],
             "turns_regenerated": g["turns"], "unfinished_turns": g["unfinished"],
             "generated_tokens": g["generated_tokens"], "tokens_per_s": g["tokens_per_s"],
             "bytes_per_token": m.get("bytes_per_token"), "dropped_too_long": c["dropped_too_long"],
@@ -221,25 +226,33 @@ def engine_report(backend: Any) -> dict:
     return {"engine": engine.report(), "crosscheck": backend.crosscheck}
 
 
-def _job(recipe: Recipe, ds: Any, j: int) -> RowState:
-    """Job j of the stage: prepared row j % n at the (j // n)-th temperature (temperature-major, so a chunk of jobs
-    mostly shares one temperature); with one temperature, job j is row j with its own id."""
-    temps, n = recipe.data.regenerate.temperatures, len(ds)
-    row, t = ds[j % n], temps[j // n]
+def split_rows(ds: Any, prepared_manifest: dict) -> tuple[list[int], list[int]]:
+    """(rows the target rewrites, rows whose answers are kept as written: the sources with `regenerate: false`),
+    as indices into the prepared dataset."""
+    kept = set(prepared_manifest.get(KEPT_ANSWER_IDS) or ())
+    ids = ds["id"]
+    return [i for i, r in enumerate(ids) if r not in kept], [i for i, r in enumerate(ids) if r in kept]
+
+
+def _job(recipe: Recipe, ds: Any, rows: list[int], j: int) -> RowState:
+    """Job j of the stage: row rows[j % n] at the (j // n)-th temperature (temperature-major, so a chunk of jobs
+    mostly shares one temperature); with one temperature, job j is that row with its own id."""
+    temps, n = recipe.data.regenerate.temperatures, len(rows)
+    row, t = ds[rows[j % n]], temps[j // n]
     conv = Conversation.from_json(row["id"] if len(temps) == 1 else copy_id(row["id"], t), row["conversation"])
     return RowState(j, conv, t)
 
 
-def _generate(recipe: Recipe, ds: Any, store: PartialStore, backend: Any) -> float:
+def _generate(recipe: Recipe, ds: Any, rows: list[int], store: PartialStore, backend: Any) -> float:
     """Run the backend over every job still to try, chunk by chunk; returns the generation seconds."""
     seconds = 0.0
-    jobs = len(ds) * len(recipe.data.regenerate.temperatures)
+    jobs = len(rows) * len(recipe.data.regenerate.temperatures)
     with tqdm(total=jobs, initial=jobs - store.pending(), desc="regenerate", unit=" rows", dynamic_ncols=True) as bar:
         for ci, (a, b) in enumerate(store.chunks):
             todo = store.todo(a, b)  # new rows + rows that failed before
             if not todo:
                 continue
-            states = [_job(recipe, ds, j) for j in todo]
+            states = [_job(recipe, ds, rows, j) for j in todo]
             t0 = time.time()
             backend.run_chunk(states, recipe.seed * 7919 + ci)
             seconds += time.time() - t0
@@ -283,12 +296,14 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         backend = OpenAIBackend(recipe)
         backend.check()  # the endpoint and the model, before the first row
     chunk = rg.batch_size if rg.backend == "local" else max(rg.concurrency * 4, rg.batch_size)
-    jobs = len(ds) * len(rg.temperatures)  # one per row and temperature
+    rows, kept = split_rows(ds, prepared_manifest)
+    jobs = len(rows) * len(rg.temperatures)  # one per rewritten row and temperature
     store = PartialStore(out_dir, inputs_hash, inputs, jobs, chunk, force)
-    gen_seconds = _generate(recipe, ds, store, backend)
+    gen_seconds = _generate(recipe, ds, rows, store, backend)
     failed = _check_failures(recipe, store, jobs)
-    manifest = _assemble(recipe, tokenizer, store, len(ds), (inputs, inputs_hash, prepared_manifest), gen_seconds,
-                         engine_report(backend))
+    kept_rows = [Conversation.from_json(ds[i]["id"], ds[i]["conversation"]) for i in kept]
+    manifest = _assemble(recipe, tokenizer, store, (len(ds), kept_rows), (inputs, inputs_hash, prepared_manifest),
+                         gen_seconds, engine_report(backend))
     if failed:  # within the tolerance: written without them; they stay pending for the next run
         log.warning("%d of %d rows failed (<= data.regenerate.max_failed_fraction); they are left out of %s and "
                     "will be tried again by the next regenerate / run (first: %s: %s)", len(failed), jobs,
@@ -300,12 +315,13 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     return summary_of(manifest, "done")
 
 
-def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, n: int, identity: tuple[dict, str, dict],
-              gen_seconds: float, engine_info: dict) -> dict:
-    """Re-encode every complete row exactly like prepare and write `regenerated/` (manifest last); n: prepared
-    rows; `identity`: (inputs, inputs hash, the prepared data's manifest); `engine_info`: the engine backend's
-    report."""
+def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, source: tuple[int, list[Conversation]],
+              identity: tuple[dict, str, dict], gen_seconds: float, engine_info: dict) -> dict:
+    """Re-encode every complete row exactly like prepare, then the rows kept as written, and write `regenerated/`
+    (manifest last); `source`: (prepared rows, the kept rows); `identity`: (inputs, inputs hash, the prepared
+    data's manifest); `engine_info`: the engine backend's report."""
     inputs, inputs_hash, prepared_manifest = identity
+    n, kept_rows = source
     out_dir = recipe.paths.regenerated
     writer = RowEncoder(make_encoder(recipe, tokenizer), recipe.data)
     rejected: list[RowError] = [RowError(r.id, r.error or "unknown error") for r in store.by_status(REJECTED)]
@@ -318,6 +334,10 @@ def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, n: int, ident
         err = writer.add(Conversation.from_json(res.id, res.conversation))
         if err is not None:
             rejected.append(RowError(res.id, f"generated text cannot be re-encoded: {err.reason}"))
+    for conv in kept_rows:  # encoded by prepare already: the same encoder and policy keep them as they were
+        err = writer.add(conv)
+        if err is not None:
+            rejected.append(RowError(conv.id, f"kept row cannot be re-encoded: {err.reason}"))
     tally = writer.tally
     if tally.rows == 0:
         first = (rejected + failed)[0] if rejected or failed else None
@@ -334,8 +354,8 @@ def _assemble(recipe: Recipe, tokenizer: Any, store: PartialStore, n: int, ident
                    "temperatures": recipe.data.regenerate.temperatures},
         "tokenizer": prepared_manifest.get("tokenizer", {}), "mask_methods": tally.methods,
         "max_length": recipe.data.max_length, "length_policy": recipe.data.length_policy,
-        "counts": {"rows_in": n * len(recipe.data.regenerate.temperatures), **tally.counts(), "failed": len(failed),
-                   "rejected": len(rejected)},
+        "counts": {"rows_in": (n - len(kept_rows)) * len(recipe.data.regenerate.temperatures) + len(kept_rows),
+                   **tally.counts(), "failed": len(failed), "rejected": len(rejected), "kept_answers": len(kept_rows)},
         "failed_rows": [vars(f) for f in failed[:MAX_LISTED_FAILURES]],
         "rejected_rows": [vars(f) for f in rejected[:MAX_LISTED_FAILURES]],
         "generation": {**gen, "backend": recipe.data.regenerate.backend, "seconds_this_run": round(gen_seconds, 2),
