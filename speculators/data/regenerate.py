@@ -6,7 +6,8 @@ goes through the chat template with the generation prompt, the target writes the
 end-of-turn / special token or `data.regenerate.max_new_tokens`), and the answer replaces the original turn.
 Rows that end with a user turn get a final answer. Assistant turns that are tool calls and tool results are kept
 as they are. Rows of sources with `regenerate: false` (the prepared manifest's `kept_answer_ids`) are not rewritten:
-they follow the regenerated rows once each, as prepared, and capture scores them with the target's teacher. Raw prompt/completion rows get a new completion. The result is re-encoded exactly like `prepare`
+they follow the regenerated rows once each, as prepared, and capture scores them with the target's teacher. Raw
+prompt/completion rows get a new completion. The result is re-encoded exactly like `prepare`
 (same masks, same length policy) into `regenerated/` (token-dataset format, `stage: regenerate`).
 
 Backends (`data.regenerate.backend`):
