@@ -230,9 +230,12 @@ def engine_report(backend: Any) -> dict:
 def split_rows(ds: Any, prepared_manifest: dict) -> tuple[list[int], list[int]]:
     """(rows the target rewrites, rows whose answers are kept as written: the sources with `regenerate: false`),
     as indices into the prepared dataset."""
-    kept = set(prepared_manifest.get(KEPT_ANSWER_IDS) or ())
-    ids = ds["id"]
-    return [i for i, r in enumerate(ids) if r not in kept], [i for i, r in enumerate(ids) if r in kept]
+    kept_ids = set(prepared_manifest.get(KEPT_ANSWER_IDS) or ())
+    rewrite: list[int] = []
+    kept: list[int] = []
+    for i, row_id in enumerate(ds["id"]):
+        (kept if row_id in kept_ids else rewrite).append(i)
+    return rewrite, kept
 
 
 def _job(recipe: Recipe, ds: Any, rows: list[int], j: int) -> RowState:
@@ -302,7 +305,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     store = PartialStore(out_dir, inputs_hash, inputs, jobs, chunk, force)
     gen_seconds = _generate(recipe, ds, rows, store, backend)
     failed = _check_failures(recipe, store, jobs)
-    kept_rows = [Conversation.from_json(ds[i]["id"], ds[i]["conversation"]) for i in kept]
+    kept_rows = [Conversation.from_json(row["id"], row["conversation"]) for row in (ds[i] for i in kept)]
     manifest = _assemble(recipe, tokenizer, store, (len(ds), kept_rows), (inputs, inputs_hash, prepared_manifest),
                          gen_seconds, engine_report(backend))
     if failed:  # within the tolerance: written without them; they stay pending for the next run
