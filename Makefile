@@ -58,8 +58,11 @@ demo: $(DEMO_STAMP)
 	$(BIN)/speculators run recipes/house-eagle3.yaml run_dir=$(RUN)/eagle3 $(DEMO_BUDGET)
 	$(BIN)/speculators bench --speculator $(RUN)/eagle3/export --rows-per-cohort 2 --temperatures 0 --out $(RUN)/bench
 
+# Two pytest workers (one thread each, tests/conftest.py; a file's tests stay on one worker, so its module fixtures
+# are built once); the vLLM suite runs after them on its own: its tests start vLLM servers side by side already.
 test: install vllm-env
-	$(BIN)/python -m pytest tests -q -x --timeout 900 --durations=40
+	$(BIN)/python -m pytest tests -q -x --timeout 900 --durations=30 -n 2 --dist loadfile --ignore=tests/vllm
+	$(BIN)/python -m pytest tests/vllm -q -x --timeout 900 --durations=20
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit -q

@@ -22,6 +22,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two cores: one thread each, for them and
+    os.environ["OMP_NUM_THREADS"] = "1"    # for the processes they start (set before anything imports torch)
+    os.environ["MKL_NUM_THREADS"] = "1"
 
 
 def _house_tokenizer():
