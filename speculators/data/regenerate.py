@@ -305,7 +305,8 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
     store = PartialStore(out_dir, inputs_hash, inputs, jobs, chunk, force)
     gen_seconds = _generate(recipe, ds, rows, store, backend)
     failed = _check_failures(recipe, store, jobs)
-    kept_rows = [Conversation.from_json(row["id"], row["conversation"]) for row in (ds[i] for i in kept)]
+    kept_ds = ds.select(kept).select_columns(["id", "conversation"])  # one columnar read, not a row at a time
+    kept_rows = [Conversation.from_json(i, c) for i, c in zip(kept_ds["id"], kept_ds["conversation"], strict=True)]
     manifest = _assemble(recipe, tokenizer, store, (len(ds), kept_rows), (inputs, inputs_hash, prepared_manifest),
                          gen_seconds, engine_report(backend))
     if failed:  # within the tolerance: written without them; they stay pending for the next run
