@@ -333,10 +333,17 @@ class ServeConfig:
         "serve a speculator trained on another target revision (never another tokenizer)"))
     ngram_graft: int = field(default=DEFAULT_NGRAM_GRAFT, metadata=_help(
         "graft at most this many prompt-lookup (n-gram) nodes onto a speculator's trees (0: off)"))
+    record: str | None = field(default=None, metadata=_help(
+        "write every finished request as a training row into this directory (the feature-shard format: training "
+        "reads it as a data source of kind traffic)"))
+    record_budget_gb: float = field(default=2.0, metadata=_help(
+        "disk budget of --record, in GiB: the oldest rows are dropped beyond it"))
     tree: TreeConfig = field(default_factory=TreeConfig, metadata=_help("draft tree settings (recipe only)", False))
 
     def validate(self) -> None:
         """One-line SpeculatorsError for a setting out of range."""
+        if not self.record_budget_gb * 2**30 >= 2**20:
+            raise SpeculatorsError(f"serve.record_budget_gb must be at least 0.001 (1 MiB), got {self.record_budget_gb}")
         for name in ("max_new_tokens", "max_concurrent_requests", "max_batch_size", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise SpeculatorsError(f"serve.{name} must be >= 1, got {getattr(self, name)}")

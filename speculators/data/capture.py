@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from speculators.core import feature_codec
 from speculators.core.atomic import replace_dir, write_json_atomic
 from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
@@ -70,16 +71,16 @@ def _capture_shard(job: Job, source: Any, i: int, bar: Any) -> dict:
         out: dict[str, torch.Tensor] = {}
         for name in job.stored:
             x = feats[name]  # [T, W]
-            shards.check_finite(name, x, f"row {row_ids[r]!r}")
-            enc = shards.encode_hidden(x, cap.storage, name, job.hidden_size)
-            back = shards.decode_hidden(enc, name)
+            feature_codec.check_finite(name, x, f"row {row_ids[r]!r}")
+            enc = feature_codec.encode_hidden(x, cap.storage, name, job.hidden_size)
+            back = feature_codec.decode_hidden(enc, name)
             err[name][0] += float((back - x).pow(2).sum())
             err[name][1] += float(x.pow(2).sum())
             out.update(enc)
         if cap.teacher == "topk":
-            pos = shards.stored_teacher_positions(mask)
+            pos = feature_codec.stored_teacher_positions(mask)
             lp = feats["teacher_topk_logprobs"][pos]  # [M_row, k]
-            out["teacher_topk_ids"] = feats["teacher_topk_ids"][pos].to(shards.topk_id_dtype(job.vocab_size))
+            out["teacher_topk_ids"] = feats["teacher_topk_ids"][pos].to(feature_codec.topk_id_dtype(job.vocab_size))
             out["teacher_topk_logprobs"] = lp.to(torch.float16)
             mass[0] += float(lp.exp().sum())
             mass[1] += int(pos.sum())
@@ -93,9 +94,9 @@ def _capture_shard(job: Job, source: Any, i: int, bar: Any) -> dict:
     }
     for key in per_row[0]:
         tensors[key] = torch.cat([per_row[r][key] for r in range(len(ids_list))], dim=0)
-    meta = {"format": shards.FEATURES_FORMAT, "shard": i, "ids": row_ids}
+    meta = {"format": feature_codec.FEATURES_FORMAT, "shard": i, "ids": row_ids}
     path = job.partial / shards.SHARD_PATTERN.format(i)
-    digest, size = shards.write_shard(path, tensors, meta)
+    digest, size = feature_codec.write_shard(path, tensors, meta)
     rec = {"index": i, "file": path.name, "rows": [a, b], "tokens": int(tensors["input_ids"].numel()),
            "masked": int(tensors["loss_mask"].sum()), "sha256": digest, "bytes": size,
            "inputs_hash": job.inputs_hash, "forward_seconds": round(t_fwd, 3),
@@ -191,7 +192,8 @@ def finalize(job: Job, seconds: float, rank_stats: dict | None = None) -> dict:
         m = [sum(r["topk_mass"][0] for r in recs), sum(r["topk_mass"][1] for r in recs)]
         quality["teacher_topk_mean_mass"] = round(m[0] / m[1], 6) if m[1] else None
     manifest = {
-        "format": shards.FEATURES_FORMAT, "complete": True, "created": artifacts.now(), "output": str(job.final),
+        "format": feature_codec.FEATURES_FORMAT, "complete": True, "created": artifacts.now(),
+        "output": str(job.final),
         "target": job.fingerprint, "data_dir": str(job.data_dir), "data_stage": job.data_manifest.get("stage"),
         "family": job.recipe.speculator.family, "layer_ids": job.layer_ids, "num_layers": job.num_layers,
         "hidden_size": h, "vocab_size": job.vocab_size, "stored": job.stored, "storage": job.recipe.capture.storage,
@@ -253,7 +255,7 @@ def enabled(recipe: Recipe) -> bool:
 
 
 def is_complete(recipe: Recipe) -> bool:
-    m = artifacts.try_manifest(recipe.paths.features, shards.FEATURES_FORMAT)
+    m = artifacts.try_manifest(recipe.paths.features, feature_codec.FEATURES_FORMAT)
     if m is None:
         return False
     try:
@@ -286,7 +288,7 @@ def _launch(recipe: Recipe, force: bool) -> None:
 def run(recipe: Recipe, *, force: bool = False) -> dict:
     t0 = time.time()
     job = make_job(recipe)
-    existing = artifacts.try_manifest(job.final, shards.FEATURES_FORMAT)
+    existing = artifacts.try_manifest(job.final, feature_codec.FEATURES_FORMAT)
     if not force and existing and existing.get("inputs_hash") == job.inputs_hash and \
             is_complete(recipe):
         return summary_of(existing, "complete (skipped)")
@@ -297,7 +299,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         return summary_of(existing, "complete (built draft vocab)")
     if recipe.capture.num_processes > 1:
         _launch(recipe, force)
-        manifest = artifacts.read_manifest(job.final, shards.FEATURES_FORMAT, "features")
+        manifest = artifacts.read_manifest(job.final, feature_codec.FEATURES_FORMAT, "features")
         return summary_of(manifest, "done")
     if recipe.capture.backend == "vllm":
         require_vllm_python(recipe)  # the vLLM environment exists, before anything is written

@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow.compute as pc
 from transformers import AutoConfig
 
+from speculators.core import feature_codec
 from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
 from speculators.core.target import check_target_location, fingerprint_target, load_tokenizer, text_config
@@ -118,14 +119,14 @@ def make_job(recipe: Recipe) -> Job:
     # what the features are made of, not where they sit or who reads them: a copy of the data, or a family storing
     # the same features (EAGLE-3 and DFlash: the same taps), finds the capture complete
     inputs = {
-        "format": shards.FEATURES_FORMAT, "data": _data_identity(data_manifest),
+        "format": feature_codec.FEATURES_FORMAT, "data": _data_identity(data_manifest),
         "target_content_hash": fp["content_hash"], "tokenizer_hash": fp["tokenizer_hash"],
         "dtype": recipe.target.dtype,
         "layer_ids": list(request.tap_layer_ids) if request.tap_layer_ids else None, "stored": stored,
         "storage": recipe.capture.storage, "teacher": recipe.capture.teacher,
         "teacher_topk": recipe.capture.teacher_topk if recipe.capture.teacher == "topk" else None,
         "shard_tokens": recipe.capture.shard_tokens, "batch_size": recipe.capture.batch_size,
-        "group_size": shards.group_size_for(hidden) if recipe.capture.storage == "int8" else None,
+        "group_size": feature_codec.group_size_for(hidden) if recipe.capture.storage == "int8" else None,
     }
     if recipe.capture.backend != "hf":  # the engine that ran the target (absent = HF, as before this key existed)
         inputs["backend"] = recipe.capture.backend

@@ -60,8 +60,13 @@ from speculators.core.tracking import log_evaluation, wandb_options
 from speculators.core.workloads import WorkloadRow, load_workloads
 from speculators.evaluate import baselines as baseline_runs
 from speculators.evaluate.agreement import serving_agreement
-from speculators.evaluate.alpha import (AlphaAccumulator, ngram_alpha, per_sequence_memo, speculator_block_alpha,
-                                        truncate)
+from speculators.evaluate.alpha import (
+    AlphaAccumulator,
+    ngram_alpha,
+    per_sequence_memo,
+    speculator_block_alpha,
+    truncate,
+)
 from speculators.evaluate.drafts import draft_logits
 from speculators.evaluate.live import pick_rows
 from speculators.evaluate.replay import CycleCounts, proposer_chain_weights, replay_chain

@@ -126,7 +126,7 @@ class BatchRunner:
         self.batched_requests += len(calls)
         self.largest_batch = max(self.largest_batch, len(calls))
         try:
-            capture = self.engine.speculative and any(c.capture for _, c in calls)
+            capture = self.engine.captures and any(c.capture for _, c in calls)
             outputs = self.engine.runner.forward_batch([c.segment for _, c in calls], capture=capture)
         except Exception as exc:  # noqa: BLE001 - every request of this forward fails; the runner keeps serving
             for ticket, _ in calls:

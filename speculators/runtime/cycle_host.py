@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from speculators.runtime.drafters.model_free import Drafter, NgramDrafter
     from speculators.runtime.forward.target_rows import TargetRows
     from speculators.runtime.forward.target_runner import ForwardOutput, RunnerBase
+    from speculators.runtime.recording import TrafficRecorder
 
 
 class CycleHost(Protocol):
@@ -39,6 +40,10 @@ class CycleHost(Protocol):
     prefix_caching: bool
     max_len: int
     eos_ids: set[int]
+    recorder: TrafficRecorder | None  # served requests written as training rows
+
+    @property
+    def captures(self) -> bool: ...
 
     @property
     def device(self) -> torch.device: ...

@@ -41,6 +41,7 @@ from speculators.runtime.drafters.graft import graft_chain
 from speculators.runtime.drafters.load import prune_tree
 from speculators.runtime.drafters.ngram import TokenBuffer, ngram_continuations
 from speculators.runtime.forward.target_cache import StaticKVCache
+from speculators.runtime.recording import RequestRecord
 from speculators.runtime.requests import DraftWork, GenerationStats, Slot
 
 
@@ -78,6 +79,7 @@ class RequestState:
     continuation: list[int] | None = None  # this cycle's lookup continuation of the context
     watch: tuple[int, list[int]] | None = None  # (output length, continuation) not yet scored
     last: tuple[Plan, float, float] | None = None  # the previous cycle: (plan, start, predicted seconds)
+    record: RequestRecord | None = None  # the request's training row, while the engine records traffic
 
 
 def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats, slot: Slot
@@ -92,7 +94,7 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
     state = drafter.new_state(engine.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8, engine.device)
     wants_ids = getattr(drafter, "needs_token_ids", False)
     features, stats.reused_prefix_tokens = slot.prefill(engine.runner, prompt_ids, reuse_prefix=engine.prefix_caching,
-                                                        capture=engine.speculative)
+                                                        capture=engine.captures)
     # committed positions the drafter has not absorbed yet: absorbed in one batch right before the next
     # proposal, so plain cycles (speculation off) cost what plain decoding costs
     pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
@@ -119,9 +121,10 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
                          probe_interval=memory.probe_interval(temperature))
     if seeded and engine.adaptive and ctrl.mode.startswith("fixed"):
         ctrl.mode += " (seeded sampled request: reproducible)"
+    record = engine.recorder.start(prompt_ids, temperature, features.get("taps")) if engine.recorder else None
     return RequestState(generator, state, pending, ctrl, prompt_ids[-1], wants_ids,
                         engine.eos_ids | set(params.stop_token_ids or ()), temperature, stats.work,
-                        lookup=TokenBuffer(prompt_ids) if engine.lookup is not None else None)
+                        lookup=TokenBuffer(prompt_ids) if engine.lookup is not None else None, record=record)
 
 
 def choose_plan(engine: CycleHost, req: RequestState, remaining: int) -> Plan:

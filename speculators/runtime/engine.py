@@ -56,8 +56,9 @@ from speculators.core.config import DEFAULT_NGRAM_GRAFT, TREE_KINDS, TargetConfi
 from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import AcceptanceStats
 from speculators.core.sampling import SamplingParams, logits_to_probs
-from speculators.core.target import eos_token_ids, load_target
+from speculators.core.target import default_tap_layers, eos_token_ids, load_target
 from speculators.core.trees import SAMPLED_KINDS, DraftTree, ancestor_mask, verify_mode
+from speculators.models.base import FeatureRequest
 from speculators.runtime.acceptance_memory import AcceptanceMemory
 from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.cycle_steps import (
@@ -78,6 +79,7 @@ from speculators.runtime.drafters.load import (
     depth_tree,
     load_drafter,
     paired_target,
+    target_fingerprint,
 )
 from speculators.runtime.drafters.model_free import LOOKUP_DEPTH
 from speculators.runtime.forward.memory import check_fits
@@ -85,6 +87,7 @@ from speculators.runtime.forward.module_runner import make_runner
 from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.forward.target_rows import TargetRows, TokenLogprob, first_child_chain
 from speculators.runtime.forward.target_runner import ForwardOutput, Segment
+from speculators.runtime.recording import RecordingSpec, TrafficRecorder
 from speculators.runtime.requests import (
     GenerateOutput,
     GenerationStats,
@@ -132,6 +135,7 @@ class Engine:
         self.cost = CostModel()
         self.acceptance_memory = AcceptanceMemory()  # every request's acceptance, where the next one starts
         self.totals = AcceptanceStats()  # over every request served (the server's /metrics reads it)
+        self.recorder: TrafficRecorder | None = None  # served requests written as training rows (`record_to`)
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -173,6 +177,29 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.runner.device
+
+    @property
+    def captures(self) -> bool:
+        """Whether forwards capture hidden states at all: for the drafter, or for the traffic recorder."""
+        return self.speculative or self.recorder is not None
+
+    def record_to(self, spec: RecordingSpec | None) -> TrafficRecorder | None:
+        """Write every request finished from now on as a training row into `spec.directory` (None: stop recording).
+        The taps recorded are the drafter's (so its forwards capture nothing more), else the target's default
+        EAGLE-3 layers [2, N//2, N-3]. The slots' prefix caches are dropped: their features lack the taps."""
+        wants = self.drafter.required_features()
+        if spec is None:
+            self.recorder = None
+            self.runner.set_features(wants)
+        else:
+            layers = list(wants.tap_layer_ids or default_tap_layers(self.runner.num_layers))
+            self.runner.set_features(FeatureRequest(tap_layer_ids=tuple(layers), last_hidden=wants.last_hidden))
+            cfg = self.target.config
+            self.recorder = TrafficRecorder(spec, target=target_fingerprint(self.target), layer_ids=layers,
+                                            num_layers=self.runner.num_layers, hidden_size=int(cfg.hidden_size),
+                                            vocab_size=self.runner.vocab_size)
+        self.slot.prefix_ids, self.slot.prefix_features = [], {}
+        return self.recorder
 
     def kinds_for(self, params: SamplingParams, adaptive: bool) -> tuple[str, ...]:
         """Tree kinds a request may draft, the configured one first: at T > 0 an adaptive request of a drafter that
@@ -238,7 +265,7 @@ class Engine:
             except StopIteration:
                 return
             if isinstance(item, VerifyForward):
-                reply = self.runner.forward_batch([item.segment], capture=self.speculative and item.capture)[0]
+                reply = self.runner.forward_batch([item.segment], capture=self.captures and item.capture)[0]
                 continue
             reply = None
             yield item
@@ -310,7 +337,8 @@ class Engine:
             # first (shared with the other requests of a batched forward: one product for all of them)
             chain_rows = first_child_chain(tree.parents)
             head_rows = torch.tensor(chain_rows, dtype=torch.long)
-            capture = self.speculative and (req.ctrl.wants_features() or not self.reads_hidden)
+            capture = (self.speculative and (req.ctrl.wants_features() or not self.reads_hidden)) \
+                or req.record is not None
             if tree.size == 1 or is_chain(tree.parents):
                 call = VerifyForward(Segment(slot.cache, tree.tokens, logit_rows=head_rows), capture=capture)
             else:
@@ -319,7 +347,8 @@ class Engine:
             fwd = yield call
             shared = call.shared
             t_accept = time.perf_counter()
-            accepted, next_token, rows = self.accept(tree, fwd, params, req.generator, chain_rows)
+            accepted, next_token, rows = self.accept(tree, fwd, params, req.generator, chain_rows,
+                                                     keep_logits=req.record is not None)
             path = [0, *accepted]
             slot.cache.commit(path)
             t_done = time.perf_counter()
@@ -336,8 +365,15 @@ class Engine:
                                     if finish else tree.max_depth, verified_nodes=tree.size - 1, committed=len(new))
             if logprobs is not None:  # committed token j was drawn from the target's law at node path[j]
                 logprobs.extend(rows.token_logprobs(path[:len(new)], new, int(params.logprobs or 0)))
+            if req.record is not None:  # committed token j was drawn at node path[j], whose taps the forward made
+                taps = fwd.features.get("taps")
+                req.record.add_cycle(len(prompt_ids) - 1 + start, tree, path, len(new),
+                                     None if taps is None else taps[torch.tensor(path, device=taps.device)],
+                                     [rows.logits(n) for n in path[:len(new)]], self.recorder.spec.teacher_topk)
             if finish:
                 close_request(self, req, stats)
+                if req.record is not None and self.recorder is not None:
+                    self.recorder.write(req.record, out, self.info.revision)
                 yield new, finish
                 return
             feats = None
@@ -356,15 +392,15 @@ class Engine:
         return depth_tree(dataclasses.replace(self.tree, kind=kind) if kind else self.tree, depth)
 
     def accept(self, tree: DraftTree, fwd: ForwardOutput, params: SamplingParams,
-                generator: torch.Generator | None, premade: list[int] | None = None
+                generator: torch.Generator | None, premade: list[int] | None = None, keep_logits: bool = False
                 ) -> tuple[list[int], int, TargetRows]:
         """Verify `tree` from its forward: the target rows are made only for the nodes the walk visits (`premade`:
         the nodes whose logits the forward already made, in the order of `fwd.logits`), and kept with their raw
-        logits when the request asked for log-probabilities."""
+        logits when the request asked for log-probabilities (or `keep_logits`: the recorder's teacher)."""
         made = (premade, fwd.logits) if premade and fwd.logits.shape[0] == len(premade) else None
         rows = TargetRows(fwd.hidden, tree.parents, self.runner.logits,
                           lambda logits: self._target_probs(logits, params, tree), premade=made,
-                          keep_logits=params.logprobs is not None)
+                          keep_logits=keep_logits or params.logprobs is not None)
         accepted, next_token = self._verify(tree, rows, params, generator)
         return accepted, next_token, rows
 

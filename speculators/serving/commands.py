@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from speculators.core.config import DEFAULT_NGRAM_GRAFT, Recipe, ServeConfig, tree_config
@@ -30,6 +31,7 @@ from speculators.core.sampling import SamplingParams
 from speculators.core.workloads import load_workloads
 from speculators.runtime.batching import generate_batch
 from speculators.runtime.engine import Engine
+from speculators.runtime.recording import RecordingSpec
 from speculators.serving.server import create_app, run_server
 
 log = logging.getLogger(__name__)
@@ -164,6 +166,9 @@ def serve_command(opts: ServeOptions, recipe: Recipe | None = None) -> None:
                                    f"empty; export it, or drop the option to serve without a key")
     engine = _command_engine(target, speculator, device, dtype, config.allow_revision_mismatch,
                              ngram_graft=config.ngram_graft, max_len=config.max_model_len)
+    if config.record:
+        recorder = engine.record_to(RecordingSpec(Path(config.record), int(config.record_budget_gb * 2**30)))
+        log.info("recording finished requests into %s (%d rows there already)", config.record, len(recorder.entries))
     app = create_app(engine, config, api_key=api_key)  # refuses settings that contradict the model's context
     svc = app.state.service
     if config.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

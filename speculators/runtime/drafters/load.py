@@ -96,6 +96,7 @@ class DrafterInfo:
     directory: str | None = None
     pairing_warnings: list[str] = field(default_factory=list)
     precision: str = ""  # how a model drafter computes (`prepare_for_drafting`)
+    revision: str | None = None  # the draft revision (pairing.json), for a speculator directory
 
 
 def resolve_speculator_dir(path: str | Path) -> Path:
@@ -211,7 +212,8 @@ def load_drafter(speculator: str | os.PathLike | None, target: LoadedTarget, *,
                                f"{list(taps)}; the directory is inconsistent, re-export it")
     precision = prepare_for_drafting(spec, target.device, draft_dtype_for(target, draft_dtype))
     family = getattr(spec, "family", record.get("draft", {}).get("family", "?"))
-    info = DrafterInfo(str(directory), family, str(directory), warnings, precision)
+    info = DrafterInfo(str(directory), family, str(directory), warnings, precision,
+                       record.get("draft", {}).get("revision"))
     if ngram_graft:
         return NgramGraft(spec, max_new_nodes=ngram_graft), dataclasses.replace(info, name=f"{info.name}+ngram")
     return spec, info

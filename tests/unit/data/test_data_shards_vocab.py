@@ -9,6 +9,7 @@ import pytest
 import torch
 from data_helpers import recipe, write_rows
 
+from speculators.core import feature_codec
 from speculators.core.errors import PairingError, SpeculatorsError
 from speculators.data import capture, prepare, shards, vocab
 
@@ -16,24 +17,24 @@ from speculators.data import capture, prepare, shards, vocab
 def test_int8_roundtrip_error_is_half_a_step_per_group():
     torch.manual_seed(0)
     x = torch.randn(7, 256) * torch.tensor([1.0] * 128 + [50.0] * 128)  # one loud group must not hurt the other
-    q, scale = shards.quantize_int8(x, 128)
+    q, scale = feature_codec.quantize_int8(x, 128)
     assert q.dtype == torch.int8 and scale.shape == (7, 2)
-    back = shards.dequantize_int8(q, scale)
+    back = feature_codec.dequantize_int8(q, scale)
     step = x.reshape(7, 2, 128).abs().amax(-1, keepdim=True) / 127
     assert ((back - x).reshape(7, 2, 128).abs() <= step / 2 + 1e-6).all()
     assert (back[:, :128] - x[:, :128]).abs().max() < 0.05
-    zeros = shards.dequantize_int8(*shards.quantize_int8(torch.zeros(2, 64), 64))
+    zeros = feature_codec.dequantize_int8(*feature_codec.quantize_int8(torch.zeros(2, 64), 64))
     assert torch.equal(zeros, torch.zeros(2, 64))
 
 
 def test_group_size_divides_hidden():
-    assert shards.group_size_for(4096) == 128 and shards.group_size_for(64) == 64
-    assert shards.group_size_for(2880) == 120 and 2880 % shards.group_size_for(2880) == 0
+    assert feature_codec.group_size_for(4096) == 128 and feature_codec.group_size_for(64) == 64
+    assert feature_codec.group_size_for(2880) == 120 and 2880 % feature_codec.group_size_for(2880) == 0
 
 
 def test_teacher_positions_are_those_before_assistant_tokens():
     mask = torch.tensor([0, 0, 1, 1, 0, 1])
-    assert shards.stored_teacher_positions(mask).tolist() == [False, True, True, False, True, False]
+    assert feature_codec.stored_teacher_positions(mask).tolist() == [False, True, True, False, True, False]
 
 
 def test_split_is_deterministic_disjoint_and_complete():
