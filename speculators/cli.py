@@ -108,6 +108,7 @@ for _name, _help in (
     ("prepare", "Apply the target's chat template: input_ids + assistant-only loss masks."),
     ("regenerate", "Let the target write the assistant turns itself (self-distillation)."),
     ("capture", "Run the target and store hidden-state taps as feature shards; build the draft vocabulary."),
+    ("traffic", "Turn recorded served traffic (+ a replay share of earlier rows) into weighted feature shards."),
     ("train", "Train the speculator (1 CPU process up to N GPUs x M nodes, via accelerate)."),
     ("evaluate", "Per-position acceptance on held-out workloads; choose the best checkpoint."),
     ("export", "Write a vLLM-loadable checkpoint with pairing.json and a launch command."),

@@ -54,6 +54,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("prepare", "data", "chat template -> input_ids + assistant loss mask"),
     Stage("regenerate", "data", "the target rewrites the assistant turns"),
     Stage("capture", "data", "target hidden-state taps -> feature shards + draft vocab"),
+    Stage("traffic", "data", "recorded served traffic + a replay share -> weighted feature shards"),
     Stage("train", "train", "train the speculator (accelerate)"),
     Stage("evaluate", "evaluate", "per-position acceptance on held-out workloads"),
     Stage("export", "export", "vLLM-loadable checkpoint + pairing.json"),

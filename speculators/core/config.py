@@ -54,6 +54,7 @@ class DataSource:
     # with data.regenerate on: false keeps this source's assistant turns as written (not rewritten by the target;
     # capture still scores them with the target's teacher) - rows that cost a forward, not a generation
     regenerate: bool = True
+    traffic: str | None = None  # a recording of served traffic (serve --record DIR) instead of conversations
 
     def __post_init__(self) -> None:  # the house datasets outside the clone: the installed package's copies
         self.path = locate(self.path)
@@ -92,6 +93,17 @@ class RegenerateConfig:
 
 
 @dataclass
+class TrafficConfig:
+    """How the traffic stage (data/traffic.py) mixes recordings with replayed rows and weighs their positions."""
+
+    replay: str | None = None  # a features dir (the running revision's training rows); None: traffic rows alone
+    replay_share: float = 0.5  # replay tokens per recorded token (0: none)
+    cycle_start_weight: float = 1.0  # extra loss weight at a cycle's root (the positions a server drafts at)
+    rejected_weight: float = 2.0  # extra weight where the running revision's draft was rejected (on-policy fix)
+    max_rows: int | None = None  # the newest rows of the recordings only (None: every row)
+
+
+@dataclass
 class DataConfig:
     sources: list[DataSource] = field(default_factory=list)
     max_length: int = 1024
@@ -100,6 +112,7 @@ class DataConfig:
     val_fraction: float = 0.05
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} (Qwen3)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)
 
 
 @dataclass
@@ -191,6 +204,7 @@ class TrainConfig:
     save_every: int = 100  # a checkpoint every N steps (0: only the final one)
     keep_last: int = 2
     resume: Literal["auto", "never"] | str = "auto"  # auto: latest checkpoint in run_dir; or a checkpoint path
+    init_from: str | None = None  # start from this draft revision's weights (train/init_from.py); fresh optimizer
     trackers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard", "wandb"])
     wandb_project: str = "speculators"
     wandb_entity: str | None = None  # W&B team / user (None: the credentials' default entity)
@@ -418,6 +432,16 @@ class Recipe:
     @property
     def paths(self) -> Paths:
         return Paths(Path(self.run_dir))
+
+    @property
+    def traffic_dirs(self) -> list[str]:
+        """The recordings a traffic recipe learns from ([] for a recipe of conversations). A recipe never mixes the
+        two kinds: the rows it replays so as not to forget come as captured features (data.traffic.replay)."""
+        dirs = [s.traffic for s in self.data.sources if s.traffic]
+        if dirs and len(dirs) != len(self.data.sources):
+            raise SpeculatorsError("data.sources mixes recordings (traffic: DIR) with conversation sources; give the "
+                                   "recordings alone and replay earlier rows with data.traffic.replay: FEATURES_DIR")
+        return dirs
 
     @property
     def training_data_dir(self) -> Path:

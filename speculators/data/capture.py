@@ -250,8 +250,9 @@ def _vocab_ready(recipe: Recipe, features: Path) -> bool:
 
 
 def enabled(recipe: Recipe) -> bool:
-    """Whether `speculators run` runs this stage: offline training (online training runs the target itself)."""
-    return recipe.capture.mode == "offline"
+    """Whether `speculators run` runs this stage: offline training (online training runs the target itself) of
+    conversations (recorded traffic holds its features already: data/traffic.py)."""
+    return recipe.capture.mode == "offline" and not recipe.traffic_dirs
 
 
 def is_complete(recipe: Recipe) -> bool:

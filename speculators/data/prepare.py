@@ -143,8 +143,8 @@ def inputs_fingerprint(recipe: Recipe, tokenizer: Any) -> dict:
 
 
 def enabled(recipe: Recipe) -> bool:
-    """Whether `speculators run` runs this stage: always."""
-    return True
+    """Whether `speculators run` runs this stage: unless the recipe learns from recorded traffic (data/traffic.py)."""
+    return not recipe.traffic_dirs
 
 
 def is_complete(recipe: Recipe) -> bool:

@@ -190,8 +190,8 @@ def _finished(m: dict | None, inputs_hash: str, out_dir: Any) -> bool:
 
 
 def enabled(recipe: Recipe) -> bool:
-    """Whether `speculators run` runs this stage: when the recipe turns regeneration on."""
-    return recipe.data.regenerate.enabled
+    """Whether `speculators run` runs this stage: when the recipe turns regeneration on (for conversations)."""
+    return recipe.data.regenerate.enabled and not recipe.traffic_dirs
 
 
 def is_complete(recipe: Recipe) -> bool:

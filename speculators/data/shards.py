@@ -7,6 +7,9 @@ A shard `shard-XXXXX.safetensors` packs consecutive sequences (rows of the prepa
                                         entering the tap layers, in layer-id order)
     last_hidden    [N, H] int8|bf16     last_hidden_scale [N, H/g] float32        -- Medusa / MTP, teacher=hidden
     teacher_topk_ids [M, k] int16|int32 teacher_topk_logprobs [M, k] float16      -- teacher=topk
+    position_weight [N] float32         per-position loss weights (optional: rows built from traffic, data/traffic.py)
+A recording of served traffic (runtime/recording.py) is a directory of this format too, one row per shard, with the
+verification feedback beside it (`cycle_start`, `draft_depth`, `draft_accepted`, `draft_nodes`: `token_tensor`).
 The teacher (top-k of the target's next-token log-probs) is stored only at the M positions p whose next token is
 an assistant token (loss_mask[p+1] == 1): no loss ever reads the others. Metadata: one key, "speculators" (JSON:
 format, shard index, row ids), so the bytes are deterministic. Bytes/token are reported against the EAGLE /
@@ -276,14 +279,28 @@ class FeatureStore:
                 if shape(name) != (m, k):
                     raise bad(f"{name} has shape {shape(name)}, expected ({m}, {k})")
             check_finite("teacher_topk_logprobs", h.get_tensor("teacher_topk_logprobs"), str(path))
+        if "position_weight" in keys:
+            weight = h.get_tensor("position_weight")
+            if tuple(weight.shape) != (n,) or not bool(torch.isfinite(weight).all()) or bool((weight < 0).any()):
+                raise bad("position_weight must be [N] finite and >= 0")
+
+    def token_tensor(self, i: int, name: str) -> torch.Tensor | None:
+        """Sequence i's rows of a per-token tensor `name` stored beside the features (a recording's feedback,
+        `cycle_start` ...), as stored; None when its shard has no such tensor."""
+        s, r = self._locate(i)
+        sh = self._shard(s)
+        return sh.rows(name, int(sh.offsets[r]), int(sh.offsets[r + 1])) if name in sh.keys else None
 
     def sequence(self, i: int) -> dict[str, torch.Tensor]:
-        """One sequence: input_ids/loss_mask [T] long, features [T, *] float32, the teacher (see module doc)."""
+        """One sequence: input_ids/loss_mask [T] long, features [T, *] float32, the teacher (see module doc), and the
+        per-position loss weights [T] float32 where the shard has them (`position_weight`: rows from traffic)."""
         s, r = self._locate(i)
         sh = self._shard(s)
         a, b = int(sh.offsets[r]), int(sh.offsets[r + 1])
         out: dict[str, torch.Tensor] = {"input_ids": sh.rows("input_ids", a, b).long(),
                                         "loss_mask": sh.loss_mask[a:b].long()}
+        if "position_weight" in sh.keys:
+            out["position_weight"] = sh.rows("position_weight", a, b).float()
         for name in ("taps", "last_hidden"):
             if name in sh.keys:
                 part = {name: sh.rows(name, a, b)}

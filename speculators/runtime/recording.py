@@ -18,7 +18,7 @@ A row is written once its request finished, atomically (shard, then `manifest.js
 disk budget the oldest rows are dropped from the manifest, then deleted. Recording never changes what is served: it
 only keeps tensors the cycles computed anyway (the engine's forwards capture the taps while it records).
 
-Not here: training on recordings (a recording directory is read as a features directory), the cycle loop (engine.py).
+Not here: training on recordings (data/traffic.py), the cycle loop (engine.py).
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ from speculators.train.accelerator import (
 )
 from speculators.train.batches import BatchPlan, OfflineFeatures, OnlineFeatures, micro_batch_loader
 from speculators.train.checkpoint import SUMMARY_FILE
+from speculators.train.init_from import load_init_weights
 from speculators.train.learning_curve import LearningCurve, open_curve
 from speculators.train.loss import TeacherShape, VocabMap, speculator_loss
 from speculators.train.schedule import lr_schedule, warmup_steps
@@ -247,6 +248,8 @@ def _validated(recipe: Recipe, acc: Any, force: bool) -> tuple[Setup, Any, Path 
     if not trainable:
         raise SpeculatorsError(f"the {family} speculator has no trainable parameters")
     state: dict = {}
+    if t.init_from and resume_dir is None:  # a resumed run holds its own weights already
+        load_init_weights(spec, t.init_from, setup.fingerprint, setup.weights)
     if resume_dir is not None:
         state = ck.check_resume(resume_dir, family, setup.fingerprint, trainable)
         check_signature(t.resume, resume_dir, state.get("signature"), train_signature(recipe))
@@ -318,8 +321,9 @@ def _micro_step(s: _Session, batch: dict) -> tuple[Any, bool, float | None]:
         sync = s.acc.sync_gradients
         if sync:
             s.lr = float(s.optimizer.param_groups[0]["lr"])  # this step's, from `lr_schedule`
+        weight = batch["position_weight"].to(device) if "position_weight" in batch else None  # [B, T] | None
         out = speculator_loss(s.model(inputs), teacher, loss_mask, attention_mask, s.weights, s.vocab, kind=t.loss,
-                              rows=rows)
+                              rows=rows, position_weight=weight)
         s.acc.backward(out.loss)
         if sync:
             if s.acc.distributed_type == DistributedType.DEEPSPEED:

@@ -227,11 +227,13 @@ def sampled_acceptance(draft_logits: torch.Tensor, teacher: Teacher) -> torch.Te
 
 def speculator_loss(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor,
                     attention_mask: torch.Tensor, weights: list[float], vocab: VocabMap,
-                    with_alpha: bool = False, kind: str = "kl", rows: list[torch.Tensor] | None = None
-                    ) -> LossOutput:
+                    with_alpha: bool = False, kind: str = "kl", rows: list[torch.Tensor] | None = None,
+                    position_weight: torch.Tensor | None = None) -> LossOutput:
     """The loss of K per-step draft logits against the teacher (see the module docstring): full logits [B, T, Vd],
     or, with `rows` (`models.base.step_rows` of these masks, the forward's "head_rows"), only the rows where step
-    k counts, [N_k, Vd]. Both give the same numbers; the loss is computed on those rows either way."""
+    k counts, [N_k, Vd]. Both give the same numbers; the loss is computed on those rows either way.
+    `position_weight` [B, T] (rows from traffic, data/traffic.py): each step's loss is the mean over its rows weighted
+    by the weight of the position it drafts from (every step of a cycle drafted from there); None = weight 1."""
     b, t = loss_mask.shape
     n_steps = len(step_logits)
     packed = rows is not None
@@ -254,7 +256,11 @@ def speculator_loss(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask
         else:
             counts = aligned.has_mass  # [N] bool
             per_pos = _step_loss(logits, aligned, kind)  # [N]
-        step_loss = (per_pos * counts).sum() / counts.sum().clamp_min(1)
+        if position_weight is None:
+            step_loss = (per_pos * counts).sum() / counts.sum().clamp_min(1)
+        else:
+            w = position_weight.reshape(-1)[here] * counts  # [N]
+            step_loss = (per_pos * w).sum() / w.sum().clamp_min(1e-6)
         total = total + weights[k] * step_loss
         kls.append(float(step_loss.detach()))
         with torch.no_grad():

@@ -161,6 +161,30 @@ def test_step_valid_mask_alignment_and_normalisation_by_valid_tokens() -> None:
     assert none.loss.item() == 0.0 and none.counted.tolist() == [0]
 
 
+def test_position_weights_weigh_the_positions_each_step_drafts_from() -> None:
+    """Rows from traffic weigh each position (data/traffic.py): weights of 1 give the plain loss, and a weight on
+    one position alone gives that position's loss, at every step (step k at t drafts from t, reads the teacher at
+    t+1+k)."""
+    torch.manual_seed(5)
+    v, t = 7, 8
+    vocab = VocabMap.build(torch.arange(v), v)
+    logits, mask = torch.randn(1, t, v), torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
+    draft = [torch.randn(1, t, v) for _ in range(2)]
+    teacher, ones = dense_teacher(logits, vocab), torch.ones_like(mask)
+    plain = speculator_loss(draft, teacher, mask, ones, [1.0, 0.5], vocab)
+    same = speculator_loss(draft, teacher, mask, ones, [1.0, 0.5], vocab, position_weight=torch.ones(1, t))
+    assert same.loss.item() == pytest.approx(plain.loss.item(), rel=1e-6)
+    at = torch.zeros(1, t)
+    at[0, 3] = 5.0  # step 0 at t=3 reads the teacher at 4 (the law of token 5); step 1 at t=3 reads it at 5
+    only = speculator_loss(draft, teacher, mask, ones, [1.0, 0.0], vocab, position_weight=at)
+    one_row = torch.zeros_like(mask)
+    one_row[0, 5] = 1
+    alone = speculator_loss([draft[0]], teacher, one_row, ones, [1.0], vocab)
+    assert only.loss.item() == pytest.approx(alone.loss.item(), rel=1e-5)
+    tilted = speculator_loss(draft, teacher, mask, ones, [1.0, 0.5], vocab, position_weight=1.0 + at)
+    assert tilted.loss.item() != pytest.approx(plain.loss.item(), rel=1e-3)
+
+
 def test_per_step_decay_weights_and_perfect_draft_has_zero_loss() -> None:
     torch.manual_seed(4)
     v, t_len = 6, 8
