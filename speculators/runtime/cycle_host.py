@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from speculators.core.trees import DraftTree
     from speculators.runtime.acceptance_memory import AcceptanceMemory
     from speculators.runtime.cycle_costs import CostModel
+    from speculators.runtime.drafters.load import DrafterInfo
     from speculators.runtime.drafters.model_free import Drafter, NgramDrafter
     from speculators.runtime.forward.target_rows import TargetRows
     from speculators.runtime.forward.target_runner import ForwardOutput, RunnerBase
@@ -28,6 +29,7 @@ class CycleHost(Protocol):
     the target runner, and verification."""
 
     drafter: Drafter  # the model drafter (or prompt lookup, or none)
+    info: DrafterInfo  # which drafter (and draft revision) that is
     lookup: NgramDrafter | None  # prompt lookup besides the model drafter (grafted on, or drafted alone)
     lookup_depth: int  # the lookup's chain drafted alone
     graft_nodes: int  # the most lookup nodes grafted onto a model tree

@@ -43,6 +43,7 @@ from speculators.runtime.drafters.ngram import TokenBuffer, ngram_continuations
 from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.recording import RequestRecord
 from speculators.runtime.requests import DraftWork, GenerationStats, Slot
+from speculators.runtime.revisions import revision_name
 
 
 def is_chain(parents: torch.Tensor) -> bool:
@@ -80,6 +81,8 @@ class RequestState:
     watch: tuple[int, list[int]] | None = None  # (output length, continuation) not yet scored
     last: tuple[Plan, float, float] | None = None  # the previous cycle: (plan, start, predicted seconds)
     record: RequestRecord | None = None  # the request's training row, while the engine records traffic
+    drafter: Any = None  # the draft revision `draft_state` belongs to (the engine may swap in another)
+    revision: str = ""  # its name: the cycles it drafts are counted under it (`revisions.DraftRevisions.record`)
 
 
 def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParams, stats: GenerationStats, slot: Slot
@@ -124,7 +127,8 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
     record = engine.recorder.start(prompt_ids, temperature, features.get("taps")) if engine.recorder else None
     return RequestState(generator, state, pending, ctrl, prompt_ids[-1], wants_ids,
                         engine.eos_ids | set(params.stop_token_ids or ()), temperature, stats.work,
-                        lookup=TokenBuffer(prompt_ids) if engine.lookup is not None else None, record=record)
+                        lookup=TokenBuffer(prompt_ids) if engine.lookup is not None else None, record=record,
+                        drafter=drafter, revision=revision_name(engine.info))
 
 
 def choose_plan(engine: CycleHost, req: RequestState, remaining: int) -> Plan:
@@ -167,6 +171,17 @@ def draft_tree(engine: CycleHost, req: RequestState, plan: Plan, remaining: int,
         tree = graft_chain(tree, req.continuation, plan.lookup)
     # drafts past the last token the request can take are never verified (a graft may reach past `depth`)
     return prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free), t_propose, model_nodes
+
+
+def rebind_request(engine: CycleHost, req: RequestState) -> None:
+    """The engine swapped in another draft revision: this request's drafter state starts afresh from the positions
+    not yet absorbed (as after skipped positions; verification keeps the output lossless whatever drafts)."""
+    t = engine.tree
+    req.drafter, req.revision = engine.drafter, revision_name(engine.info)
+    req.draft_state = engine.drafter.new_state(engine.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8,
+                                               engine.device)
+    req.synced = False
+    req.work.restarts += 1
 
 
 def sync_drafter(engine: CycleHost, req: RequestState) -> None:

@@ -69,6 +69,7 @@ from speculators.runtime.cycle_steps import (
     is_chain,
     observe_cycle,
     open_request,
+    rebind_request,
     time_last_cycle,
 )
 from speculators.runtime.drafters.graft import NgramGraft
@@ -99,6 +100,7 @@ from speculators.runtime.requests import (
     final_text,
     take_committed,
 )
+from speculators.runtime.revisions import DraftRevisions, apply_staged_revision, revision_name, stage_revision
 from speculators.runtime.verify.lossless import verify_tree_lazy
 
 DEFAULT_MAX_LEN = 8192
@@ -136,6 +138,7 @@ class Engine:
         self.acceptance_memory = AcceptanceMemory()  # every request's acceptance, where the next one starts
         self.totals = AcceptanceStats()  # over every request served (the server's /metrics reads it)
         self.recorder: TrafficRecorder | None = None  # served requests written as training rows (`record_to`)
+        self.revisions = DraftRevisions(revision_name(self.info))  # swaps between cycles, rollback, per-revision stats
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -182,6 +185,10 @@ class Engine:
     def captures(self) -> bool:
         """Whether forwards capture hidden states at all: for the drafter, or for the traffic recorder."""
         return self.speculative or self.recorder is not None
+
+    def stage_revision(self, speculator: str | None = None) -> str:
+        """Stage a draft revision (None: roll back to the previous one) for the next cycle boundary (revisions.py)."""
+        return stage_revision(self, speculator)
 
     def record_to(self, spec: RecordingSpec | None) -> TrafficRecorder | None:
         """Write every request finished from now on as a training row into `spec.directory` (None: stop recording).
@@ -328,6 +335,9 @@ class Engine:
         shared = False
         while True:
             remaining = params.max_new_tokens - len(out)
+            apply_staged_revision(self)
+            if req.drafter is not self.drafter:
+                rebind_request(self, req)
             time_last_cycle(self, req, shared)
             t_draft = time.perf_counter()
             plan = choose_plan(self, req, remaining)
@@ -361,8 +371,10 @@ class Engine:
             start = len(out)
             new, finish = take_committed(committed, out, req.enders, stops, params.max_new_tokens, self._decode)
             # acceptance counts what reached the output: drafts accepted past an EOS / stop are not committed
-            stats.acceptance.record(min(len(accepted), len(new)), drafted_depth=min(tree.max_depth, len(new))
-                                    if finish else tree.max_depth, verified_nodes=tree.size - 1, committed=len(new))
+            counted = (min(len(accepted), len(new)), min(tree.max_depth, len(new)) if finish else tree.max_depth,
+                       tree.size - 1, len(new))
+            stats.acceptance.record(*counted)
+            self.revisions.record(req.revision, *counted)
             if logprobs is not None:  # committed token j was drawn from the target's law at node path[j]
                 logprobs.extend(rows.token_logprobs(path[:len(new)], new, int(params.logprobs or 0)))
             if req.record is not None:  # committed token j was drawn at node path[j], whose taps the forward made

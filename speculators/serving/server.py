@@ -8,6 +8,9 @@ What a request goes through:
 1. `http_guard.RequestGuard`, before any body is read: the API key (401 + `WWW-Authenticate`; `/health` and
    `/metrics` stay open, as in vLLM; `/openapi.json` needs the key too), admission (more than
    `max_concurrent_requests` in flight: 429 + `Retry-After`) and the body limit (`max_request_bytes`: 413).
+   `/admin/draft-revision` (GET: the revisions and their acceptance; POST {"path": DIR} or {"rollback": true}: swap
+   the draft revision at the next cycle boundary, no restart, no request dropped: runtime/revisions.py) needs the
+   key too.
 2. Parsing, validation and tokenizing run in a worker thread (`asyncio.to_thread`), never on the event loop, after a
    cheap length check (a prompt with more characters than `max_prompt_tokens` tokens can hold is refused without
    tokenizing); so `/health` keeps answering whatever the bodies. Bad requests get a 4xx in OpenAI's error shape
@@ -40,6 +43,7 @@ from speculators.runtime.batching import BatchWorker
 from speculators.runtime.engine import Engine
 from speculators.runtime.requests import GenerateOutput, StreamChunk
 from speculators.serving import openai_api as api
+from speculators.serving.admin_routes import add_revision_routes
 from speculators.serving.http_guard import RequestGuard
 from speculators.serving.openai_api import APIError
 from speculators.serving.server_metrics import CLIENT_GONE, Admission, ServerMetrics
@@ -330,6 +334,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None, api_key: str |
     async def chat(request: Request) -> Any:
         return await svc.respond(request, "/v1/chat/completions")
 
+    add_revision_routes(app, engine, svc.metrics.count)
     return app
 
 

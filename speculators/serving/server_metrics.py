@@ -13,7 +13,8 @@ from __future__ import annotations
 from speculators.runtime.engine import Engine
 from speculators.runtime.requests import GenerateOutput
 
-ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                       "/admin/draft-revision"})
 CLIENT_GONE = 499
 
 
@@ -35,6 +36,12 @@ class ServerMetrics:
         self.tau = Gauge(p + "acceptance_length", "tau: committed tokens per target call since start", registry=r)
         self.per_position = Gauge(p + "per_position_acceptance", "a_k: P(depth k accepted | depths < k accepted)",
                                   ["position"], registry=r)
+        self.revision_tau = Gauge(p + "revision_acceptance_length", "tau of each draft revision served since start",
+                                  ["revision"], registry=r)
+        self.revision_calls = Gauge(p + "revision_target_calls", "Target calls of cycles each draft revision drafted",
+                                    ["revision"], registry=r)
+        self.revision_per_position = Gauge(p + "revision_per_position_acceptance", "a_k of each draft revision",
+                                           ["revision", "position"], registry=r)
         self.in_flight = Gauge(p + "requests_in_flight", "Requests running or waiting", registry=r)
         self.running = Gauge(p + "requests_running", "Requests in the running batch", registry=r)
         self.batch_size = Gauge(p + "mean_batch_size", "Requests per target forward, mean since start", registry=r)
@@ -62,6 +69,11 @@ class ServerMetrics:
         self.tau.set(engine.totals.tau)
         for k, a in enumerate(engine.totals.per_position_acceptance, 1):
             self.per_position.labels(position=str(k)).set(a)
+        for rev, st in engine.revisions.stats.items():
+            self.revision_tau.labels(revision=rev).set(st.tau)
+            self.revision_calls.labels(revision=rev).set(st.target_calls)
+            for k, a in enumerate(st.per_position_acceptance, 1):
+                self.revision_per_position.labels(revision=rev, position=str(k)).set(a)
         self.latency.observe(seconds)
         self.ttft.observe(s.first_token_seconds)
         if s.generated_tokens:

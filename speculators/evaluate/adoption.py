@@ -1,0 +1,86 @@
+"""The adoption gate: does a candidate draft revision draft better than the running one on a held-back slice of
+recent served traffic? (the last step of `speculators adapt`, before a server is told to swap.)
+
+Both revisions are scored teacher-forced on the same recorded rows (runtime/recording.py: the served tokens with the
+taps the server computed), exactly as evaluation predicts serving: each revision's draft chain at every cycle root
+of the generated span (`drafts.draft_logits`), accepted at depth k when its argmax equals the token the target
+served there (the target's greedy token at T = 0; at T > 0 its draw, which an argmax chain must equal), and the
+cycles a server runs over the span walked by `replay.replay_chain` -> tau at cycle starts. The candidate is adopted
+only when its tau beats the running revision's by more than `margin`.
+
+Not here: recording, training, or the swap itself (the server's admin endpoint, serving/server.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speculators.core.errors import SpeculatorsError
+from speculators.core.pairing import read_pairing
+from speculators.data.shards import FeatureStore
+from speculators.evaluate.drafts import draft_logits
+from speculators.evaluate.replay import CycleCounts, cycle_roots, replay_chain
+from speculators.models.io import load_speculator
+
+
+def row_counts(spec: Any, store: FeatureStore, i: int, depth: int) -> CycleCounts:
+    """The cycles a depth-`depth` chain of `spec` runs over recorded row i's generated span."""
+    seq = store.sequence(i)
+    ids = seq["input_ids"].tolist()
+    total = len(ids)
+    prompt = total - int(seq["loss_mask"].sum())
+    counts = CycleCounts(depth)
+    if total - prompt < 1:
+        return counts
+    steps = draft_logits(spec, ids, {"taps": seq["taps"][None]}, prompt, depth)  # K x [T, Vd]
+    d2t = spec.draft_to_target.cpu()
+    pos = cycle_roots(total, prompt)  # [N]
+    w = torch.zeros(pos.shape[0], depth, dtype=torch.float64)  # [N, D]
+    ids_t = torch.tensor(ids)
+    for k in range(1, min(depth, len(steps)) + 1):
+        tgt = pos + 1 + k
+        ok = tgt <= total - 1
+        if not bool(ok.any()):
+            break
+        hit = d2t[steps[k - 1][pos[ok]].argmax(-1)] == ids_t[tgt[ok]]  # [M] the draft's argmax was served
+        w[ok.nonzero()[:, 0], k - 1] = hit.double()
+    counts.merge(replay_chain(w, prompt, total, total - prompt, depth))
+    return counts
+
+
+def revision_tau(spec: Any, store: FeatureStore, rows: list[int], depth: int) -> CycleCounts:
+    """Cycle counts of `spec` over the recorded `rows` (their sum)."""
+    out = CycleCounts(depth)
+    spec.eval()
+    for i in rows:
+        out.merge(row_counts(spec, store, i, depth))
+    return out
+
+
+def compare_revisions(running: str | Path, candidate: str | Path, recording: str | Path, rows: list[int],
+                      depth: int, target_weights: Any, margin: float = 0.0) -> dict:
+    """Score both revisions on `rows` of `recording`; {"adopt": bool, "tau_running", "tau_candidate", ...}."""
+    store = FeatureStore(recording)
+    fps = [read_pairing(d)["target"] for d in (running, candidate)]
+    if fps[0]["content_hash"] != fps[1]["content_hash"] or \
+            fps[0]["content_hash"] != store.manifest["target"]["content_hash"]:
+        raise SpeculatorsError(f"the revisions {running} and {candidate} and the recording {recording} are not all "
+                               "of one target revision; a swap would break the pairing")
+    if not rows:
+        raise SpeculatorsError(f"no held-back rows of {recording} to compare the revisions on")
+    taus = []
+    for directory in (running, candidate):
+        spec = load_speculator(directory, target_weights)
+        taus.append(revision_tau(spec, store, rows, depth))
+    run_c, cand_c = taus
+    adopt = cand_c.tau > run_c.tau + margin
+    return {"adopt": adopt, "tau_running": round(run_c.tau, 4), "tau_candidate": round(cand_c.tau, 4),
+            "per_position_running": [round(x, 4) for x in run_c.per_position()],
+            "per_position_candidate": [round(x, 4) for x in cand_c.per_position()],
+            "rows": len(rows), "cycles": round(run_c.calls, 1), "depth": depth, "margin": margin,
+            "running": str(running), "candidate": str(candidate),
+            "revision_running": read_pairing(running)["draft"]["revision"],
+            "revision_candidate": read_pairing(candidate)["draft"]["revision"]}
