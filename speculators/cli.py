@@ -130,6 +130,24 @@ def run(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = Fal
     _print_summary(f"run: {r.name}", {k: _stage_line(v) for k, v in results.items()})
 
 
+@app.command(help="Learn from served traffic: train a draft revision on a traffic recipe's recordings, adopt it "
+                  "only when it drafts better on the held-back rows, and swap it into a running server (--server).")
+@_user_errors
+def adapt(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = False,
+          server: Annotated[str | None, typer.Option(help="the server to swap an adopted revision into, e.g. "
+                                                            "http://127.0.0.1:8000")] = None,
+          margin: Annotated[float, typer.Option(help="tau at cycle starts the new revision must gain to be "
+                                                     "adopted")] = 0.0,
+          depth: Annotated[int | None, typer.Option(help="chain depth scored (default: evaluate.depth)")] = None,
+          api_key_env: Annotated[str | None, typer.Option(help="environment variable holding the server's API "
+                                                               "key")] = None) -> None:
+    from speculators.adapt import adapt as adapt_loop
+    r = _load(recipe, overrides)
+    _print_summary(f"adapt: {r.name}", adapt_loop(r, server=server, margin=margin, depth=depth,
+                                                  api_key_env=api_key_env, force=force,
+                                                  log=lambda m: typer.echo(m, err=True)))
+
+
 def _stage_line(summary: dict) -> str:
     """One line per stage for the run summary: status, seconds, then its first few scalar figures."""
     status = str(summary.get("status", "done"))

@@ -38,7 +38,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "speculators"
 
 SHARED = {"core", ""}
 STAGES = {"data", "train", "evaluate", "export", "serving", "oracle", "house"}
-RANK = {"cli": 5, "pipeline": 4, **{s: 3 for s in STAGES}, "runtime": 2, "models": 1, **{s: 0 for s in SHARED}}
+RANK = {"cli": 5, "pipeline": 4, "adapt": 4, **{s: 3 for s in STAGES}, "runtime": 2, "models": 1, **{s: 0 for s in SHARED}}
 FORBIDDEN_STAGE_EDGES = {(app, stage) for app in ("serving", "oracle") for stage in ("train", "data")}
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
 STAGE_CONTRACT = ("enabled", "is_complete", "run")  # what every stage module defines (pipeline.py's docstring)

@@ -101,6 +101,7 @@ class TrafficConfig:
     cycle_start_weight: float = 1.0  # extra loss weight at a cycle's root (the positions a server drafts at)
     rejected_weight: float = 2.0  # extra weight where the running revision's draft was rejected (on-policy fix)
     max_rows: int | None = None  # the newest rows of the recordings only (None: every row)
+    held_back: float = 0.0  # the newest share of the recorded rows, not trained on: the adoption gate's slice
 
 
 @dataclass

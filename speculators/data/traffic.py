@@ -5,8 +5,9 @@ A recipe learns from traffic when its `data.sources` are recordings (`- traffic:
 capture then do nothing (a recorded row already holds the target's answer, its taps and its teacher). This stage
 - checks every recording (and the replay features) against the recipe's target: another target revision is refused
   in one line, as are other tap layers than the speculator's;
-- takes the recorded rows (the newest `data.traffic.max_rows`), and `replay_share` times their tokens of rows drawn
-  at random (seeded) from `data.traffic.replay`, the features the running revision was trained on;
+- holds back the newest `data.traffic.held_back` share of the recorded rows (listed in the manifest: the slice the
+  adoption gate compares revisions on, evaluate/adoption.py), takes the rest (the newest `max_rows` of them), and
+  `replay_share` times their tokens of rows drawn at random (seeded) from `data.traffic.replay`;
 - weights each recorded training row: 1, plus `cycle_start_weight` at the row a server's cycle drafts from (its
   root's), plus `rejected_weight` at the row whose step-0 draft is the token the running revision drafted wrongly
   (when its draft went deeper than what was accepted: the on-policy correction); replayed rows weigh 1 everywhere;
@@ -72,6 +73,7 @@ def _inputs(recipe: Recipe) -> dict:
 
     return {"stage": TRAFFIC_STAGE, "recordings": [listed(d) for d in recipe.traffic_dirs],
             "replay": listed(cfg.replay), "replay_share": cfg.replay_share, "max_rows": cfg.max_rows,
+            "held_back": cfg.held_back,
             "weights": [cfg.cycle_start_weight, cfg.rejected_weight], "seed": recipe.seed,
             "init_from": recipe.train.init_from, "draft_vocab_size": recipe.speculator.draft_vocab_size,
             "storage": recipe.capture.storage, "shard_tokens": recipe.capture.shard_tokens}
@@ -183,6 +185,11 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         replay.check_target(fp)
     layers = _check(recipe, recordings + ([replay] if replay is not None else []), int(fp["num_layers"]))
     recorded = [(store, i) for store in recordings for i in range(len(store))]
+    if not 0.0 <= cfg.held_back < 1.0:
+        raise SpeculatorsError(f"data.traffic.held_back must be in [0, 1), got {cfg.held_back}")
+    n_held = int(round(len(recorded) * cfg.held_back))
+    held = recorded[len(recorded) - n_held:] if n_held else []
+    recorded = recorded[:len(recorded) - n_held]
     if cfg.max_rows is not None:
         recorded = recorded[-cfg.max_rows:]
     if not recorded:
@@ -199,6 +206,7 @@ def run(recipe: Recipe, *, force: bool = False) -> dict:
         summary = {"recorded_rows": len(recorded), "recorded_tokens": recorded_tokens, "replayed_rows": len(replayed),
                    "replayed_tokens": sum(len(r) for r in rows[len(recorded):]),
                    "mean_recorded_weight": round(weights, 4),
+                   "held_back_rows": [[str(s.dir), i] for s, i in held],
                    "draft_revisions": sorted({str(v) for s in recordings
                                               for v in s.manifest["recording"].get("draft_revisions", [])})}
         _write_manifest(out, recipe, fp, layers, k, shards, rows, summary, time.time() - t0)

@@ -60,21 +60,25 @@ def revision_tau(spec: Any, store: FeatureStore, rows: list[int], depth: int) ->
     return out
 
 
-def compare_revisions(running: str | Path, candidate: str | Path, recording: str | Path, rows: list[int],
-                      depth: int, target_weights: Any, margin: float = 0.0) -> dict:
-    """Score both revisions on `rows` of `recording`; {"adopt": bool, "tau_running", "tau_candidate", ...}."""
-    store = FeatureStore(recording)
-    fps = [read_pairing(d)["target"] for d in (running, candidate)]
-    if fps[0]["content_hash"] != fps[1]["content_hash"] or \
-            fps[0]["content_hash"] != store.manifest["target"]["content_hash"]:
-        raise SpeculatorsError(f"the revisions {running} and {candidate} and the recording {recording} are not all "
-                               "of one target revision; a swap would break the pairing")
+def compare_revisions(running: str | Path, candidate: str | Path, rows: list[tuple[str, int]], depth: int,
+                      target_weights: Any, margin: float = 0.0) -> dict:
+    """Score both revisions on the recorded `rows` ((recording dir, row index) pairs); {"adopt": bool,
+    "tau_running", "tau_candidate", ...}."""
     if not rows:
-        raise SpeculatorsError(f"no held-back rows of {recording} to compare the revisions on")
+        raise SpeculatorsError("no held-back recorded rows to compare the revisions on (set data.traffic.held_back)")
+    stores = {d: FeatureStore(d) for d in dict.fromkeys(str(d) for d, _ in rows)}
+    want = read_pairing(running)["target"]["content_hash"]
+    if read_pairing(candidate)["target"]["content_hash"] != want or \
+            any(s.manifest["target"]["content_hash"] != want for s in stores.values()):
+        raise SpeculatorsError(f"the revisions {running} and {candidate} and the recordings are not all of one target "
+                               "revision; a swap would break the pairing")
     taus = []
     for directory in (running, candidate):
         spec = load_speculator(directory, target_weights)
-        taus.append(revision_tau(spec, store, rows, depth))
+        counts = CycleCounts(depth)
+        for d, store in stores.items():
+            counts.merge(revision_tau(spec, store, [i for rd, i in rows if str(rd) == d], depth))
+        taus.append(counts)
     run_c, cand_c = taus
     adopt = cand_c.tau > run_c.tau + margin
     return {"adopt": adopt, "tau_running": round(run_c.tau, 4), "tau_candidate": round(cand_c.tau, 4),

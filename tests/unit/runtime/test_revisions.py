@@ -115,11 +115,11 @@ def test_the_gate_adopts_a_revision_trained_on_the_traffic_and_never_a_damaged_o
     train_run(recipe)
     trained = recipe.paths.checkpoints / "step-0000060"
     weights = target_weights(hf_model(str(tiny_llama)))
-    rows = list(range(5))
-    same = compare_revisions(revs["a"], revs["a"], tmp_path / "rec", rows, depth=2, target_weights=weights)
+    rows = [(str(tmp_path / "rec"), i) for i in range(5)]
+    same = compare_revisions(revs["a"], revs["a"], rows, depth=2, target_weights=weights)
     assert not same["adopt"] and same["tau_running"] == same["tau_candidate"] >= 1.0
-    better = compare_revisions(revs["a"], trained, tmp_path / "rec", rows, depth=2, target_weights=weights)
+    better = compare_revisions(revs["a"], trained, rows, depth=2, target_weights=weights)
     assert better["adopt"] and better["tau_candidate"] > better["tau_running"] + 0.3, better
     damaged = _damaged_copy(trained, tmp_path / "damaged")
-    verdict = compare_revisions(trained, damaged, tmp_path / "rec", rows, depth=2, target_weights=weights)
+    verdict = compare_revisions(trained, damaged, rows, depth=2, target_weights=weights)
     assert not verdict["adopt"] and verdict["tau_candidate"] < verdict["tau_running"], verdict
