@@ -141,11 +141,34 @@ def adapt(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = F
           depth: Annotated[int | None, typer.Option(help="chain depth scored (default: evaluate.depth)")] = None,
           api_key_env: Annotated[str | None, typer.Option(help="environment variable holding the server's API "
                                                                "key")] = None) -> None:
-    from speculators.adapt import adapt as adapt_loop
+    from speculators.adapt.adapt_loop import run_adapt_loop
     r = _load(recipe, overrides)
-    _print_summary(f"adapt: {r.name}", adapt_loop(r, server=server, margin=margin, depth=depth,
+    _print_summary(f"adapt: {r.name}", run_adapt_loop(r, server=server, margin=margin, depth=depth,
                                                   api_key_env=api_key_env, force=force,
                                                   log=lambda m: typer.echo(m, err=True)))
+
+
+@app.command(name="adapt-bench", help="A stream of held-out requests of one cohort in windows: prompt lookup, the "
+                                      "static revision and the adapting one (the adapt loop between windows) side "
+                                      "by side, tau at cycle starts and tokens/s over plain per window.")
+@_user_errors
+def adapt_bench(recipe: RecipeArg, overrides: OverridesArg = None,
+                speculator: Annotated[str, typer.Option(help="the starting draft revision")] = "",
+                cohort: Annotated[str, typer.Option(help="the workload cohort streamed")] = "json-tool-call",
+                windows: Annotated[int, typer.Option(help="windows of requests")] = 4,
+                window_rows: Annotated[int, typer.Option(help="requests per window")] = 8,
+                out: Annotated[Path, typer.Option(help="where the recording, runs and report go")] = Path(
+                    "runs/adapt-bench"),
+                threads: Annotated[int, typer.Option(help="torch threads (0: torch's default)")] = 0) -> None:
+    import torch
+
+    from speculators.adapt.adapt_bench import run_adapt_bench, table
+    if threads:
+        torch.set_num_threads(threads)
+    r = _load(recipe, overrides)
+    report = run_adapt_bench(r, speculator=speculator or str(r.train.init_from), cohort=cohort, windows=windows,
+                       window_rows=window_rows, out=out, log=lambda m: typer.echo(m, err=True))
+    typer.echo(table(report))
 
 
 def _stage_line(summary: dict) -> str:

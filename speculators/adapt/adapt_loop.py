@@ -35,7 +35,7 @@ from speculators.train import train as train_stage
 REPORT = "adapt-report.json"
 
 
-def adapt(recipe: Recipe, *, server: str | None = None, margin: float = 0.0, depth: int | None = None,
+def run_adapt_loop(recipe: Recipe, *, server: str | None = None, margin: float = 0.0, depth: int | None = None,
           api_key_env: str | None = None, force: bool = False, log: Callable[[str], None] = print) -> dict:
     """Train a revision on the recipe's recorded traffic, gate it on the held-back rows, swap it in when it wins."""
     if not recipe.traffic_dirs:
