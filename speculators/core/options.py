@@ -130,6 +130,8 @@ class BenchOptions(TorchThreads):
     adaptive: bool | None = option(None, "adaptive depth (default: on); --no-adaptive drafts every cycle to the full "
                                          "depth", flag="--adaptive/--no-adaptive")
     hf: bool = option(True, "include the Hugging Face generate rows", flag="--hf/--no-hf")
+    record: Path | None = option(None, "also run plain and each speculator while recording their traffic into "
+                                       "this folder (rows <method>+record: what recording costs)")
     compare_verify: bool = option(False, "at T > 0 also run each speculator at a fixed tree: a sampled chain verified "
                                          "token-wise vs by block verification, a sampled tree token-wise vs by "
                                          "traversal verification")

@@ -6,6 +6,8 @@ For every temperature, every method generates every row once after one unmeasure
   ngram        this runtime with prompt lookup
   <dir name>   this runtime with each speculator given (its pairing is checked)
   +ngram       the same speculator with `ngram_graft` prompt-lookup nodes grafted onto its trees (graft.py)
+  <m>+record   with `record`: plain and each speculator again, recording their traffic (runtime/recording.py):
+               the recorder's cost beside the same method without it
   hf           Hugging Face `generate` (greedy, or do_sample with top_k=0 / top_p=1 at T > 0, seeded per row)
   hf-assisted  Hugging Face assisted decoding with prompt lookup (`prompt_lookup_num_tokens`)
   <dir name> chain token|block, <dir name> sampled token|traversal   (with `compare_verify`, T > 0 only)
@@ -59,6 +61,7 @@ from speculators.runtime.batching import generate_batch
 from speculators.runtime.drafters.load import paired_target
 from speculators.runtime.engine import Engine
 from speculators.runtime.forward.memory import work_max_len
+from speculators.runtime.recording import RecordingSpec
 from speculators.runtime.requests import encode_prompt
 from speculators.runtime.verify.expect import expected_accepted
 
@@ -281,6 +284,12 @@ def _methods(loaded: Any, speculators: list[str], tree: TreeConfig | None, opts:
             methods.append(Method(f"{engine.info.family}+ngram:{Path(path).name}", "runtime", grafted))
         if opts.compare_verify and any(t > 0 for t in temperatures):
             methods += _verify_methods(loaded, path, f"{engine.info.family}:{Path(path).name}", tree, max_len)
+    if opts.record is not None:  # plain and each speculator recording their traffic: the recorder's cost
+        for path in [None, *speculators]:
+            engine = Engine.from_pretrained(loaded, path, ngram_graft=0, tree=tree, max_len=max_len)
+            name = "plain" if path is None else f"{engine.info.family}:{Path(path).name}"
+            engine.record_to(RecordingSpec(Path(opts.record) / name.replace(":", "-")))
+            methods.append(Method(f"{name}+record", "runtime", engine))
     if opts.hf:
         methods += [Method("hf", "hf"), Method("hf-assisted", "hf-assisted")]
     return methods

@@ -68,14 +68,19 @@ def test_bench_fixed_depth_chains_without_hf(house_target, tmp_path) -> None:
     proc = cli("bench", "--speculator", str(spec), "--workloads",  # the target: the one spec's pairing.json names
                "data/workloads/short-output.jsonl", "--rows-per-cohort", "1", "--temperatures", "0", "--device", "cpu",
                "--tree", "chain", "--depth", "2", "--no-adaptive", "--ngram-graft", "0", "--no-hf",
-               "--out", str(tmp_path / "bench"))
+               "--out", str(tmp_path / "bench"), "--record", str(tmp_path / "rec"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert report["speculator_tree"] == {"kind": "chain", "depth": 2, "topk": 1, "budget": 2, "choices": None,
                                          "adaptive": False, "verify": "sequence"}
-    assert set(report["results"]["0.0"]["all"]) == {"plain", "ngram", "eagle3:eagle3"}
+    assert set(report["results"]["0.0"]["all"]) == {"plain", "ngram", "eagle3:eagle3", "plain+record",
+                                                    "eagle3:eagle3+record"}
     entry = report["results"]["0.0"]["all"]["eagle3:eagle3"]
     assert entry["vs_hf"] is None and entry["mismatched_rows"] == 0
+    recorded = report["results"]["0.0"]["all"]["eagle3:eagle3+record"]
+    assert recorded["mismatched_rows"] == 0 and recorded["tau"] == entry["tau"]  # recording changes no token
+    manifest = json.loads((tmp_path / "rec" / "eagle3-eagle3" / "manifest.json").read_text())
+    assert manifest["counts"]["sequences"] >= 1 and manifest["recording"]["kind"] == "traffic"
     assert "--tree must be one of dynamic, static, chain, sampled, best_first" in error_line(
         cli("bench", "--target", str(house_target), "--tree", "forest", "--device", "cpu"))
     assert "--depth must be >= 1" in error_line(cli("bench", "--target", str(house_target), "--depth", "0"))
