@@ -381,11 +381,11 @@ class Engine:
                 taps = fwd.features.get("taps")
                 req.record.add_cycle(len(prompt_ids) - 1 + start, tree, path, len(new),
                                      None if taps is None else taps[torch.tensor(path, device=taps.device)],
-                                     [rows.logits(n) for n in path[:len(new)]], self.recorder.spec.teacher_topk)
+                                     [rows.logits(n) for n in path[:len(new)]])
             if finish:
                 close_request(self, req, stats)
                 if req.record is not None and self.recorder is not None:
-                    self.recorder.write(req.record, out, self.info.revision)
+                    self.recorder.write(req.record, out, req.revision)
                 yield new, finish
                 return
             feats = None

@@ -67,6 +67,7 @@ class RequestRecord:
 
     prompt_ids: list[int]
     temperature: float
+    topk: int  # the teacher's k
     prefill_taps: torch.Tensor | None = None  # [P-1, W]: the prompt's positions but its last (the first root)
     taps: list[torch.Tensor] = field(default_factory=list)  # [n_i, W] per chunk, positions in order
     teacher_ids: list[torch.Tensor] = field(default_factory=list)  # [n_i, k]
@@ -76,7 +77,7 @@ class RequestRecord:
     complete: bool = True  # False when a forward did not capture its taps (the row is then not written)
 
     def add_cycle(self, root_position: int, tree: DraftTree, path: list[int], taken: int,
-                  taps: torch.Tensor | None, raw_logits: list[torch.Tensor], topk: int) -> None:
+                  taps: torch.Tensor | None, raw_logits: list[torch.Tensor]) -> None:
         """One verified cycle: the root + accepted path `path` (node indices), of which the first `taken` nodes
         produced committed tokens; `taps` [len(path), W] of the path's nodes; `raw_logits` [V] at those nodes."""
         if taps is None:
@@ -84,7 +85,7 @@ class RequestRecord:
         elif taken:
             self.taps.append(taps[:taken].float().cpu())
             logp = torch.log_softmax(torch.stack(raw_logits[:taken]).float(), dim=-1)  # [n, V]
-            top = logp.topk(topk, dim=-1)
+            top = logp.topk(self.topk, dim=-1)
             self.teacher_ids.append(top.indices.cpu())
             self.teacher_logprobs.append(top.values.clamp_min(-1e4).cpu())
         accepted = set(path[1:taken])
@@ -129,7 +130,7 @@ class TrafficRecorder:
         return [dict(e) for e in manifest.get("shards", [])]
 
     def start(self, prompt_ids: list[int], temperature: float, prefill_taps: torch.Tensor | None) -> RequestRecord:
-        return RequestRecord(list(prompt_ids), temperature, prefill_taps)
+        return RequestRecord(list(prompt_ids), temperature, self.spec.teacher_topk, prefill_taps)
 
     def write(self, record: RequestRecord, output_ids: list[int], draft_revision: str | None) -> Path | None:
         """Write one finished request (None, and counted as skipped, when its taps are incomplete)."""
