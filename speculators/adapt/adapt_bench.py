@@ -3,8 +3,9 @@ the static draft revision and the adapting one side by side, with the loop betwe
 
 For each window of `window_rows` requests (T = 0, each row's own max_new_tokens), four engines on one loaded target
 generate every request, one after the other on the same cores: plain (no drafter: the reference, and the T = 0
-identity check of the others), ngram (prompt lookup), static (the starting revision, never changed) and adapting
-(the same revision at first, recording what it serves). After each window but the last, the adapt loop
+identity check of the others), ngram (prompt lookup, as served by default), static (the starting revision, never
+changed) and adapting (the same revision at first, recording what it serves); both revisions draft a fixed chain of
+`evaluate.depth` (no graft, no adaptive plans), so their tau compares the revisions and nothing else. After each window but the last, the adapt loop
 (adapt_loop.py) trains a new revision on everything recorded so far, continuing the adapting one, gates it on the newest
 recorded rows (`held_back`), and the adapting engine swaps it in when it wins. Per window the report has, for each
 engine, live tau at cycle starts (committed tokens per target call: every cycle starts at a server's root) and
@@ -25,7 +26,7 @@ from typing import Any
 
 from speculators.adapt.adapt_loop import run_adapt_loop
 from speculators.core.atomic import write_json_atomic
-from speculators.core.config import Recipe, TargetConfig
+from speculators.core.config import Recipe, TargetConfig, TreeConfig
 from speculators.core.errors import SpeculatorsError
 from speculators.core.machine import cpu_model
 from speculators.core.sampling import SamplingParams
@@ -67,9 +68,12 @@ def run_adapt_bench(recipe: Recipe, *, speculator: str, cohort: str, windows: in
                                f"{window_rows} need {windows * window_rows}")
     target = load_target(dataclasses.replace(TargetConfig(name_or_path=recipe.target.name_or_path), device="cpu",
                                              dtype="float32"))
+    # the drafters at a fixed chain of the gate's depth, no graft, no adaptive plans: tau measures the revision alone
+    chain = TreeConfig(kind="chain", depth=recipe.evaluate.depth, topk=1, budget=recipe.evaluate.depth,
+                       adaptive=False)
     engines = {"plain": Engine.from_pretrained(target, "none"), "ngram": Engine.from_pretrained(target, "ngram"),
-               "static": Engine.from_pretrained(target, speculator),
-               "adapting": Engine.from_pretrained(target, speculator)}
+               **{name: Engine.from_pretrained(target, speculator, tree=chain, adaptive=False, ngram_graft=0)
+                  for name in ("static", "adapting")}}
     recording = out / "traffic"
     engines["adapting"].record_to(RecordingSpec(recording))
     engines["plain"].generate(rows[0].messages or rows[0].prompt, SamplingParams(max_new_tokens=8))  # warm-up
