@@ -92,9 +92,8 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
     t0 = time.perf_counter()
     generator = torch.Generator()
     generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
-    drafter, t = engine.drafter, engine.tree
-    # the drafter's own cache also holds its speculative nodes past the committed positions
-    state = drafter.new_state(engine.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8, engine.device)
+    drafter = engine.drafter
+    state = new_draft_state(engine)
     wants_ids = getattr(drafter, "needs_token_ids", False)
     features, stats.reused_prefix_tokens = slot.prefill(engine.runner, prompt_ids, reuse_prefix=engine.prefix_caching,
                                                         capture=engine.captures)
@@ -173,15 +172,19 @@ def draft_tree(engine: CycleHost, req: RequestState, plan: Plan, remaining: int,
     return prune_tree(tree, max_depth=remaining - 1, max_nodes=cache.free), t_propose, model_nodes
 
 
-def rebind_request(engine: CycleHost, req: RequestState) -> None:
-    """The engine swapped in another draft revision: this request's drafter state starts afresh from the positions
-    not yet absorbed (as after skipped positions; verification keeps the output lossless whatever drafts)."""
+def new_draft_state(engine: CycleHost) -> Any:
+    """A fresh state of the engine's drafter: its own cache also holds its speculative nodes past the committed
+    positions."""
     t = engine.tree
+    return engine.drafter.new_state(engine.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8, engine.device)
+
+
+def rebind_request(engine: CycleHost, req: RequestState) -> None:
+    """The engine swapped in another draft revision: this request's drafter restarts (`sync_drafter`) from the
+    positions not yet absorbed, as after skipped positions; until some are queued it drafts nothing (the plan's
+    `model_ready`), and verification keeps the output lossless whatever drafts."""
     req.drafter, req.revision = engine.drafter, revision_name(engine.info)
-    req.draft_state = engine.drafter.new_state(engine.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8,
-                                               engine.device)
     req.synced = False
-    req.work.restarts += 1
 
 
 def sync_drafter(engine: CycleHost, req: RequestState) -> None:
@@ -190,9 +193,7 @@ def sync_drafter(engine: CycleHost, req: RequestState) -> None:
     if not req.pending:
         return
     if not req.synced:
-        t = engine.tree
-        req.draft_state = engine.drafter.new_state(engine.max_len + t.budget + t.depth * t.topk * (t.topk + 1) + 8,
-                                                   engine.device)
+        req.draft_state = new_draft_state(engine)
         req.work.restarts += 1
     t0 = time.perf_counter()
     one_cycle = len(req.pending) == 1 and req.synced  # the last cycle's tokens only (not a backlog)
