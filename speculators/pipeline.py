@@ -14,6 +14,7 @@ it never branches on a stage's name. Stages are imported when they run (importli
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,21 @@ def _timed(run: Callable[..., dict | None], recipe: Recipe, force: bool) -> dict
     return summary
 
 
+def busy_machine_line(name: str) -> str | None:
+    """One line when this machine is already busier than its cores as a stage starts (two torch processes on 2
+    cores run 5-7x slower than one after the other): the load, the cores and the threads the stage will use."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return None
+    if load < cores:
+        return None
+    threads = os.environ.get("OMP_NUM_THREADS") or f"{cores} (one per core)"
+    return (f"[{name}] this machine is already busy (load {load:.1f} on {cores} cores): the stage's {threads} torch "
+            "threads will share them and run slower; set OMP_NUM_THREADS or run it when the other work is done")
+
+
 def run_stage(name: str, recipe: Recipe, *, force: bool = False, log: Callable[[str], None] = print) -> dict:
     run, _ = stage(name).load()
     return _timed(run, recipe, force)
@@ -103,6 +119,9 @@ def run_pipeline(recipe: Recipe, *, only: list[str] | None = None, force: bool =
             log(f"[{s.name}] outputs complete, skipping")
             continue
         log(f"[{s.name}] {s.summary}")
+        busy = busy_machine_line(s.name)
+        if busy:
+            log(busy)
         summary = _timed(run, recipe, force)
         summary.setdefault("status", "done")
         results[s.name] = summary
