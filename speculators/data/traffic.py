@@ -221,6 +221,7 @@ def _write_rows(rows: list[tuple[FeatureStore, int]], out: Path, recipe: Recipe,
     shards: list[dict] = []
     ids: list[list[int]] = []
     pending: list[tuple[str, dict[str, torch.Tensor]]] = []
+    pending_tokens = 0  # tokens of the rows in `pending`
     weight_sum, weight_n = 0.0, 0
 
     def flush() -> None:
@@ -245,8 +246,10 @@ def _write_rows(rows: list[tuple[FeatureStore, int]], out: Path, recipe: Recipe,
             weight = torch.ones(seq["input_ids"].shape[0])
         pending.append((store.row_id(i), _row_tensors(seq, weight, k, recipe.capture.storage, hidden, vocab_size)))
         ids.append(seq["input_ids"].tolist())
-        if sum(int(t["input_ids"].shape[0]) for _, t in pending) >= recipe.capture.shard_tokens:
+        pending_tokens += len(ids[-1])
+        if pending_tokens >= recipe.capture.shard_tokens:
             flush()
+            pending_tokens = 0
     if pending:
         flush()
     return shards, ids, weight_sum / weight_n if weight_n else 1.0

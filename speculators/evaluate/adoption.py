@@ -67,8 +67,9 @@ def compare_revisions(running: str | Path, candidate: str | Path, rows: list[tup
     if not rows:
         raise SpeculatorsError("no held-back recorded rows to compare the revisions on (set data.traffic.held_back)")
     stores = {d: FeatureStore(d) for d in dict.fromkeys(str(d) for d, _ in rows)}
-    want = read_pairing(running)["target"]["content_hash"]
-    if read_pairing(candidate)["target"]["content_hash"] != want or \
+    pairings = [read_pairing(running), read_pairing(candidate)]
+    want = pairings[0]["target"]["content_hash"]
+    if pairings[1]["target"]["content_hash"] != want or \
             any(s.manifest["target"]["content_hash"] != want for s in stores.values()):
         raise SpeculatorsError(f"the revisions {running} and {candidate} and the recordings are not all of one target "
                                "revision; a swap would break the pairing")
@@ -86,5 +87,5 @@ def compare_revisions(running: str | Path, candidate: str | Path, rows: list[tup
             "per_position_candidate": [round(x, 4) for x in cand_c.per_position()],
             "rows": len(rows), "cycles": round(run_c.calls, 1), "depth": depth, "margin": margin,
             "running": str(running), "candidate": str(candidate),
-            "revision_running": read_pairing(running)["draft"]["revision"],
-            "revision_candidate": read_pairing(candidate)["draft"]["revision"]}
+            "revision_running": pairings[0]["draft"]["revision"],
+            "revision_candidate": pairings[1]["draft"]["revision"]}
