@@ -264,6 +264,21 @@ def fetch_target(opts: o.FetchTargetOptions) -> None:
     typer.echo(resolve_target_source(opts.source))
 
 
+@_command("record-vllm", o.RecordVllmOptions)
+def record_vllm(opts: o.RecordVllmOptions) -> None:
+    from speculators.adapt.vllm_recording import run_record_vllm
+    from speculators.core.config import TargetConfig
+    from speculators.runtime.recording import RecordingSpec
+    if opts.record_budget_gb <= 0 or opts.port <= 0 or opts.max_model_len <= 0 or opts.threads <= 0:
+        raise SpeculatorsError("--record-budget-gb, --port, --max-model-len and --threads must be > 0")
+    spec = RecordingSpec(opts.record, int(opts.record_budget_gb * 2**30))
+    report = run_record_vllm(TargetConfig(name_or_path=opts.target), spec, port=opts.port, host=opts.host,
+                             layers=o.ints(opts.layers, "--layers"), dtype=opts.dtype,
+                             max_model_len=opts.max_model_len, threads=opts.threads, python=opts.vllm_python,
+                             log=lambda m: typer.echo(m, err=True))
+    _print_summary(f"record-vllm: {opts.target}", report)
+
+
 @_command("build-house", o.BuildHouseOptions)
 def build_house(opts: o.BuildHouseOptions) -> None:
     from speculators.house.build import build

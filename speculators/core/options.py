@@ -1,9 +1,9 @@
 """The options of the runtime and tool commands as dataclasses: one per command, one field per flag.
 
 `GenerateOptions`, `ServeOptions`, `BenchOptions`, `ProfileOptions`, `TrainBenchOptions`, `BuildHouseOptions` and
-`FetchTargetOptions` are what `speculators generate | serve | bench | profile | train-bench | build-house |
+`FetchTargetOptions`, `RecordVllmOptions` are what `speculators generate | serve | bench | profile | train-bench | build-house |
 fetch-target` hand their command body (serving/commands.py, serving/bench.py, oracle/profile.py,
-train/train_bench.py, house/build.py, core/target_sources.py); a class's docstring is its command's `--help` text.
+train/train_bench.py, house/build.py, core/target_sources.py, adapt/vllm_recording.py); a class's docstring is its command's `--help` text.
 Each field carries its default and, in its metadata, the help text `--help` shows (`option`), the flag's spelling
 when it is not the field's name (`flag`, e.g. "--json", "--hf/--no-hf"), `argument` for a positional argument, and
 `cli=False` for a setting only code passes. cli.py builds every command's flags from these fields, so a flag, its
@@ -216,6 +216,25 @@ class FetchTargetOptions:
     command's --target or a recipe's target.name_or_path takes the same names."""
 
     source: str = field(metadata={"help": "package:NAME or a path to a .gguf file", "argument": True})
+
+
+@dataclass
+class RecordVllmOptions:
+    """A vLLM replica of the target (the OpenAI server users already run, plain: vLLM cannot extract hidden states
+    while it speculates) that records every request it serves as a training row in the format of `speculators serve
+    --record`, for the learn-from-traffic loop. Runs until interrupted (Ctrl-C / SIGTERM), then records what finished."""
+
+    target: str = field(metadata={"help": "the target's local folder (or package:NAME)", "argument": True})
+    record: Path = option(Path("runs/traffic"), "the recording directory (appended to when it is this target's)")
+    record_budget_gb: float = option(2.0, "disk budget of the recording; the oldest rows are dropped past it")
+    port: int = option(8000, "the replica's port")
+    host: str = option("127.0.0.1", "the replica's interface")
+    layers: str | None = option(None, "tap layer ids, comma-separated (default: the drafter's usual 2,N//2,N-3)")
+    dtype: str = option("auto", "the dtype vLLM serves in: auto | float32 | bfloat16 | float16")
+    max_model_len: int = option(2048, "vLLM's --max-model-len")
+    threads: int = option(2, "vLLM's CPU threads (OMP_NUM_THREADS of the replica)")
+    vllm_python: Path | None = option(None, "the vLLM environment's python (default: ./.venv-vllm, "
+                                            "$SPECULATORS_VLLM_PYTHON)")
 
 
 def choices(text: str, name: str, allowed: list[str] | tuple[str, ...]) -> list[str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,23 +53,50 @@ def _checkpoint_tensor(directory: Path, key: str) -> torch.Tensor | None:
     return None
 
 
-def load_final_norm(cfg: TargetConfig) -> torch.nn.Module:
-    """The target's final norm module with its weights, built from the config on the meta device and filled from
-    the checkpoint alone (a 70B target's weights are not loaded); the whole model when that cannot be done (a hub
-    id, unusual key names)."""
+def _from_checkpoint(cfg: TargetConfig, pick: Callable[[torch.nn.Module], torch.nn.Module],
+                     aliases: dict[str, str] | None = None) -> torch.nn.Module:
+    """`pick(model)` of the target with its weights, built from the config on the meta device and filled from the
+    checkpoint alone (a 70B target's weights are not loaded); `aliases` maps a missing key to the one that holds it
+    (a tied head's embedding). The whole model when that cannot be done (a hub id, an adapter, unusual key names)."""
     directory = Path(cfg.name_or_path)
     if directory.is_dir() and cfg.adapter is None:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=cfg.trust_remote_code)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
-        norm = final_norm(model)
-        prefix = next(name for name, module in model.named_modules() if module is norm)
-        params = {n: _checkpoint_tensor(directory, f"{prefix}.{n}") for n, _ in norm.named_parameters()}
+        module = pick(model)
+        prefix = next(name for name, m in model.named_modules() if m is module)
+        params = {}
+        for n, _ in module.named_parameters():
+            key = f"{prefix}.{n}"
+            found = _checkpoint_tensor(directory, key)
+            params[n] = found if found is not None or key not in (aliases or {}) \
+                else _checkpoint_tensor(directory, aliases[key])
         if params and all(v is not None for v in params.values()):
-            norm = norm.to_empty(device="cpu")
-            norm.load_state_dict(params, strict=False)
-            return norm.float().eval()
-    return final_norm(load_target(cfg, device="cpu", dtype="float32").model).float().eval()
+            module = module.to_empty(device="cpu")
+            module.load_state_dict(params, strict=False)
+            return module.float().eval()
+    return pick(load_target(cfg, device="cpu", dtype="float32").model).float().eval()
+
+
+def load_final_norm(cfg: TargetConfig) -> torch.nn.Module:
+    """The target's final norm module with its weights (see `_from_checkpoint`)."""
+    return _from_checkpoint(cfg, final_norm)
+
+
+def load_output_head(cfg: TargetConfig) -> torch.nn.Module:
+    """The target's output head (hidden -> vocab logits) with its weights, a tied head from the input embedding's
+    (see `_from_checkpoint`)."""
+    def tied(model: torch.nn.Module) -> dict[str, str]:
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        names = {m: n for n, m in model.named_modules() if m is head or m is embed}
+        return {f"{names[head]}.weight": f"{names[embed]}.weight"}
+
+    config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    aliases = None
+    if getattr(config, "tie_word_embeddings", False) and Path(cfg.name_or_path).is_dir():
+        with torch.device("meta"):
+            aliases = tied(AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code))
+    return _from_checkpoint(cfg, lambda model: model.get_output_embeddings(), aliases)
 
 
 class VllmFeatures:

@@ -6,6 +6,7 @@ own; a gate that asks for more than the revision gained keeps the running one.""
 from __future__ import annotations
 
 import json
+import sys
 
 import httpx
 import pytest
@@ -61,3 +62,21 @@ def test_serve_record_adapt_and_swap(house_target, tmp_path) -> None:
     bad = cli("adapt", "recipes/house-eagle3-adapt.yaml", f"run_dir={tmp_path / 'x'}",
               f"data.sources.0.traffic={rec}", "data.traffic.held_back=0")
     assert "held_back" in error_line(bad)
+
+
+def test_record_vllm_refuses_bad_input_in_one_line_before_starting_vllm(house_target, tmp_path) -> None:
+    """(The recording itself is served by the real vLLM in tests/vllm/test_vllm_recording.py.)"""
+    env = {"SPECULATORS_VLLM_PYTHON": sys.executable}  # found, never started: every refusal comes first
+    missing = cli("record-vllm", str(tmp_path / "nowhere"), "--record", str(tmp_path / "r0"), env=env)
+    assert "local target directory" in error_line(missing)
+    bad_layers = cli("record-vllm", str(house_target), "--record", str(tmp_path / "r1"), "--layers", "2,99", env=env)
+    assert "99" in error_line(bad_layers)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    manifest = {"format": "speculators.features/v1", "recording": {"kind": "traffic"}, "layer_ids": [2, 4, 5],
+                "target": {"name_or_path": "another", "revision": "r9", "content_hash": "0" * 64}, "shards": []}
+    (theirs / "manifest.json").write_text(json.dumps(manifest))
+    other = cli("record-vllm", str(house_target), "--record", str(theirs), env=env)
+    assert "another@r9" in error_line(other)
+    assert json.loads((theirs / "manifest.json").read_text()) == manifest
+    assert sorted(p.name for p in theirs.iterdir()) == ["manifest.json"], "something was written beside it"

@@ -30,7 +30,7 @@ def _capture_of(model, ids: list[int], layers: list[int], k: int) -> dict[str, t
     return {name: v[0] for name, v in feats.items()}
 
 
-def _assert_row_equals_capture(store: FeatureStore, i: int, model, layers: list[int]) -> None:
+def assert_row_equals_capture(store: FeatureStore, i: int, model, layers: list[int]) -> None:
     row = store.sequence(i)
     ids = row["input_ids"].tolist()
     want = _capture_of(model, ids, layers, int(store.manifest["teacher_topk"]))
@@ -73,7 +73,7 @@ def test_recorded_rows_equal_a_capture_of_the_same_tokens(tiny_llama, tmp_path, 
         row = store.sequence(i)
         assert row["input_ids"].tolist() == out.prompt_token_ids + out.token_ids
         assert row["loss_mask"].tolist() == [0] * len(out.prompt_token_ids) + [1] * len(out.token_ids)
-        _assert_row_equals_capture(store, i, hf_model(str(tiny_llama)), recorder.layer_ids)
+        assert_row_equals_capture(store, i, hf_model(str(tiny_llama)), recorder.layer_ids)
     if drafter == "oracle":
         assert sum(o.stats.acceptance.accepted_tokens for o in outs) > len(PROMPTS), "no deep paths were exercised"
 
