@@ -16,13 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from speculators.core.errors import SpeculatorsError
 from speculators.core.pairing import read_pairing
 from speculators.data.shards import FeatureStore
 from speculators.evaluate.drafts import draft_logits
-from speculators.evaluate.replay import CycleCounts, cycle_roots, replay_chain
+from speculators.evaluate.replay import CycleCounts, argmax_chain_weights, replay_chain
 from speculators.models.io import load_speculator
 
 
@@ -36,17 +34,7 @@ def row_counts(spec: Any, store: FeatureStore, i: int, depth: int) -> CycleCount
     if total - prompt < 1:
         return counts
     steps = draft_logits(spec, ids, {"taps": seq["taps"][None]}, prompt, depth)  # K x [T, Vd]
-    d2t = spec.draft_to_target.cpu()
-    pos = cycle_roots(total, prompt)  # [N]
-    w = torch.zeros(pos.shape[0], depth, dtype=torch.float64)  # [N, D]
-    ids_t = torch.tensor(ids)
-    for k in range(1, min(depth, len(steps)) + 1):
-        tgt = pos + 1 + k
-        ok = tgt <= total - 1
-        if not bool(ok.any()):
-            break
-        hit = d2t[steps[k - 1][pos[ok]].argmax(-1)] == ids_t[tgt[ok]]  # [M] the draft's argmax was served
-        w[ok.nonzero()[:, 0], k - 1] = hit.double()
+    w = argmax_chain_weights(steps, ids, prompt, spec.draft_to_target.cpu(), int(store.manifest["vocab_size"]), depth)
     counts.merge(replay_chain(w, prompt, total, total - prompt, depth))
     return counts
 

@@ -118,6 +118,24 @@ def cycle_roots(total_len: int, prompt_len: int) -> torch.Tensor:
     return torch.arange(start, max(total_len - 2, start), dtype=torch.long)
 
 
+def argmax_chain_weights(step_logits: Sequence[torch.Tensor], token_ids: Sequence[int], prompt_len: int,
+                         draft_to_target: torch.Tensor, vocab_size: int, depth: int) -> torch.Tensor:
+    """w [N, depth] (as `chain_weights`) of a chain of the draft's argmax drafts: 1 where depth k's argmax (in the
+    target vocab) is the token the sequence holds there, else 0; depths past the end get 0."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)  # [T]
+    total = int(ids.shape[0])
+    pos = cycle_roots(total, prompt_len)  # [N] t values (root x[t+1], t+1 <= T-2)
+    w = torch.zeros(pos.shape[0], depth, dtype=torch.float64)  # [N, D]
+    for k in range(1, min(depth, len(step_logits)) + 1):
+        tgt = pos + 1 + k  # [N] index of the token depth k drafts
+        ok = tgt <= total - 1
+        if not bool(ok.any()):
+            break
+        draft_logits = to_target_vocab(step_logits[k - 1][pos[ok]].float(), draft_to_target, vocab_size)  # [M, V]
+        w[ok.nonzero()[:, 0], k - 1] = (draft_logits.argmax(-1) == ids[tgt[ok]]).double()
+    return w
+
+
 def chain_weights(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Tensor, token_ids: Sequence[int],
                   prompt_len: int, draft_to_target: torch.Tensor, params: SamplingParams, depth: int,
                   draft: str = "sampled") -> torch.Tensor:
@@ -125,13 +143,14 @@ def chain_weights(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Ten
 
     step_logits: K tensors [T, Vd] of `forward_train` (step k-1 at t predicts x[t+1+k] from the teacher-forced
     prefix); teacher_logits [T, V]. draft "sampled": the chain is drawn from the draft law (the runtime's chain at
-    T > 0); "argmax": the draft's argmax (vLLM's drafts; the runtime's chain at T = 0). Depths past the end of the
-    sequence get 0."""
+    T > 0); "argmax": the draft's argmax (vLLM's drafts; the runtime's chain at T = 0: `argmax_chain_weights`; at
+    T > 0 an argmax draft is accepted iff the target's draw equals it). Depths past the end of the sequence get 0."""
     total, vocab = teacher_logits.shape
+    if params.greedy or draft == "argmax":
+        return argmax_chain_weights(step_logits, token_ids, prompt_len, draft_to_target, vocab, depth)
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)  # [T]
     pos = cycle_roots(total, prompt_len)  # [N] t values (root x[t+1], t+1 <= T-2)
     w = torch.zeros(pos.shape[0], depth, dtype=torch.float64)  # [N, D]
-    greedy = params.greedy or draft == "argmax"
     for k in range(1, min(depth, len(step_logits)) + 1):
         tgt = pos + 1 + k  # [N] index of the token depth k drafts
         ok = tgt <= total - 1
@@ -139,14 +158,11 @@ def chain_weights(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Ten
             break
         rows, nxt = pos[ok], ids[tgt[ok]]  # [M], [M]
         draft_logits = to_target_vocab(step_logits[k - 1][rows].float(), draft_to_target, vocab)  # [M, V]
-        if greedy:  # (at T > 0: an argmax draft is accepted iff the target's draw equals it)
-            hit = (draft_logits.argmax(-1) == nxt).double()  # [M]
-        else:
-            p = logits_to_probs(teacher_logits[rows + k].float(), params)  # [M, V] the target's law at depth k
-            q = logits_to_probs(draft_logits, params)  # [M, V]
-            px, qx = p.gather(-1, nxt[:, None])[:, 0], q.gather(-1, nxt[:, None])[:, 0]  # [M]
-            hit = torch.where(px > 0, (qx / px.clamp_min(1e-30)).clamp(max=1.0), torch.zeros_like(px)).double()
-        w[ok.nonzero()[:, 0], k - 1] = hit
+        p = logits_to_probs(teacher_logits[rows + k].float(), params)  # [M, V] the target's law at depth k
+        q = logits_to_probs(draft_logits, params)  # [M, V]
+        px, qx = p.gather(-1, nxt[:, None])[:, 0], q.gather(-1, nxt[:, None])[:, 0]  # [M]
+        w[ok.nonzero()[:, 0], k - 1] = torch.where(px > 0, (qx / px.clamp_min(1e-30)).clamp(max=1.0),
+                                                   torch.zeros_like(px)).double()
     return w
 
 
