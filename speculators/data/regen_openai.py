@@ -21,6 +21,7 @@ from typing import Any
 
 from speculators.core.config import Recipe
 from speculators.core.errors import SpeculatorsError
+from speculators.data.regen_progress import RegenProgress
 from speculators.data.regen_rows import RowFailed, RowState, Turn
 
 log = logging.getLogger(__name__)
@@ -106,10 +107,15 @@ class OpenAIBackend:
         tokens = int(getattr(resp.usage, "completion_tokens", 0) or 0) if resp.usage else 0
         return Turn(text=text, finished=choice.finish_reason != "length", reasoning=reasoning, tokens=tokens)
 
+    progress: RegenProgress | None = None  # the stage's progress line, fed as each request finishes
+
     def _row(self, st: RowState) -> None:
         try:
             while st.needs_generation:
-                st.accept(self._turn(st))
+                turn = self._turn(st)
+                st.accept(turn)
+                if self.progress is not None:
+                    self.progress.generated(turn.tokens)
         except RowFailed as exc:
             st.fail(str(exc), exc.permanent)
 

@@ -12,11 +12,14 @@ from typing import Any
 
 from speculators.core.config import Recipe
 from speculators.data.prepare import make_encoder
+from speculators.data.regen_progress import RegenProgress
 from speculators.data.regen_rows import RowState, Turn
 
 
 class TokenBackend:
     """See the module docstring."""
+
+    progress: RegenProgress | None = None  # the stage's progress line, fed as requests finish (`finished`)
 
     def __init__(self, recipe: Recipe, tokenizer: Any) -> None:
         self.recipe = recipe
@@ -37,6 +40,11 @@ class TokenBackend:
                      temperature: float) -> list[list[int]]:
         """Generated ids per prompt (up to and including the first stop token); request j samples with seed + j."""
         raise NotImplementedError
+
+    def finished(self, tokens: int, requests: int = 1) -> None:
+        """`requests` generations ended, `tokens` tokens between them: the progress line moves."""
+        if self.progress is not None:
+            self.progress.generated(tokens, requests)
 
     def generate(self, prompts: list[list[int]], max_new: list[int], seed: int, temperature: float) -> list[Turn]:
         turns = []

@@ -30,4 +30,6 @@ class VllmBackend(TokenBackend):
         top_p = self.recipe.data.regenerate.top_p
         params = [{"max_tokens": m, "temperature": temperature, "top_p": top_p, "seed": (seed + j) % (2**31)}
                   for j, m in enumerate(max_new)]
-        return self.vllm_engine.generate(prompts, params, self.stop_ids)
+        gens = self.vllm_engine.generate(prompts, params, self.stop_ids)
+        self.finished(sum(len(g) for g in gens), len(gens))
+        return gens

@@ -46,7 +46,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from tqdm import tqdm
 from transformers import GenerationConfig
 
 from speculators.core.atomic import replace_dir, write_json_atomic
@@ -57,6 +56,7 @@ from speculators.core.target import fingerprint_target, load_target, load_tokeni
 from speculators.data import artifacts
 from speculators.data.prepare import KEPT_ANSWER_IDS, RowEncoder, make_encoder
 from speculators.data.regen_openai import OpenAIBackend
+from speculators.data.regen_progress import RegenProgress
 from speculators.data.regen_rows import COMPLETE, FAILED, REJECTED, PartialStore, RowResult, RowState
 from speculators.data.regen_tokens import TokenBackend
 from speculators.data.regen_vllm import VllmBackend
@@ -112,7 +112,7 @@ class LocalBackend(TokenBackend):
         params = [SamplingParams(max_new_tokens=m, temperature=temperature, top_p=rg.top_p,
                                  seed=(seed + j) % (2**63), stop_token_ids=self.stop_ids)
                   for j, m in enumerate(max_new)]
-        return self.engine.generate(prompts, params)
+        return self.engine.generate(prompts, params, on_done=self.finished)
 
     def hf_batches(self, prompts: list[list[int]], max_new: list[int], seed: int,
                    temperature: float) -> list[list[int]]:
@@ -144,6 +144,7 @@ class LocalBackend(TokenBackend):
             gen = out[j, width:].tolist()[: max_new[j]]
             stop = next((t for t, x in enumerate(gen) if x in self.stop_ids), None)
             gens.append(gen if stop is None else gen[: stop + 1])
+        self.finished(sum(len(g) for g in gens), len(gens))
         return gens
 
 
@@ -251,17 +252,20 @@ def _generate(recipe: Recipe, ds: Any, rows: list[int], store: PartialStore, bac
     """Run the backend over every job still to try, chunk by chunk; returns the generation seconds."""
     seconds = 0.0
     jobs = len(rows) * len(recipe.data.regenerate.temperatures)
-    with tqdm(total=jobs, initial=jobs - store.pending(), desc="regenerate", unit=" rows", dynamic_ncols=True) as bar:
+    with RegenProgress(jobs, jobs - store.pending()) as progress:
+        backend.progress = progress
         for ci, (a, b) in enumerate(store.chunks):
             todo = store.todo(a, b)  # new rows + rows that failed before
             if not todo:
                 continue
             states = [_job(recipe, ds, rows, j) for j in todo]
+            progress.chunk_started(len(todo))
             t0 = time.time()
             backend.run_chunk(states, recipe.seed * 7919 + ci)
             seconds += time.time() - t0
             store.record(a, b, [st.result() for st in states])
-            bar.update(len(todo))
+            progress.rows_recorded(jobs - store.pending())
+    backend.progress = None
     return seconds
 
 

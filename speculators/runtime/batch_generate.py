@@ -54,11 +54,19 @@ class EngineGenerator:
         self.max_batch = int(max_batch)
         self.stats = {"target_forwards": 0, "requests": 0, "generated_tokens": 0, "target_calls": 0}
 
-    def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[list[int]]:
-        """Generated ids per prompt (the stop token included when one ended the output), in prompt order."""
+    def generate(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+                 on_done: Callable[[int], None] | None = None) -> list[list[int]]:
+        """Generated ids per prompt (the stop token included when one ended the output), in prompt order;
+        `on_done(tokens)` is called as each request finishes (a progress line's feed)."""
         runner = BatchRunner(self.engine, self.max_batch)
         tickets = [runner.add(list(p), sp, text_deltas=False) for p, sp in zip(prompts, params, strict=True)]
-        runner.run()
+        pending = list(tickets)
+        while runner.busy:
+            runner.step()
+            if on_done is not None:
+                for ticket in [t for t in pending if t.output is not None or t.error is not None]:
+                    pending.remove(ticket)
+                    on_done(len(ticket.output.token_ids) if ticket.output is not None else 0)
         outs = []
         for ticket in tickets:
             if ticket.error is not None:

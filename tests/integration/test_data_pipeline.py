@@ -56,6 +56,7 @@ def test_prepare_regenerate_capture_through_the_cli(setup):
     g = _cli("regenerate", str(recipe))
     assert g.returncode == 0, g.stderr
     assert "turns_regenerated" in g.stdout and "tokens_per_s" in g.stdout
+    assert "tok/s" in g.stderr and "last request" in g.stderr, g.stderr[-2000:]  # the live progress line
     c = _cli("capture", str(recipe))
     assert c.returncode == 0, c.stderr
     assert "bytes_per_token" in c.stdout and "tokens_per_s" in c.stdout and "vs_8H_reference" in c.stdout
