@@ -47,6 +47,8 @@ RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML, e.g. recipes/house
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. train.lr=3e-4")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="redo the stage even if its outputs are complete")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="print the resolved recipe and exit")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="torch CPU threads of the stage and the processes it starts "
+                                                     "(the recipe's threads:, 0: one a core)")]
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,6 +82,11 @@ def _load(recipe: Path | None, overrides: list[str] | None, resolve_target: bool
     return loaded
 
 
+def _with_threads(overrides: list[str] | None, threads: int | None) -> list[str]:
+    """The overrides with --threads as the recipe's `threads:` (when given)."""
+    return [*(overrides or []), *([f"threads={threads}"] if threads is not None else [])]
+
+
 def _dump(recipe: Any) -> str:
     from speculators.core.recipes import dump_recipe
     return dump_recipe(recipe)
@@ -96,8 +103,9 @@ def _stage_command(name: str, help_text: str) -> None:
     @app.command(name=name, help=help_text)
     @_user_errors
     def command(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = False,
-                dry_run: DryRunOpt = False) -> None:
-        r = _load(recipe, overrides, resolve_target=not dry_run)
+                dry_run: DryRunOpt = False, threads: ThreadsOpt = None) -> None:
+        r = _load(recipe, _with_threads(overrides, threads),
+                  resolve_target=not dry_run)
         if dry_run:
             typer.echo(_dump(r), nl=False)
             return
@@ -120,9 +128,11 @@ for _name, _help in (
 @app.command(help="Run every stage of a recipe in order, skipping stages whose outputs are complete.")
 @_user_errors
 def run(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = False, dry_run: DryRunOpt = False,
-        only: Annotated[str | None, typer.Option(help="comma-separated stages to run")] = None) -> None:
+        only: Annotated[str | None, typer.Option(help="comma-separated stages to run")] = None,
+        threads: ThreadsOpt = None) -> None:
     stages = o.choices(only, "--only", [s.name for s in STAGES]) if only is not None else None
-    r = _load(recipe, overrides, resolve_target=not dry_run)
+    r = _load(recipe, _with_threads(overrides, threads),
+              resolve_target=not dry_run)
     if dry_run:
         typer.echo(_dump(r), nl=False)
         return
@@ -140,9 +150,11 @@ def adapt(recipe: RecipeArg, overrides: OverridesArg = None, force: ForceOpt = F
                                                      "adopted")] = 0.0,
           depth: Annotated[int | None, typer.Option(help="chain depth scored (default: evaluate.depth)")] = None,
           api_key_env: Annotated[str | None, typer.Option(help="environment variable holding the server's API "
-                                                               "key")] = None) -> None:
+                                                               "key")] = None, threads: ThreadsOpt = None) -> None:
     from speculators.adapt.adapt_loop import run_adapt_loop
-    r = _load(recipe, overrides)
+    from speculators.pipeline import use_threads
+    r = _load(recipe, _with_threads(overrides, threads))
+    use_threads(r)
     _print_summary(f"adapt: {r.name}", run_adapt_loop(r, server=server, margin=margin, depth=depth,
                                                   api_key_env=api_key_env, force=force,
                                                   log=lambda m: typer.echo(m, err=True)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,8 +94,22 @@ def busy_machine_line(name: str) -> str | None:
             "threads will share them and run slower; set OMP_NUM_THREADS or run it when the other work is done")
 
 
+def use_threads(recipe: Recipe) -> None:
+    """The recipe's `threads` (the stage commands' --threads): torch's CPU pool in this process and
+    OMP_NUM_THREADS / MKL_NUM_THREADS of every process a stage starts (each training worker, capture's, vLLM's
+    engine takes its own); 0 leaves torch's default (one thread a core) and the environment as they are."""
+    if recipe.threads < 0:
+        raise SpeculatorsError(f"threads must be >= 0 (0: one a core), got {recipe.threads}")
+    if recipe.threads:
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(recipe.threads)
+        torch = sys.modules.get("torch")  # not imported yet: it reads OMP_NUM_THREADS when it is
+        if torch is not None:
+            torch.set_num_threads(recipe.threads)
+
+
 def run_stage(name: str, recipe: Recipe, *, force: bool = False, log: Callable[[str], None] = print) -> dict:
     run, _ = stage(name).load()
+    use_threads(recipe)
     return _timed(run, recipe, force)
 
 
@@ -102,6 +117,7 @@ def run_pipeline(recipe: Recipe, *, only: list[str] | None = None, force: bool =
                  log: Callable[[str], None] = print) -> dict[str, dict]:
     """Run every enabled stage in order; skip stages whose outputs are already complete and valid."""
     check_family(recipe.speculator.family, " (speculator.family)")
+    use_threads(recipe)
     unknown = sorted(set(only or ()) - {s.name for s in STAGES})
     if unknown:
         raise SpeculatorsError(f"unknown stage(s) {unknown}; stages: {', '.join(s.name for s in STAGES)}")

@@ -21,8 +21,7 @@ from typing import Any, Literal
 from speculators.core.errors import SpeculatorsError
 from speculators.core.package_data import locate
 
-# ----------------------------------------------------------------------------------------------------------------
-# sections
+# ---------------------------------------------------------------------------------------------------------- sections
 
 
 @dataclass
@@ -419,6 +418,7 @@ class Recipe:
     name: str = "recipe"
     run_dir: str = "runs/recipe"
     seed: int = 0
+    threads: int = 0  # torch CPU threads (OMP_NUM_THREADS) of every stage and the processes it starts; 0: one a core
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
