@@ -160,6 +160,7 @@ def run_record_vllm(target: TargetConfig, spec: RecordingSpec, *, port: int = 80
             if collector.collect():
                 quiet_since = time.monotonic()
     collector.collect()  # what finished before the replica stopped
+    recorder.flush()
     if not any(spool.iterdir()):
         spool.rmdir()
     return {**recorder.report(), "rows_refused": collector.rows_refused}

@@ -195,6 +195,8 @@ class Engine:
         The taps recorded are the drafter's (so its forwards capture nothing more), else the target's default
         EAGLE-3 layers [2, N//2, N-3]. The slots' prefix caches are dropped: their features lack the taps."""
         wants = self.drafter.required_features()
+        if self.recorder is not None:
+            self.recorder.flush()
         if spec is None:
             self.recorder = None
             self.runner.set_features(wants)

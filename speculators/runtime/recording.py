@@ -14,9 +14,13 @@ plus the verification feedback of every cycle:
     draft_nodes [K, 5] int32              every proposed node: (root position, parent node, depth, token, accepted)
 The shard's metadata names the draft revision that drafted it and the request's temperature.
 
-A row is written once its request finished, atomically (shard, then `manifest.json`); when the recording exceeds its
-disk budget the oldest rows are dropped from the manifest, then deleted. Recording never changes what is served: it
-only keeps tensors the cycles computed anyway (the engine's forwards capture the taps while it records).
+A row is written once its request finished, atomically; `manifest.json` lists the rows. Rewriting it costs O(rows),
+so it is rewritten at most every `MANIFEST_EVERY_S` seconds, and once the rows written since its last rewrite reach
+1% of those it lists (a small recording: every row), at `flush()` and whenever rows are dropped; rows written after
+the last rewrite (a process killed meanwhile) are listed again when the recording is reopened (`_adopt`). When the
+recording exceeds its disk budget the oldest rows are dropped from the manifest, then deleted. Recording never
+changes what is served: it only keeps tensors the cycles computed anyway (the engine's forwards capture the taps
+while it records).
 
 Not here: training on recordings (data/traffic.py), the cycle loop (engine.py).
 """
@@ -24,21 +28,25 @@ Not here: training on recordings (data/traffic.py), the cycle loop (engine.py).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from speculators.core.atomic import write_json_atomic
 from speculators.core.errors import PairingError, SpeculatorsError
 from speculators.core.feature_codec import FEATURES_FORMAT, encode_hidden, group_size_for, topk_id_dtype, write_shard
+from speculators.core.hashing import sha256_file
 from speculators.core.trees import DraftTree
 
 RECORDING_KIND = "traffic"  # manifest["recording"]["kind"]: how training tells a recording from a capture
 ROW_PATTERN = "row-{:09d}.safetensors"
 DEFAULT_BUDGET_BYTES = 2 << 30
+MANIFEST_EVERY_S = 2.0  # the longest a written row waits to be listed, while rows keep coming (flush() lists it)
 NODE_COLUMNS = ("root_position", "parent", "depth", "token", "accepted")
 
 
@@ -102,12 +110,17 @@ class TrafficRecorder:
                  hidden_size: int, vocab_size: int) -> None:
         self.spec, self.target, self.layer_ids = spec, target, list(layer_ids)
         self.hidden_size, self.vocab_size, self.num_layers = hidden_size, vocab_size, num_layers
+        self.lock = threading.RLock()  # the serving thread writes, another may flush
         self.rows_written = 0
         self.rows_skipped = 0  # requests whose forwards were not all captured (not written)
         self.seconds = 0.0  # spent writing rows
         spec.directory.mkdir(parents=True, exist_ok=True)
         self.entries: list[dict] = self._existing_entries()
+        self.unlisted = self._adopt()  # rows written since the manifest's last rewrite
+        self.listed_at = time.monotonic()
         self.next_index = 1 + max((int(e["index"]) for e in self.entries), default=0)
+        if self.unlisted:
+            self.flush()
 
     def _existing_entries(self) -> list[dict]:
         """The rows of a recording already in the directory (appended to), after checking it is this target's."""
@@ -129,11 +142,37 @@ class TrafficRecorder:
                                f"record into another directory")
         return [dict(e) for e in manifest.get("shards", [])]
 
+    def _adopt(self) -> int:
+        """List the rows of an earlier process written after its manifest's last rewrite (it was killed before a
+        `flush`); the number adopted."""
+        listed = {e["file"] for e in self.entries}
+        last = max((int(e["index"]) for e in self.entries), default=0)
+        adopted = 0
+        for path in sorted(self.spec.directory.glob("row-*.safetensors")):
+            if path.name in listed or not path.stem.split("-")[-1].isdigit() or int(path.stem.split("-")[-1]) <= last:
+                continue  # listed, or older than the listed rows (dropped by rotation): not adopted
+            try:
+                with safe_open(str(path), framework="pt") as fh:
+                    meta = json.loads((fh.metadata() or {}).get("speculators", "{}"))
+                    tokens, masked = int(fh.get_slice("input_ids").get_shape()[0]), int(fh.get_tensor("loss_mask").sum())
+            except (OSError, ValueError, KeyError, SafetensorError):
+                continue
+            self.entries.append({"file": path.name, "rows": 1, "tokens": tokens, "masked": masked,
+                                 "bytes": path.stat().st_size, "sha256": sha256_file(path),
+                                 "index": int(meta.get("shard", path.stem.split("-")[-1])),
+                                 "draft_revision": meta.get("draft_revision")})
+            adopted += 1
+        return adopted
+
     def start(self, prompt_ids: list[int], temperature: float, prefill_taps: torch.Tensor | None) -> RequestRecord:
         return RequestRecord(list(prompt_ids), temperature, self.spec.teacher_topk, prefill_taps)
 
     def write(self, record: RequestRecord, output_ids: list[int], draft_revision: str | None) -> Path | None:
         """Write one finished request (None, and counted as skipped, when its taps are incomplete)."""
+        with self.lock:
+            return self._write(record, output_ids, draft_revision)
+
+    def _write(self, record: RequestRecord, output_ids: list[int], draft_revision: str | None) -> Path | None:
         t0 = time.perf_counter()
         prompt, n_out, prefill_taps = record.prompt_ids, len(output_ids), record.prefill_taps
         body = len(prompt) - 1
@@ -163,8 +202,11 @@ class TrafficRecorder:
         digest, size = write_shard(path, tensors, meta)
         self.entries.append({"file": path.name, "rows": 1, "tokens": total, "masked": n_out, "bytes": size,
                              "sha256": digest, "index": index, "draft_revision": draft_revision})
+        self.unlisted += 1
         dropped = self._rotate()
-        self._write_manifest()
+        if dropped or self.unlisted * 100 >= len(self.entries) or time.monotonic() - self.listed_at >= \
+                MANIFEST_EVERY_S:
+            self._list_rows()
         for entry in dropped:  # gone from the manifest first: a reader never meets a listed, missing row
             (self.spec.directory / entry["file"]).unlink(missing_ok=True)
         self.rows_written += 1
@@ -185,6 +227,15 @@ class TrafficRecorder:
         while len(self.entries) > 1 and sum(int(e["bytes"]) for e in self.entries) > self.spec.budget_bytes:
             dropped.append(self.entries.pop(0))
         return dropped
+
+    def flush(self) -> None:
+        """List every row written so far in `manifest.json` (atomically)."""
+        with self.lock:
+            self._list_rows()
+
+    def _list_rows(self) -> None:
+        self._write_manifest()
+        self.unlisted, self.listed_at = 0, time.monotonic()
 
     def _write_manifest(self) -> None:
         tokens = sum(int(e["tokens"]) for e in self.entries)

@@ -176,4 +176,7 @@ def serve_command(opts: ServeOptions, recipe: Recipe | None = None) -> None:
     log.info("serving %s with drafter %s on http://%s:%d/v1 (context %d tokens, prompts up to %d, up to %d new tokens "
              "per request)", engine.target.cfg.name_or_path, engine.info.name, config.host, config.port, engine.max_len,
              svc.max_prompt_tokens, config.max_new_tokens)
-    run_server(app, host=config.host, port=config.port)
+    try:
+        run_server(app, host=config.host, port=config.port)
+    finally:
+        engine.record_to(None)  # the rows written since the manifest's last rewrite are listed

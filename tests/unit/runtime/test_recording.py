@@ -137,3 +137,50 @@ def _fingerprint(path) -> dict:
     from speculators.runtime.drafters.load import target_fingerprint
 
     return target_fingerprint(loaded_target(str(path)))
+
+
+def _synthetic_row(recorder, n_prompt: int = 3, n_out: int = 2):
+    """A finished request's record without an engine (what the recorder's bookkeeping needs, random tensors)."""
+    width, k = len(recorder.layer_ids) * recorder.hidden_size, recorder.spec.teacher_topk
+    record = recorder.start(list(range(1, n_prompt + 1)), 0.0, torch.randn(n_prompt - 1, width))
+    record.taps.append(torch.randn(n_out, width))
+    record.teacher_ids.append(torch.randint(0, recorder.vocab_size, (n_out, k)))
+    record.teacher_logprobs.append(-torch.rand(n_out, k))
+    return record, list(range(7, 7 + n_out))
+
+
+def _recorder(directory):
+    from speculators.runtime.recording import TrafficRecorder
+
+    target = {"name_or_path": "t", "revision": "r", "content_hash": "c" * 64}
+    return TrafficRecorder(RecordingSpec(directory, teacher_topk=4), target=target, layer_ids=[0, 1], num_layers=2,
+                           hidden_size=8, vocab_size=32)
+
+
+def test_the_manifest_is_rewritten_in_proportion_and_rows_of_a_killed_process_are_adopted(tmp_path, monkeypatch
+                                                                                         ) -> None:
+    """Rewriting manifest.json costs O(rows): past 100 rows it lists new rows once they are 1% of all (or
+    MANIFEST_EVERY_S passed, or at flush); a process killed before listing its last rows loses none of them."""
+    from speculators.runtime import recording
+
+    monkeypatch.setattr(recording, "MANIFEST_EVERY_S", 3600.0)
+    rec = tmp_path / "rec"
+    recorder = _recorder(rec)
+    for _ in range(100):  # a small recording: every row listed at once
+        recorder.write(*_synthetic_row(recorder), None)
+    assert len(FeatureStore(rec)) == 100
+    recorder.write(*_synthetic_row(recorder), None)  # 1 new row of 101 < 1%: written, not listed yet
+    assert len(FeatureStore(rec)) == 100 and recorder.unlisted == 1
+    recorder.write(*_synthetic_row(recorder), None)  # 2 of 102: listed
+    assert len(FeatureStore(rec)) == 102 and recorder.unlisted == 0
+    recorder.write(*_synthetic_row(recorder), None)
+    assert len(FeatureStore(rec)) == 102 and len(list(rec.glob("row-*.safetensors"))) == 103
+    del recorder  # killed: no flush
+    reopened = _recorder(rec)  # the unlisted row is adopted and listed
+    store = FeatureStore(rec)
+    assert len(store) == 103 and reopened.unlisted == 0
+    assert [e["index"] for e in store.manifest["shards"]] == list(range(1, 104))
+    assert store.sequence(102)["input_ids"].tolist() == [1, 2, 3, 7, 8]
+    reopened.write(*_synthetic_row(reopened), None)
+    reopened.flush()
+    assert len(FeatureStore(rec)) == 104 and reopened.next_index == 105
