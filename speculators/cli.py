@@ -171,6 +171,8 @@ def adapt_bench(recipe: RecipeArg, overrides: OverridesArg = None,
                 window_rows: Annotated[int, typer.Option(help="requests per window")] = 8,
                 out: Annotated[Path, typer.Option(help="where the recording, runs and report go")] = Path(
                     "runs/adapt-bench"),
+                other_rows: Annotated[int, typer.Option(help="rows of every other cohort served by both revisions "
+                                                             "after the last window (0: none)")] = 2,
                 threads: Annotated[int, typer.Option(help="torch threads (0: torch's default)")] = 0) -> None:
     import torch
 
@@ -179,7 +181,8 @@ def adapt_bench(recipe: RecipeArg, overrides: OverridesArg = None,
         torch.set_num_threads(threads)
     r = _load(recipe, overrides)
     report = run_adapt_bench(r, speculator=speculator or str(r.train.init_from), cohort=cohort, windows=windows,
-                       window_rows=window_rows, out=out, log=lambda m: typer.echo(m, err=True))
+                             window_rows=window_rows, out=out, other_rows=other_rows,
+                             log=lambda m: typer.echo(m, err=True))
     typer.echo(table(report))
 
 

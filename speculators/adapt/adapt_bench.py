@@ -9,7 +9,9 @@ changed) and adapting (the same revision at first, recording what it serves); bo
 (adapt_loop.py) trains a new revision on everything recorded so far, continuing the adapting one, gates it on the newest
 recorded rows (`held_back`), and the adapting engine swaps it in when it wins. Per window the report has, for each
 engine, live tau at cycle starts (committed tokens per target call: every cycle starts at a server's root) and
-generated tokens/s over plain; plus the gate's verdict and the training's steps and CPU seconds.
+generated tokens/s over plain; plus the gate's verdict and the training's steps and CPU seconds. After the last
+window, `other_rows` rows of every other cohort are served by the static and the final adapting revision (recording
+off): what adapting to one cohort cost the others, live tau at cycle starts side by side.
 
 Not here: the loop itself (adapt_loop.py), the engines (runtime), the offline table of every cohort (serving/bench.py).
 """
@@ -59,10 +61,23 @@ def _serve(engine: Engine, rows: list[Any]) -> dict:
             "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0}
 
 
+def _other_cohorts(engines: dict[str, Engine], rows: list[Any], cohort: str, per_cohort: int) -> dict:
+    """Live tau at cycle starts of the static and the adapting revision on `per_cohort` rows of every other cohort."""
+    out: dict[str, dict] = {}
+    for other in sorted({r.cohort for r in rows} - {cohort}):
+        batch = [r for r in rows if r.cohort == other][:per_cohort]
+        static, adapting = _serve(engines["static"], batch), _serve(engines["adapting"], batch)
+        out[other] = {"rows": len(batch), "static": static["tau_cycle_starts"], "adapting": adapting["tau_cycle_starts"],
+                      "delta": round(adapting["tau_cycle_starts"] - static["tau_cycle_starts"], 4),
+                      "identical": static["outputs"] == adapting["outputs"]}
+    return out
+
+
 def run_adapt_bench(recipe: Recipe, *, speculator: str, cohort: str, windows: int, window_rows: int, out: Path,
-                workloads: str = "data/workloads/*.jsonl", log: Any = print) -> dict:
+                workloads: str = "data/workloads/*.jsonl", other_rows: int = 2, log: Any = print) -> dict:
     """Run the scenario (see the module docstring); writes `out/adapt-bench.json` and returns the report."""
-    rows = [r for r in load_workloads(workloads) if r.cohort == cohort]
+    every = load_workloads(workloads)
+    rows = [r for r in every if r.cohort == cohort]
     if len(rows) < windows * window_rows:
         raise SpeculatorsError(f"cohort {cohort!r} has {len(rows)} rows in {workloads}; {windows} windows of "
                                f"{window_rows} need {windows * window_rows}")
@@ -102,6 +117,10 @@ def run_adapt_bench(recipe: Recipe, *, speculator: str, cohort: str, windows: in
                 engines["adapting"].stage_revision(running)
         report["windows"].append(entry)
         log(json.dumps({k: v for k, v in entry.items() if k != "revision"}))
+    engines["adapting"].record_to(None)
+    if other_rows > 0:
+        report["other_cohorts"] = _other_cohorts(engines, every, cohort, other_rows)
+        log(json.dumps({"other_cohorts": report["other_cohorts"]}))
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "adapt-bench.json", report)
     return report
@@ -117,4 +136,9 @@ def table(report: dict) -> str:
         verdict = (f"{gate['tau_running']:.2f} -> {gate['tau_candidate']:.2f} "
                    f"{'adopted' if gate['adopt'] else 'kept'} ({gate['cpu_seconds']} CPU-s)") if gate else ""
         lines.append(f"| {w['window']} | " + " | ".join(cells) + f" | {verdict} |")
+    others = report.get("other_cohorts") or {}
+    if others:
+        lines += ["", "| other cohort (rows) | static tau | adapting tau | delta |", "|---|---:|---:|---:|"]
+        lines += [f"| {c} ({o['rows']}) | {o['static']:.2f} | {o['adapting']:.2f} | {o['delta']:+.2f} |"
+                  for c, o in others.items()]
     return "\n".join(lines)
