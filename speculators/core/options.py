@@ -145,7 +145,9 @@ class ProfileOptions(TorchThreads):
 
     target: str | None = option(None, "a target checkpoint (dir or hub id), e.g. data/targets/stdlib-lm")
     shape: str | None = option(None, "a model shape with random weights: a name in data/shapes (llama-3.1-8b, "
-                                     "qwen3-8b, tiny-llama) or a config.json")
+                                     "llama-3.1-70b, qwen3-8b, tiny-llama) or a config.json")
+    slice: str = option("auto", "--shape only: time a slice of its decoder layers and scale by the layer count: "
+                                "auto (when the whole shape does not fit in memory) | always | never")
     speculator: str | None = option(None, "time this speculator dir instead of random heads")
     acceptance: str | None = option(None, "per-position acceptance: an evaluation report.json, an eval/ dir, an "
                                           "export dir, or a list like 0.8,0.7,0.6")

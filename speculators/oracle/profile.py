@@ -31,14 +31,15 @@ from speculators.core.config import TargetConfig, TreeConfig
 from speculators.core.errors import SpeculatorsError
 from speculators.core.machine import device_name
 from speculators.core.options import DTYPES, ProfileOptions, choices, ints
-from speculators.core.target import load_target, resolve_device, resolve_dtype
+from speculators.core.target import load_target, resolve_device, resolve_dtype, text_config
 from speculators.models import FAMILIES
 from speculators.models.base import vllm_fixed_k
 from speculators.oracle import costs as measure
 from speculators.oracle.check import check_against_bench
 from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, predicted_schedule
 from speculators.oracle.profile_report import build_report, write_report
-from speculators.oracle.shapes import random_drafter, random_target
+from speculators.oracle.shapes import random_drafter, random_target, shape_model_config
+from speculators.oracle.slicing import drop_last_layer, model_bytes, plan_slice, scale_table, slice_taps
 from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.drafters.load import default_tree, load_drafter
 from speculators.runtime.drafters.model_free import NoDrafter
@@ -76,16 +77,52 @@ def _check_args(target: str | None, shape: str | None, batch_sizes: list[int], n
                                "checkpoint), --speculator and --acceptance")
 
 
-def _load_target(target: str | None, shape: str | None, device: str, dtype: str) -> Any:
+def _load_target(target: str | None, shape: str | None, device: str, dtype: str, layers: int | None) -> Any:
     if target is not None:
         return load_target(TargetConfig(name_or_path=target, device=device, dtype=dtype))
     dev = resolve_device(device)
-    return random_target(str(shape), dev, resolve_dtype(dtype, dev))
+    return random_target(str(shape), dev, resolve_dtype(dtype, dev), layers=layers)
 
 
-def _drafters(loaded: Any, speculator: str | None, families: list[str], max_depth: int, draft_dtype: str
-              ) -> dict[str, tuple[Any, str]]:
-    """family -> (drafter, how it computes): the given speculator, else a random head of each family."""
+def _slice_plan(shape: str | None, device: str, dtype: str, families: list[str], mode: str) -> dict | None:
+    """{"layers": L, "num_layers": N, "parameters": P} when the shape is profiled through a slice of L layers."""
+    if mode not in ("auto", "always", "never"):
+        raise SpeculatorsError(f"--slice must be auto, always or never, got {mode!r}")
+    if shape is None:
+        return None
+    _, config = shape_model_config(shape)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    layers = plan_slice(config, dt, str(dev), families, mode)
+    if layers is None:
+        return None
+    size = torch.empty((), dtype=dt).element_size()
+    return {"layers": layers, "num_layers": int(text_config(config).num_hidden_layers),
+            "parameters": model_bytes(config, dt) // size}
+
+
+def _scaled_by_layers(loaded: Any, drafter: Any, plan: dict, costs: Costs, extras: dict, batch_sizes: list[int],
+                      nodes: list[int], context_len: int, budget_s: float) -> None:
+    """The slice's last layer dropped, its forward and prefill timed again on one layer fewer, and both tables
+    extrapolated to the shape's layer count (slicing.py)."""
+    big, n = plan["layers"], plan["num_layers"]
+    drop_last_layer(loaded.model)
+    budget = measure.Budget(time.perf_counter() + PHASES["forward"] * budget_s, extras["skipped"])
+    small = measure.measure_forward(make_runner(loaded.model), sorted(set(batch_sizes)), sorted(set(nodes)),
+                                    context_len, budget)
+    budget = measure.Budget(time.perf_counter() + PHASES["prefill"] * budget_s, extras["skipped"])
+    small_prefill = measure.measure_prefill(make_runner(loaded.model, drafter.required_features()),
+                                            list(PREFILL_LENGTHS), budget)
+    costs.forward = scale_table(costs.forward, small, big, n)
+    extras["prefill"] = scale_table(extras["prefill"], small_prefill, big, n)
+    extras["slice"] = {**plan, "layers_timed": [big - 1, big],
+                       "rule": f"f({n}) = f({big}) + {n - big} x (f({big}) - f({big - 1}))"}
+
+
+def _drafters(loaded: Any, speculator: str | None, families: list[str], max_depth: int, draft_dtype: str,
+              plan: dict | None = None) -> dict[str, tuple[Any, str]]:
+    """family -> (drafter, how it computes): the given speculator, else a random head of each family (on a slice,
+    tapping its first layers)."""
     if speculator is not None:
         drafter, info = load_drafter(speculator, loaded, draft_dtype=draft_dtype)
         return {info.family: (drafter, info.precision)}
@@ -93,7 +130,9 @@ def _drafters(loaded: Any, speculator: str | None, families: list[str], max_dept
     unknown = [f for f in families if f not in FAMILIES]
     if unknown or not families:
         raise SpeculatorsError(f"--families must name some of {', '.join(FAMILIES)}, got {families}")
-    return {f: random_drafter(loaded, f, max_depth, draft_dtype=draft_dtype) for f in families}
+    return {f: random_drafter(loaded, f, max_depth, draft_dtype=draft_dtype,
+                              layer_ids=slice_taps(f, plan["num_layers"], plan["layers"]) if plan else None)
+            for f in families}
 
 
 def _tree_kinds(drafter: Any, device: str, max_depth: int) -> dict[str, TreeConfig]:
@@ -197,11 +236,15 @@ def profile_command(opts: ProfileOptions) -> tuple[dict, str]:
                 acceptance)
     acc: Acceptance | None = load_acceptance(acceptance, opts.temperature) if acceptance else None
     depth = max(opts.max_depth, len(acc.chain)) if acc else opts.max_depth
-    loaded = _load_target(target, shape, device, opts.dtype)
     wanted = families or ([acc.family] if acc and acc.family in FAMILIES else list(FAMILIES))
-    drafters = _drafters(loaded, speculator, wanted, depth, opts.draft_dtype)
+    plan = _slice_plan(shape, device, opts.dtype, wanted, opts.slice)  # before anything is allocated
+    loaded = _load_target(target, shape, device, opts.dtype, plan["layers"] if plan else None)
+    drafters = _drafters(loaded, speculator, wanted, depth, opts.draft_dtype, plan)
     primary = acc.family if acc is not None and acc.family in drafters else next(iter(drafters))
     costs, extras = measure_costs(loaded, drafters, primary, batch_sizes, nodes, context_len, budget_s, depth)
+    if plan is not None:
+        _scaled_by_layers(loaded, drafters[primary][0], plan, costs, extras, batch_sizes, nodes, context_len,
+                          budget_s)
     predictions = {}
     if acc is not None:
         fams = [acc.family] if acc.family in drafters else list(drafters)

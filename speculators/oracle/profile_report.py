@@ -61,8 +61,11 @@ def _schedule(rows: list[dict]) -> dict:
 def build_report(*, loaded: Any, name: str, device: str, context_len: int, drafters: dict[str, tuple[Any, str]],
                  costs: Costs, extras: dict, acceptance: Acceptance | None, predictions: dict[str, list[dict]],
                  schedules: dict[str, list[dict]], check: dict | None, budget_s: float) -> dict:
+    shape, sliced = _shape(loaded), extras.get("slice")
+    if sliced:  # the shape's own layer count and parameters, not the slice's
+        shape.update(num_hidden_layers=sliced["num_layers"], parameters=sliced["parameters"])
     return {
-        "target": name, "shape": _shape(loaded), "device": device,
+        "target": name, "shape": shape, "slice": sliced, "device": device,
         "dtype": str(loaded.dtype).replace("torch.", ""), "torch": torch.__version__, "context_len": context_len,
         "clock": clock_name(loaded.device), "threads": torch.get_num_threads(),
         "budget_s": budget_s, "measure_seconds": extras["seconds"], "skipped": extras["skipped"],
@@ -161,7 +164,11 @@ def format_report(report: dict) -> str:
              f"{s['parameters'] / 1e6:.1f}M parameters; torch {report['torch']}",
              f"- measured in {report['measure_seconds']} s (budget {report['budget_s']} s); every time is the "
              f"minimum over repeats ({report['clock']}; whole steps: their mean), {report['threads']} torch threads",
-             *([f"- skipped: {'; '.join(report['skipped'])}"] if report["skipped"] else []), ""]
+             *([f"- skipped: {'; '.join(report['skipped'])}"] if report["skipped"] else []),
+             *([f"- a slice: the forward and prefill of its first {sl['layers_timed'][0]} and {sl['layers_timed'][1]} "
+                f"decoder layers timed (embedding and head at full size) and scaled to {sl['num_layers']}: "
+                f"{sl['rule']}; drafters and runtime steps timed on the {sl['layers_timed'][1]}-layer slice"]
+               if (sl := report.get("slice")) else []), ""]
     lines += _forward_md(report) + _drafters_md(report) + _predictions_md(report) + _check_md(report["check"])
     return "\n".join(lines)
 

@@ -2,11 +2,11 @@
 
 Speed does not depend on the weights, so `speculators profile` times a model *shape* without downloading it:
 - `shape_names()` / `shape_config(name_or_file)`: the shapes kept as data in `data/shapes/<name>.json` (Hugging Face
-  `config.json` fields: Llama-3.1-8B, Qwen3-8B, a tiny Llama for CPU tests), or any config.json path.
-- `random_target(name_or_file, device, dtype)`: that causal LM built from config with random weights, created
-  directly on `device` in `dtype` (no CPU copy of an 8B model), with a synthetic word-level tokenizer of the same
-  vocabulary ("t0 t1 ...") so the runtime can run it unchanged. EOS is removed: a profile decodes for as many
-  cycles as it asks for.
+  `config.json` fields: Llama-3.1-8B and -70B, Qwen3-8B, a tiny Llama for CPU tests), or any config.json path.
+- `random_target(name_or_file, device, dtype, layers=None)`: that causal LM built from config with random weights
+  (with `layers`, its first decoder layers only: a slice, oracle/slicing.py), created directly on `device` in `dtype`
+  (no CPU copy of an 8B model), with a synthetic word-level tokenizer of the same vocabulary ("t0 t1 ...") so the
+  runtime can run it unchanged. EOS is removed: a profile decodes for as many cycles as it asks for.
 - `random_drafter(target, family, num_steps, ...)`: a family's head (EAGLE-3, Medusa, MTP) built from the target's
   config with random weights (`Speculator.from_target`, on the CPU, as a speculator is loaded), prepared for drafting as the runtime would (`drafters.prepare_for_drafting`: device, drafting dtype). EAGLE-3 gets a reduced draft vocabulary of `draft_vocab_size` ids (32,000 by
   default, the size of published EAGLE-3 heads for Llama-3.1-8B), capped at the target's vocabulary.
@@ -17,6 +17,7 @@ Not here: timing (costs.py), the oracle's model (cost_model.py). Real checkpoint
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,8 @@ def _word_tokenizer(vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def random_target(name_or_file: str, device: str, dtype: torch.dtype, seed: int = 0) -> Any:
-    """A `speculators.core.target.LoadedTarget` of the shape with random weights (see the module docstring)."""
+def shape_model_config(name_or_file: str) -> tuple[str, Any]:
+    """(the shape's name, its transformers config), EOS removed."""
     name, fields = shape_config(name_or_file)
     fields = dict(fields)
     model_type = fields.pop("model_type")
@@ -83,6 +84,16 @@ def random_target(name_or_file: str, device: str, dtype: torch.dtype, seed: int 
         raise SpeculatorsError(f"shape {name}: transformers cannot build a {model_type!r} config: "
                                f"{str(exc).splitlines()[0]}") from None
     config.eos_token_id = None
+    return name, config
+
+
+def random_target(name_or_file: str, device: str, dtype: torch.dtype, seed: int = 0, layers: int | None = None
+                  ) -> Any:
+    """A `speculators.core.target.LoadedTarget` of the shape with random weights (see the module docstring);
+    `layers`: only the first that many decoder layers (a slice, oracle/slicing.py)."""
+    name, config = shape_model_config(name_or_file)
+    if layers is not None:
+        config = sliced_config(config, layers)
     torch.manual_seed(seed)
     try:
         with torch.device(device):
@@ -97,9 +108,26 @@ def random_target(name_or_file: str, device: str, dtype: torch.dtype, seed: int 
                         dtype=dtype, cfg=TargetConfig(name_or_path=f"shape:{name}", device=device))
 
 
+def cut_layers(config: Any, layers: int) -> None:
+    """`config` says its first `layers` decoder layers only (in place; per-layer lists cut to match)."""
+    text = getattr(config, "text_config", None) or config
+    for key, value in list(vars(text).items()):
+        if isinstance(value, list) and len(value) == text.num_hidden_layers:
+            setattr(text, key, value[:layers])
+    text.num_hidden_layers = layers
+
+
+def sliced_config(config: Any, layers: int) -> Any:
+    """A copy of `config` with its first `layers` decoder layers."""
+    config = copy.deepcopy(config)
+    cut_layers(config, layers)
+    return config
+
+
 def random_drafter(target: Any, family: str, num_steps: int, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB,
-                   draft_dtype: str = "auto", seed: int = 0) -> tuple[Any, str]:
-    """(a family's head with random weights for `target`, prepared for drafting; how it computes)."""
+                   draft_dtype: str = "auto", seed: int = 0, layer_ids: list[int] | None = None) -> tuple[Any, str]:
+    """(a family's head with random weights for `target`, prepared for drafting; how it computes); `layer_ids`:
+    its taps (default: the family's own for the target's layer count)."""
     vocab = int(target.vocab_size)
     dvocab = min(int(draft_vocab_size), vocab) if family == "eagle3" else None
     # a shape has no tokenizer, hence no special ids: DFlash's mask slots embed token 0
@@ -108,5 +136,6 @@ def random_drafter(target: Any, family: str, num_steps: int, draft_vocab_size: i
     torch.manual_seed(seed)
     # built on the CPU as a loaded speculator is (an 8B shape's Medusa heads: 2.7B float32 parameters, ~11 GB of
     # host memory for a moment), then moved to the device in the drafting dtype
-    spec = SPECULATORS[family].from_target(target.model.config, cfg, target_weights(target.model), d2t=d2t)
+    spec = SPECULATORS[family].from_target(target.model.config, cfg, target_weights(target.model), layer_ids=layer_ids,
+                                           d2t=d2t)
     return spec, prepare_for_drafting(spec, target.device, draft_dtype_for(target, draft_dtype))

@@ -97,6 +97,9 @@ def test_profile_bad_inputs_fail_with_one_line(house_target, tmp_path) -> None:
                                                                "nope"))
     assert "--check-rows compares with measured generation" in error_line(
         cli(*base, "--shape", "tiny-llama", "--check-rows", "2"))
+    assert "more than 70% of the" in error_line(  # counted on the meta device: nothing allocated
+        cli(*base, "--shape", "llama-3.1-70b", "--dtype", "float32", "--slice", "never"))
+    assert "--slice must be auto, always or never" in error_line(cli(*base, "--shape", "tiny-llama", "--slice", "x"))
     out = tmp_path / "keep"
     out.mkdir()
     (out / "profile.json").write_text("old")

@@ -1,0 +1,106 @@
+"""A profile of a shape bigger than this machine's memory: time a slice of its decoder layers and scale by the count.
+
+A decoder-only forward costs the embedding and the output head once plus each decoder layer's share, and every layer
+of a shape costs the same, so with f(L) the measured cost of a slice of the first L layers (embedding, final norm and
+head at full size), f(N) = f(k + 1) + (N - k - 1) * (f(k + 1) - f(k)). `plan_slice` decides from the memory the
+shape would take (its parameters counted on the meta device) against the memory available: the whole shape when it
+fits in `FILL` of it, else a slice of k + 1 layers (k: the most taps a profiled drafter reads, at least 1), refused in
+one line before anything is allocated when even that does not fit. The profile times the slice of k + 1 layers
+(target forward grid, prefill, drafters, whole runtime steps, whose overhead over the forward does not depend on the
+depth), drops its last layer (`drop_last_layer`: the same embedding and head, no second copy), times the forward and
+prefill of k layers, and `scale_table` extrapolates them. The drafters of a slice tap its first layers
+(`slice_taps`): their cost depends on how many taps they read, not on which.
+
+Not here: the timing (costs.py), the profile's phases (profile.py). A shape whose layers differ (dense layers before
+MoE ones, `first_k_dense_replace`) is timed on its first layers: the report says which layers were timed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from speculators.core.errors import SpeculatorsError
+from speculators.models import SPECULATORS
+from speculators.oracle.shapes import cut_layers, sliced_config
+
+FILL = 0.7  # the share of the available memory a profile's target may take (activations, drafters, KV caches)
+GIB = 2**30
+
+
+def model_bytes(config: Any, dtype: torch.dtype, layers: int | None = None) -> int:
+    """Bytes of the parameters and buffers of the config's causal LM (of its first `layers` decoder layers)."""
+    config = sliced_config(config, layers) if layers is not None else config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() for t in (*model.parameters(), *model.buffers())) * size
+
+
+def available_bytes(device: str) -> int:
+    """Memory a new allocation can take on `device`: free GPU memory, else the host's MemAvailable."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def taps_needed(families: list[str], num_layers: int) -> int:
+    """The most hidden-state taps one of `families` reads from a target of `num_layers` layers (its defaults)."""
+    counts = [len(SPECULATORS[f].capture_request(None, num_layers).tap_layer_ids or ()) for f in families]
+    return max([1, *counts])
+
+
+def slice_taps(family: str, num_layers: int, layers: int) -> list[int] | None:
+    """The taps a `family` drafter reads in a slice of `layers` layers: as many as on the whole shape, its first."""
+    ids = SPECULATORS[family].capture_request(None, num_layers).tap_layer_ids
+    return None if not ids else list(range(min(len(ids), layers)))
+
+
+def plan_slice(config: Any, dtype: torch.dtype, device: str, families: list[str], mode: str) -> int | None:
+    """None: profile the whole shape; else the layers of the slice to time (see the module docstring). `mode`:
+    auto (a slice when the shape does not fit), always, never."""
+    n = int((getattr(config, "text_config", None) or config).num_hidden_layers)
+    need, room, dt = model_bytes(config, dtype), available_bytes(device), str(dtype).removeprefix("torch.")
+    layers = min(taps_needed(families, n) + 1, n)
+    if mode == "never" or (mode == "auto" and need <= FILL * room) or layers >= n:
+        if mode == "never" and need > FILL * room:
+            raise SpeculatorsError(f"the whole shape takes {need / GIB:.1f} GiB in {dt}, more than {FILL:.0%} of "
+                                   f"the {room / GIB:.1f} GiB available on {device}; drop --slice never")
+        return None
+    sliced = model_bytes(config, dtype, layers)
+    if sliced > FILL * room:
+        raise SpeculatorsError(f"even a slice of {layers} of its {n} layers takes {sliced / GIB:.1f} GiB in {dt} "
+                               f"(the embedding and the head at full size), more than {FILL:.0%} of the "
+                               f"{room / GIB:.1f} GiB available on {device}; try --dtype bfloat16")
+    return layers
+
+
+def drop_last_layer(model: Any) -> None:
+    """Remove the last decoder layer of a Hugging Face causal LM in place (its config says one layer fewer)."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    inner.layers = inner.layers[:-1]
+    cut_layers(model.config, len(inner.layers))
+
+
+def scale_table(big: dict, small: dict, big_layers: int, num_layers: int) -> dict:
+    """f(N) per entry of two measured tables (nested dicts of seconds) of slices of `big_layers` and one layer
+    fewer; an entry measured in one of them only is left out. A layer's share below zero (timing noise) counts 0."""
+    out: dict = {}
+    for key, value in big.items():
+        if key not in small:
+            continue
+        if isinstance(value, dict):
+            out[key] = scale_table(value, small[key], big_layers, num_layers)
+        else:
+            out[key] = value + (num_layers - big_layers) * max(0.0, value - small[key])
+    return out

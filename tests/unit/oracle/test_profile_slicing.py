@@ -1,0 +1,64 @@
+"""Profiles of shapes bigger than memory (oracle/slicing.py): the memory a shape takes is counted before anything is
+allocated, the slice is chosen or refused in one line, a slice drops its last layer in place, and the tables are
+extrapolated by the layer count. Timings are never judged here (docs/results.md has slice vs whole measured)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculators.core.errors import SpeculatorsError
+from speculators.oracle import slicing
+from speculators.oracle.shapes import random_drafter, random_target, shape_model_config
+from speculators.runtime.forward.target_runner import TargetRunner
+from tests.unit.runtime.runtime_helpers import single_thread  # noqa: F401
+
+GB = 2**30
+
+
+def test_memory_is_counted_on_the_meta_device_and_a_slice_keeps_embedding_and_head() -> None:
+    _, config = shape_model_config("llama-3.1-70b")
+    whole = slicing.model_bytes(config, torch.bfloat16)
+    assert 141.0e9 < whole < 141.2e9  # 70.55B parameters x 2 bytes
+    two = slicing.model_bytes(config, torch.bfloat16, layers=2)
+    head_and_embedding = 2 * 128256 * 8192 * 2
+    layer = (whole - head_and_embedding) / 80
+    assert abs(two - (head_and_embedding + 2 * layer)) < 1e6
+
+
+def test_a_slice_is_chosen_when_the_shape_does_not_fit_and_refused_when_even_the_slice_does_not(monkeypatch) -> None:
+    _, config = shape_model_config("llama-3.1-8b")
+    monkeypatch.setattr(slicing, "available_bytes", lambda device: 22 * GB)
+    assert slicing.plan_slice(config, torch.bfloat16, "cpu", ["eagle3"], "auto") is None  # 16 GB < 0.7 x 22
+    assert slicing.plan_slice(config, torch.float32, "cpu", ["eagle3"], "auto") == 4  # 32 GB: 3 taps + 1
+    assert slicing.plan_slice(config, torch.float32, "cpu", ["medusa"], "auto") == 2  # no taps: 1 + 1
+    assert slicing.plan_slice(config, torch.bfloat16, "cpu", ["eagle3"], "always") == 4
+    with pytest.raises(SpeculatorsError, match="whole shape takes 29.9 GiB in float32.* drop --slice never"):
+        slicing.plan_slice(config, torch.float32, "cpu", ["eagle3"], "never")
+    monkeypatch.setattr(slicing, "available_bytes", lambda device: 4 * GB)
+    with pytest.raises(SpeculatorsError, match="even a slice of 4 of its 32 layers takes 7.2 GiB in float32 .*--dtype bfloat16") as err:
+        slicing.plan_slice(config, torch.float32, "cpu", ["eagle3"], "auto")
+    assert "\n" not in str(err.value)
+
+
+def test_scaling_extrapolates_each_entry_by_the_layer_count() -> None:
+    big = {1: {1: 10.0, 4: 12.0}, 2: {1: 11.0}}
+    small = {1: {1: 8.0, 4: 11.0}}  # batch 2 measured only in the big slice: left out
+    assert slicing.scale_table(big, small, 4, 32) == {1: {1: 10.0 + 28 * 2.0, 4: 12.0 + 28 * 1.0}}
+    assert slicing.scale_table({1: 5.0}, {1: 6.0}, 4, 32) == {1: 5.0}  # noise: a layer never costs below 0
+
+
+def test_a_slice_drops_its_last_layer_in_place_and_still_runs(single_thread) -> None:
+    target = random_target("tiny-llama", "cpu", torch.float32, layers=4)
+    assert target.model.config.num_hidden_layers == 4
+    taps = slicing.slice_taps("eagle3", 8, 4)
+    assert taps == [0, 1, 2]
+    drafter, _ = random_drafter(target, "eagle3", 2, layer_ids=taps)
+    embed = target.model.get_input_embeddings().weight
+    slicing.drop_last_layer(target.model)
+    assert len(target.model.model.layers) == 3 and target.model.config.num_hidden_layers == 3
+    assert target.model.get_input_embeddings().weight is embed  # the same tensors: no second copy
+    runner = TargetRunner(target.model, drafter.required_features())
+    cache = runner.new_cache(16)
+    out = runner.forward(cache, torch.tensor([1, 2, 3]), capture=True)
+    assert out.logits.shape[-1] == 4096 and out.features["taps"].shape[-1] == 3 * 128
