@@ -38,8 +38,8 @@ from speculators.oracle import costs as measure
 from speculators.oracle.check import check_against_bench
 from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, predicted_schedule
 from speculators.oracle.profile_report import build_report, write_report
-from speculators.oracle.shapes import random_drafter, random_target, shape_model_config
-from speculators.oracle.slicing import drop_last_layer, model_bytes, plan_slice, scale_table, slice_taps
+from speculators.oracle.shapes import DEFAULT_DRAFT_VOCAB, random_drafter, random_target, shape_model_config
+from speculators.oracle.slicing import drafter_bytes, drop_last_layer, model_bytes, plan_slice, scale_table, slice_taps
 from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.drafters.load import default_tree, load_drafter
 from speculators.runtime.drafters.model_free import NoDrafter
@@ -84,7 +84,8 @@ def _load_target(target: str | None, shape: str | None, device: str, dtype: str,
     return random_target(str(shape), dev, resolve_dtype(dtype, dev), layers=layers)
 
 
-def _slice_plan(shape: str | None, device: str, dtype: str, families: list[str], mode: str) -> dict | None:
+def _slice_plan(shape: str | None, device: str, dtype: str, families: list[str], mode: str, depth: int,
+                speculator: str | None) -> dict | None:
     """{"layers": L, "num_layers": N, "parameters": P} when the shape is profiled through a slice of L layers."""
     if mode not in ("auto", "always", "never"):
         raise SpeculatorsError(f"--slice must be auto, always or never, got {mode!r}")
@@ -93,7 +94,8 @@ def _slice_plan(shape: str | None, device: str, dtype: str, families: list[str],
     _, config = shape_model_config(shape)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    layers = plan_slice(config, dt, str(dev), families, mode)
+    heads = 0 if speculator else drafter_bytes(config, families, depth, DEFAULT_DRAFT_VOCAB)
+    layers = plan_slice(config, dt, str(dev), families, mode, heads)
     if layers is None:
         return None
     size = torch.empty((), dtype=dt).element_size()
@@ -237,7 +239,7 @@ def profile_command(opts: ProfileOptions) -> tuple[dict, str]:
     acc: Acceptance | None = load_acceptance(acceptance, opts.temperature) if acceptance else None
     depth = max(opts.max_depth, len(acc.chain)) if acc else opts.max_depth
     wanted = families or ([acc.family] if acc and acc.family in FAMILIES else list(FAMILIES))
-    plan = _slice_plan(shape, device, opts.dtype, wanted, opts.slice)  # before anything is allocated
+    plan = _slice_plan(shape, device, opts.dtype, wanted, opts.slice, depth, speculator)  # before any allocation
     loaded = _load_target(target, shape, device, opts.dtype, plan["layers"] if plan else None)
     drafters = _drafters(loaded, speculator, wanted, depth, opts.draft_dtype, plan)
     primary = acc.family if acc is not None and acc.family in drafters else next(iter(drafters))

@@ -66,22 +66,41 @@ def slice_taps(family: str, num_layers: int, layers: int) -> list[int] | None:
     return None if not ids else list(range(min(len(ids), layers)))
 
 
-def plan_slice(config: Any, dtype: torch.dtype, device: str, families: list[str], mode: str) -> int | None:
+def drafter_bytes(config: Any, families: list[str], num_steps: int, draft_vocab: int) -> int:
+    """What the random heads of `families` take while they are built (float32 on the CPU, as a speculator loads):
+    a draft decoder layer the size of the target's, their own output heads (Medusa: one per step) and their frozen
+    copies of the target's embedding (EAGLE-3, MTP, DFlash) and head (MTP, DFlash)."""
+    text = getattr(config, "text_config", None) or config
+    hidden, vocab = int(text.hidden_size), int(text.vocab_size)
+    layer = (model_bytes(config, torch.float32, 2) - model_bytes(config, torch.float32, 1)) // 4  # parameters
+    per_family = {"eagle3": layer + 3 * hidden * hidden + min(draft_vocab, vocab) * hidden + vocab * hidden,
+                  "medusa": num_steps * (hidden * hidden + vocab * hidden),
+                  "mtp": layer + 2 * hidden * hidden + 2 * vocab * hidden,
+                  "dflash": layer + 2 * vocab * hidden}
+    return 4 * sum(per_family.get(f, layer + 2 * vocab * hidden) for f in families)
+
+
+def plan_slice(config: Any, dtype: torch.dtype, device: str, families: list[str], mode: str,
+               heads: int = 0) -> int | None:
     """None: profile the whole shape; else the layers of the slice to time (see the module docstring). `mode`:
-    auto (a slice when the shape does not fit), always, never."""
+    auto (a slice when the shape does not fit), always, never; `heads`: the bytes the drafters take besides."""
     n = int((getattr(config, "text_config", None) or config).num_hidden_layers)
-    need, room, dt = model_bytes(config, dtype), available_bytes(device), str(dtype).removeprefix("torch.")
+    need, room, dt = model_bytes(config, dtype) + heads, available_bytes(device), str(dtype).removeprefix("torch.")
+    with_heads = f" with the {', '.join(families)} heads ({heads / GIB:.1f} GiB)" if heads else ""
     layers = min(taps_needed(families, n) + 1, n)
     if mode == "never" or (mode == "auto" and need <= FILL * room) or layers >= n:
         if mode == "never" and need > FILL * room:
-            raise SpeculatorsError(f"the whole shape takes {need / GIB:.1f} GiB in {dt}, more than {FILL:.0%} of "
-                                   f"the {room / GIB:.1f} GiB available on {device}; drop --slice never")
+            raise SpeculatorsError(f"the whole shape takes {need / GIB:.1f} GiB in {dt}{with_heads}, more than "
+                                   f"{FILL:.0%} of the {room / GIB:.1f} GiB available on {device}; drop --slice never")
         return None
-    sliced = model_bytes(config, dtype, layers)
+    sliced = model_bytes(config, dtype, layers) + heads
     if sliced > FILL * room:
+        hints = [*(["--dtype bfloat16"] if dtype == torch.float32 else []),
+                 *(["fewer --families"] if heads and len(families) > 1 else [])]
         raise SpeculatorsError(f"even a slice of {layers} of its {n} layers takes {sliced / GIB:.1f} GiB in {dt} "
-                               f"(the embedding and the head at full size), more than {FILL:.0%} of the "
-                               f"{room / GIB:.1f} GiB available on {device}; try --dtype bfloat16")
+                               f"(the embedding and the head at full size){with_heads}, more than {FILL:.0%} of the "
+                               f"{room / GIB:.1f} GiB available on {device}; "
+                               f"{'try ' + ' or '.join(hints) if hints else 'it needs a machine with more memory'}")
     return layers
 
 
