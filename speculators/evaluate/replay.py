@@ -118,10 +118,13 @@ def cycle_roots(total_len: int, prompt_len: int) -> torch.Tensor:
     return torch.arange(start, max(total_len - 2, start), dtype=torch.long)
 
 
-def argmax_chain_weights(step_logits: Sequence[torch.Tensor], token_ids: Sequence[int], prompt_len: int,
-                         draft_to_target: torch.Tensor, vocab_size: int, depth: int) -> torch.Tensor:
-    """w [N, depth] (as `chain_weights`) of a chain of the draft's argmax drafts: 1 where depth k's argmax (in the
-    target vocab) is the token the sequence holds there, else 0; depths past the end get 0."""
+Hit = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _depth_weights(step_logits: Sequence[torch.Tensor], token_ids: Sequence[int], prompt_len: int,
+                   draft_to_target: torch.Tensor, vocab_size: int, depth: int, hit: Hit) -> torch.Tensor:
+    """w [N, depth]: `hit(k, rows [M], next tokens [M], draft logits [M, V])` [M] at every depth k of the cycles
+    whose depth-k token is inside the sequence; 0 past the end."""
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)  # [T]
     total = int(ids.shape[0])
     pos = cycle_roots(total, prompt_len)  # [N] t values (root x[t+1], t+1 <= T-2)
@@ -131,9 +134,18 @@ def argmax_chain_weights(step_logits: Sequence[torch.Tensor], token_ids: Sequenc
         ok = tgt <= total - 1
         if not bool(ok.any()):
             break
-        draft_logits = to_target_vocab(step_logits[k - 1][pos[ok]].float(), draft_to_target, vocab_size)  # [M, V]
-        w[ok.nonzero()[:, 0], k - 1] = (draft_logits.argmax(-1) == ids[tgt[ok]]).double()
+        rows, nxt = pos[ok], ids[tgt[ok]]  # [M], [M]
+        draft_logits = to_target_vocab(step_logits[k - 1][rows].float(), draft_to_target, vocab_size)  # [M, V]
+        w[ok.nonzero()[:, 0], k - 1] = hit(k, rows, nxt, draft_logits).double()
     return w
+
+
+def argmax_chain_weights(step_logits: Sequence[torch.Tensor], token_ids: Sequence[int], prompt_len: int,
+                         draft_to_target: torch.Tensor, vocab_size: int, depth: int) -> torch.Tensor:
+    """w [N, depth] (as `chain_weights`) of a chain of the draft's argmax drafts: 1 where depth k's argmax (in the
+    target vocab) is the token the sequence holds there, else 0; depths past the end get 0."""
+    return _depth_weights(step_logits, token_ids, prompt_len, draft_to_target, vocab_size, depth,
+                          lambda k, rows, nxt, draft: draft.argmax(-1) == nxt)
 
 
 def chain_weights(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Tensor, token_ids: Sequence[int],
@@ -143,27 +155,20 @@ def chain_weights(step_logits: Sequence[torch.Tensor], teacher_logits: torch.Ten
 
     step_logits: K tensors [T, Vd] of `forward_train` (step k-1 at t predicts x[t+1+k] from the teacher-forced
     prefix); teacher_logits [T, V]. draft "sampled": the chain is drawn from the draft law (the runtime's chain at
-    T > 0); "argmax": the draft's argmax (vLLM's drafts; the runtime's chain at T = 0: `argmax_chain_weights`; at
-    T > 0 an argmax draft is accepted iff the target's draw equals it). Depths past the end of the sequence get 0."""
-    total, vocab = teacher_logits.shape
+    T > 0), weighted min(1, q(x)/p(x)) at the token x the sequence holds; "argmax": the draft's argmax (vLLM's
+    drafts; the runtime's chain at T = 0: `argmax_chain_weights`; at T > 0 an argmax draft is accepted iff the
+    target's draw equals it). Depths past the end of the sequence get 0."""
+    vocab = int(teacher_logits.shape[1])
     if params.greedy or draft == "argmax":
         return argmax_chain_weights(step_logits, token_ids, prompt_len, draft_to_target, vocab, depth)
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long)  # [T]
-    pos = cycle_roots(total, prompt_len)  # [N] t values (root x[t+1], t+1 <= T-2)
-    w = torch.zeros(pos.shape[0], depth, dtype=torch.float64)  # [N, D]
-    for k in range(1, min(depth, len(step_logits)) + 1):
-        tgt = pos + 1 + k  # [N] index of the token depth k drafts
-        ok = tgt <= total - 1
-        if not bool(ok.any()):
-            break
-        rows, nxt = pos[ok], ids[tgt[ok]]  # [M], [M]
-        draft_logits = to_target_vocab(step_logits[k - 1][rows].float(), draft_to_target, vocab)  # [M, V]
+
+    def ratio(k: int, rows: torch.Tensor, nxt: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
         p = logits_to_probs(teacher_logits[rows + k].float(), params)  # [M, V] the target's law at depth k
         q = logits_to_probs(draft_logits, params)  # [M, V]
         px, qx = p.gather(-1, nxt[:, None])[:, 0], q.gather(-1, nxt[:, None])[:, 0]  # [M]
-        w[ok.nonzero()[:, 0], k - 1] = torch.where(px > 0, (qx / px.clamp_min(1e-30)).clamp(max=1.0),
-                                                   torch.zeros_like(px)).double()
-    return w
+        return torch.where(px > 0, (qx / px.clamp_min(1e-30)).clamp(max=1.0), torch.zeros_like(px))
+
+    return _depth_weights(step_logits, token_ids, prompt_len, draft_to_target, vocab, depth, ratio)
 
 
 def cycle_cap(t: int, prompt_len: int, total_len: int, max_new_tokens: int, depth: int,
