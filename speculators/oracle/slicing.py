@@ -17,7 +17,6 @@ MoE ones, `first_k_dense_replace`) is timed on its first layers: the report says
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from speculators.core.errors import SpeculatorsError
 from speculators.models import SPECULATORS
 from speculators.oracle.shapes import cut_layers, sliced_config
+from speculators.runtime.forward import memory
 
 FILL = 0.7  # the share of the available memory a profile's target may take (activations, drafters, KV caches)
 GIB = 2**30
@@ -38,20 +38,6 @@ def model_bytes(config: Any, dtype: torch.dtype, layers: int | None = None) -> i
         model = AutoModelForCausalLM.from_config(config)
     size = torch.empty((), dtype=dtype).element_size()
     return sum(t.numel() for t in (*model.parameters(), *model.buffers())) * size
-
-
-def available_bytes(device: str) -> int:
-    """Memory a new allocation can take on `device`: free GPU memory, else the host's MemAvailable."""
-    if device.startswith("cuda"):
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
 def taps_needed(families: list[str], num_layers: int) -> int:
@@ -85,7 +71,8 @@ def plan_slice(config: Any, dtype: torch.dtype, device: str, families: list[str]
     """None: profile the whole shape; else the layers of the slice to time (see the module docstring). `mode`:
     auto (a slice when the shape does not fit), always, never; `heads`: the bytes the drafters take besides."""
     n = int((getattr(config, "text_config", None) or config).num_hidden_layers)
-    need, room, dt = model_bytes(config, dtype) + heads, available_bytes(device), str(dtype).removeprefix("torch.")
+    need, room = model_bytes(config, dtype) + heads, memory.available_bytes(device)
+    dt = str(dtype).removeprefix("torch.")
     with_heads = f" with the {', '.join(families)} heads ({heads / GIB:.1f} GiB)" if heads else ""
     layers = min(taps_needed(families, n) + 1, n)
     if mode == "never" or (mode == "auto" and need <= FILL * room) or layers >= n:

@@ -28,14 +28,14 @@ def test_memory_is_counted_on_the_meta_device_and_a_slice_keeps_embedding_and_he
 
 def test_a_slice_is_chosen_when_the_shape_does_not_fit_and_refused_when_even_the_slice_does_not(monkeypatch) -> None:
     _, config = shape_model_config("llama-3.1-8b")
-    monkeypatch.setattr(slicing, "available_bytes", lambda device: 22 * GB)
+    monkeypatch.setattr(slicing.memory, "available_bytes", lambda device: 22 * GB)
     assert slicing.plan_slice(config, torch.bfloat16, "cpu", ["eagle3"], "auto") is None  # 16 GB < 0.7 x 22
     assert slicing.plan_slice(config, torch.float32, "cpu", ["eagle3"], "auto") == 4  # 32 GB: 3 taps + 1
     assert slicing.plan_slice(config, torch.float32, "cpu", ["medusa"], "auto") == 2  # no taps: 1 + 1
     assert slicing.plan_slice(config, torch.bfloat16, "cpu", ["eagle3"], "always") == 4
     with pytest.raises(SpeculatorsError, match="whole shape takes 29.9 GiB in float32.* drop --slice never"):
         slicing.plan_slice(config, torch.float32, "cpu", ["eagle3"], "never")
-    monkeypatch.setattr(slicing, "available_bytes", lambda device: 4 * GB)
+    monkeypatch.setattr(slicing.memory, "available_bytes", lambda device: 4 * GB)
     with pytest.raises(SpeculatorsError, match="even a slice of 4 of its 32 layers takes 7.2 GiB in float32 .*--dtype bfloat16") as err:
         slicing.plan_slice(config, torch.float32, "cpu", ["eagle3"], "auto")
     assert "\n" not in str(err.value)
@@ -48,7 +48,8 @@ def test_scaling_extrapolates_each_entry_by_the_layer_count() -> None:
     assert slicing.scale_table({1: 5.0}, {1: 6.0}, 4, 32) == {1: 5.0}  # noise: a layer never costs below 0
 
 
-def test_a_slice_drops_its_last_layer_in_place_and_still_runs(single_thread) -> None:
+@pytest.mark.usefixtures("single_thread")
+def test_a_slice_drops_its_last_layer_in_place_and_still_runs() -> None:
     target = random_target("tiny-llama", "cpu", torch.float32, layers=4)
     assert target.model.config.num_hidden_layers == 4
     taps = slicing.slice_taps("eagle3", 8, 4)
