@@ -54,23 +54,23 @@ def _checkpoint_tensor(directory: Path, key: str) -> torch.Tensor | None:
 
 
 def _from_checkpoint(cfg: TargetConfig, pick: Callable[[torch.nn.Module], torch.nn.Module],
-                     aliases: dict[str, str] | None = None) -> torch.nn.Module:
+                     aliases: Callable[[torch.nn.Module], dict[str, str]] | None = None) -> torch.nn.Module:
     """`pick(model)` of the target with its weights, built from the config on the meta device and filled from the
-    checkpoint alone (a 70B target's weights are not loaded); `aliases` maps a missing key to the one that holds it
-    (a tied head's embedding). The whole model when that cannot be done (a hub id, an adapter, unusual key names)."""
+    checkpoint alone (a 70B target's weights are not loaded); `aliases(model)` maps a missing key to the one that
+    holds it (a tied head's embedding). The whole model when that cannot be done (a hub id, an adapter, unusual key
+    names)."""
     directory = Path(cfg.name_or_path)
     if directory.is_dir() and cfg.adapter is None:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=cfg.trust_remote_code)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
-        module = pick(model)
+        module, other = pick(model), aliases(model) if aliases else {}
         prefix = next(name for name, m in model.named_modules() if m is module)
         params = {}
         for n, _ in module.named_parameters():
             key = f"{prefix}.{n}"
             found = _checkpoint_tensor(directory, key)
-            params[n] = found if found is not None or key not in (aliases or {}) \
-                else _checkpoint_tensor(directory, aliases[key])
+            params[n] = found if found is not None or key not in other else _checkpoint_tensor(directory, other[key])
         if params and all(v is not None for v in params.values()):
             module = module.to_empty(device="cpu")
             module.load_state_dict(params, strict=False)
@@ -87,16 +87,13 @@ def load_output_head(cfg: TargetConfig) -> torch.nn.Module:
     """The target's output head (hidden -> vocab logits) with its weights, a tied head from the input embedding's
     (see `_from_checkpoint`)."""
     def tied(model: torch.nn.Module) -> dict[str, str]:
+        if not getattr(model.config, "tie_word_embeddings", False):
+            return {}
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         names = {m: n for n, m in model.named_modules() if m is head or m is embed}
         return {f"{names[head]}.weight": f"{names[embed]}.weight"}
 
-    config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    aliases = None
-    if getattr(config, "tie_word_embeddings", False) and Path(cfg.name_or_path).is_dir():
-        with torch.device("meta"):
-            aliases = tied(AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code))
-    return _from_checkpoint(cfg, lambda model: model.get_output_embeddings(), aliases)
+    return _from_checkpoint(cfg, lambda model: model.get_output_embeddings(), tied)
 
 
 class VllmFeatures:
