@@ -103,6 +103,12 @@ class RequestRecord:
             self.nodes.append([root_position, parents[i], depths[i], tokens[i], int(i in accepted)])
 
 
+def _entry(path: Path, tokens: int, masked: int, size: int, digest: str, index: int, revision: str | None) -> dict:
+    """A row's line in the manifest."""
+    return {"file": path.name, "rows": 1, "tokens": tokens, "masked": masked, "bytes": size, "sha256": digest,
+            "index": index, "draft_revision": revision}
+
+
 class TrafficRecorder:
     """Appends finished requests of one engine (one target, one tap layout) to a recording directory."""
 
@@ -145,11 +151,11 @@ class TrafficRecorder:
     def _adopt(self) -> int:
         """List the rows of an earlier process written after its manifest's last rewrite (it was killed before a
         `flush`); the number adopted."""
-        listed = {e["file"] for e in self.entries}
         last = max((int(e["index"]) for e in self.entries), default=0)
         adopted = 0
         for path in sorted(self.spec.directory.glob("row-*.safetensors")):
-            if path.name in listed or not path.stem.split("-")[-1].isdigit() or int(path.stem.split("-")[-1]) <= last:
+            number = path.stem.removeprefix("row-")
+            if not number.isdigit() or int(number) <= last:
                 continue  # listed, or older than the listed rows (dropped by rotation): not adopted
             try:
                 with safe_open(str(path), framework="pt") as fh:
@@ -157,10 +163,8 @@ class TrafficRecorder:
                     tokens, masked = int(fh.get_slice("input_ids").get_shape()[0]), int(fh.get_tensor("loss_mask").sum())
             except (OSError, ValueError, KeyError, SafetensorError):
                 continue
-            self.entries.append({"file": path.name, "rows": 1, "tokens": tokens, "masked": masked,
-                                 "bytes": path.stat().st_size, "sha256": sha256_file(path),
-                                 "index": int(meta.get("shard", path.stem.split("-")[-1])),
-                                 "draft_revision": meta.get("draft_revision")})
+            self.entries.append(_entry(path, tokens, masked, path.stat().st_size, sha256_file(path), int(number),
+                                       meta.get("draft_revision")))
             adopted += 1
         return adopted
 
@@ -200,8 +204,7 @@ class TrafficRecorder:
                 "temperature": record.temperature, "recorded": time.time()}
         path = self.spec.directory / ROW_PATTERN.format(index)
         digest, size = write_shard(path, tensors, meta)
-        self.entries.append({"file": path.name, "rows": 1, "tokens": total, "masked": n_out, "bytes": size,
-                             "sha256": digest, "index": index, "draft_revision": draft_revision})
+        self.entries.append(_entry(path, total, n_out, size, digest, index, draft_revision))
         self.unlisted += 1
         dropped = self._rotate()
         if dropped or self.unlisted * 100 >= len(self.entries) or time.monotonic() - self.listed_at >= \
