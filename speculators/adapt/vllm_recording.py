@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -47,17 +48,17 @@ DRAIN_S = 2.0  # on stop, the spool must stay empty this long before the replica
 class VllmTrafficCollector:
     """Turns the replica's spool files into recorded rows (one `TrafficRecorder`, one target, one layer layout)."""
 
-    def __init__(self, spool: Path, recorder: TrafficRecorder, target: TargetConfig, tap_layers: list[int],
-                 num_layers: int) -> None:
+    def __init__(self, spool: Path, recorder: TrafficRecorder, target: TargetConfig, text: Any,
+                 tap_layers: list[int]) -> None:
+        """`text`: the target's (text) config."""
+        num_layers = int(text.num_hidden_layers)
         self.spool, self.recorder = Path(spool), recorder
         self.vllm_layers = sorted(set(tap_layers) | {num_layers})  # vLLM stacks them ascending
         self.tap_index = [self.vllm_layers.index(k) for k in tap_layers]
         self.last_index = self.vllm_layers.index(num_layers)
         self.norm, self.head = load_final_norm(target), load_output_head(target)
-        config = text_config(AutoConfig.from_pretrained(target.name_or_path, revision=target.revision,
-                                                        trust_remote_code=target.trust_remote_code))
-        self.logit_scale = 1.0 / float(getattr(config, "logits_scaling", 1.0) or 1.0)  # granite divides
-        self.softcap = getattr(config, "final_logit_softcapping", None)  # gemma caps
+        self.logit_scale = 1.0 / float(getattr(text, "logits_scaling", 1.0) or 1.0)  # granite divides
+        self.softcap = getattr(text, "final_logit_softcapping", None)  # gemma caps
         self.rows_refused = 0
 
     def collect(self) -> int:
@@ -136,7 +137,7 @@ def run_record_vllm(target: TargetConfig, spec: RecordingSpec, *, port: int = 80
                                vocab_size=int(text.vocab_size))  # another target's recording: refused here
     spool = spec.directory / ".vllm-spool"
     spool.mkdir(parents=True, exist_ok=True)
-    collector = VllmTrafficCollector(spool, recorder, target, taps, n)
+    collector = VllmTrafficCollector(spool, recorder, target, text, taps)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
