@@ -62,11 +62,15 @@ demo: $(DEMO_STAMP)
 # are built once) and, beside them, the vLLM suite: it keeps about one core busy (most of it is vLLM processes
 # starting, one thread each), so the three share the two cores instead of the vLLM suite running after the rest.
 # (Two vLLM workers were measured slower: 35 min against 30, four processes on two cores.) Its output goes to
-# .vllm-tests.log and is printed when both are done; either failing fails the target.
-test: install vllm-env
+# .vllm-tests.log and is printed when both are done; either failing fails the target; every test's seconds are in
+# .test-times*.xml (`python scripts/test_times.py` sums them by file). The two environments install
+# side by side first (pip is one process on one core).
+test:
+	@$(MAKE) --no-print-directory -j2 install vllm-env
 	@OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest tests/vllm -q -x --timeout 1200 --durations=20 \
-	    > .vllm-tests.log 2>&1 & vllm=$$!; \
-	$(BIN)/python -m pytest tests -q -x --timeout 900 --durations=30 -n 2 --dist loadfile --ignore=tests/vllm; \
+	    --junitxml .test-times-vllm.xml > .vllm-tests.log 2>&1 & vllm=$$!; \
+	$(BIN)/python -m pytest tests -q -x --timeout 900 --durations=30 -n 2 --dist loadfile --ignore=tests/vllm \
+	    --junitxml .test-times.xml; \
 	rest=$$?; wait $$vllm; code=$$?; echo "---- the vLLM suite (tests/vllm) ----"; cat .vllm-tests.log; \
 	test $$rest -eq 0 && test $$code -eq 0
 

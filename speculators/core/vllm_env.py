@@ -34,11 +34,15 @@ def vllm_python(recipe: Recipe) -> Path | None:
 
 def server_env(python: Path, threads: int = 2) -> dict[str, str]:
     """Environment for a vLLM CPU server: its venv first on PATH (launch.sh runs `python3` / `vllm` from there),
-    a small KV cache, no thread pinning (other processes share the cores), no hub access."""
+    a small KV cache, no thread pinning (other processes share the cores), no hub access, and the model runner inside
+    the engine process (VLLM_ENABLE_V1_MULTIPROCESSING=0: one process fewer to start and no inter-process hop per
+    step; measured on an AMD EPYC, house target, 2 threads: ready in 17 s instead of 23, 400 tokens in 2.5 s instead
+    of 5.1, same tokens)."""
     env = dict(os.environ)
     env.update({"PATH": f"{python.parent}{os.pathsep}{env.get('PATH', '')}", "PYTHON": str(python),
                 "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
+                "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
     env.pop("VIRTUAL_ENV", None)

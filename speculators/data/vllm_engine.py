@@ -98,6 +98,7 @@ class VllmEngine:
         (self.work / "config.json").write_text(json.dumps(cfg))
         env = server_env(python, threads=v.threads)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(v.kv_cache_gb)))
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # in one process the capture engine hangs after its first batch
         env["PYTHONPATH"] = os.pathsep.join([str(VLLM_SIDE)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         read_fd, write_fd = os.pipe()
         env.update({"CAPTURE_CONFIG": str(self.work / "config.json"), "CAPTURE_REPLY_FD": str(write_fd)})

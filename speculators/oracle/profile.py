@@ -39,7 +39,8 @@ from speculators.oracle.check import check_against_bench
 from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, predicted_schedule
 from speculators.oracle.profile_report import build_report, write_report
 from speculators.oracle.shapes import DEFAULT_DRAFT_VOCAB, random_drafter, random_target, shape_model_config
-from speculators.oracle.slicing import drafter_bytes, drop_last_layer, model_bytes, plan_slice, scale_table, slice_taps
+from speculators.oracle.slicing import (drafter_bytes, keep_layers, model_bytes, plan_slice, scale_table, slice_taps,
+                                        taps_needed)
 from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.drafters.load import default_tree, load_drafter
 from speculators.runtime.drafters.model_free import NoDrafter
@@ -99,26 +100,27 @@ def _slice_plan(shape: str | None, device: str, dtype: str, families: list[str],
     if layers is None:
         return None
     size = torch.empty((), dtype=dt).element_size()
-    return {"layers": layers, "num_layers": int(text_config(config).num_hidden_layers),
+    n = int(text_config(config).num_hidden_layers)
+    return {"layers": layers, "base_layers": min(taps_needed(families, n), n - 1), "num_layers": n,
             "parameters": model_bytes(config, dt) // size}
 
 
 def _scaled_by_layers(loaded: Any, drafter: Any, plan: dict, costs: Costs, extras: dict, batch_sizes: list[int],
                       nodes: list[int], context_len: int, budget_s: float) -> None:
-    """The slice's last layer dropped, its forward and prefill timed again on one layer fewer, and both tables
+    """The slice cut to its first `base_layers`, its forward and prefill timed again on those, and both tables
     extrapolated to the shape's layer count (slicing.py)."""
-    big, n = plan["layers"], plan["num_layers"]
-    drop_last_layer(loaded.model)
+    big, small_layers, n = plan["layers"], plan["base_layers"], plan["num_layers"]
+    keep_layers(loaded.model, small_layers)
     budget = measure.Budget(time.perf_counter() + PHASES["forward"] * budget_s, extras["skipped"])
     small = measure.measure_forward(make_runner(loaded.model), sorted(set(batch_sizes)), sorted(set(nodes)),
                                     context_len, budget)
     budget = measure.Budget(time.perf_counter() + PHASES["prefill"] * budget_s, extras["skipped"])
     small_prefill = measure.measure_prefill(make_runner(loaded.model, drafter.required_features()),
                                             list(PREFILL_LENGTHS), budget)
-    costs.forward = scale_table(costs.forward, small, big, n)
-    extras["prefill"] = scale_table(extras["prefill"], small_prefill, big, n)
-    extras["slice"] = {**plan, "layers_timed": [big - 1, big],
-                       "rule": f"f({n}) = f({big}) + {n - big} x (f({big}) - f({big - 1}))"}
+    costs.forward = scale_table(costs.forward, small, big, small_layers, n)
+    extras["prefill"] = scale_table(extras["prefill"], small_prefill, big, small_layers, n)
+    extras["slice"] = {**plan, "layers_timed": [small_layers, big],
+                       "rule": f"f({n}) = f({big}) + {n - big} x (f({big}) - f({small_layers})) / {big - small_layers}"}
 
 
 def _drafters(loaded: Any, speculator: str | None, families: list[str], max_depth: int, draft_dtype: str,

@@ -2,14 +2,17 @@
 
 A decoder-only forward costs the embedding and the output head once plus each decoder layer's share, and every layer
 of a shape costs the same, so with f(L) the measured cost of a slice of the first L layers (embedding, final norm and
-head at full size), f(N) = f(k + 1) + (N - k - 1) * (f(k + 1) - f(k)). `plan_slice` decides from the memory the
-shape would take (its parameters counted on the meta device) against the memory available: the whole shape when it
-fits in `FILL` of it, else a slice of k + 1 layers (k: the most taps a profiled drafter reads, at least 1), refused in
-one line before anything is allocated when even that does not fit. The profile times the slice of k + 1 layers
-(target forward grid, prefill, drafters, whole runtime steps, whose overhead over the forward does not depend on the
-depth), drops its last layer (`drop_last_layer`: the same embedding and head, no second copy), times the forward and
-prefill of k layers, and `scale_table` extrapolates them. The drafters of a slice tap its first layers
-(`slice_taps`): their cost depends on how many taps they read, not on which.
+head at full size), f(N) = f(L) + (N - L) * (f(L) - f(k)) / (L - k). `plan_slice` decides from the memory the shape
+would take (its parameters counted on the meta device) against the memory available: the whole shape when it fits in
+`FILL` of it, else a slice of L = k + span layers (k: the most taps a profiled drafter reads, at least 1), refused in
+one line before anything is allocated when even k + 1 layers do not fit. The span (`slice_span`) covers at least
+`SPAN_BYTES` of layer weights, at most half the shape and what fits: a one-layer difference of two timings of a
+small model is mostly noise (x 26 for SmolLM2), and a slice whose weights sit in the CPU's caches runs faster per
+layer than the whole model that streams them. The profile times the slice of L layers (target forward grid,
+prefill, drafters, whole runtime steps, whose overhead over the forward does not depend on the depth), keeps its
+first k layers (`keep_layers`: the same embedding and head, no second copy), times the forward and prefill of k
+layers, and `scale_table` extrapolates them. The drafters of a slice tap its first layers (`slice_taps`): their
+cost depends on how many taps they read, not on which.
 
 Not here: the timing (costs.py), the profile's phases (profile.py). A shape whose layers differ (dense layers before
 MoE ones, `first_k_dense_replace`) is timed on its first layers: the report says which layers were timed.
@@ -28,6 +31,7 @@ from speculators.oracle.shapes import cut_layers, sliced_config
 from speculators.runtime.forward import memory
 
 FILL = 0.7  # the share of the available memory a profile's target may take (activations, drafters, KV caches)
+SPAN_BYTES = 256 * 2**20  # layer weights a slice's timed difference covers at least (well past any CPU's caches)
 GIB = 2**30
 
 
@@ -74,7 +78,8 @@ def plan_slice(config: Any, dtype: torch.dtype, device: str, families: list[str]
     need, room = model_bytes(config, dtype) + heads, memory.available_bytes(device)
     dt = str(dtype).removeprefix("torch.")
     with_heads = f" with the {', '.join(families)} heads ({heads / GIB:.1f} GiB)" if heads else ""
-    layers = min(taps_needed(families, n) + 1, n)
+    base = min(taps_needed(families, n), n - 1)
+    layers = base + 1
     if mode == "never" or (mode == "auto" and need <= FILL * room) or layers >= n:
         if mode == "never" and need > FILL * room:
             raise SpeculatorsError(f"the whole shape takes {need / GIB:.1f} GiB in {dt}{with_heads}, more than "
@@ -88,25 +93,37 @@ def plan_slice(config: Any, dtype: torch.dtype, device: str, families: list[str]
                                f"(the embedding and the head at full size){with_heads}, more than {FILL:.0%} of the "
                                f"{room / GIB:.1f} GiB available on {device}; "
                                f"{'try ' + ' or '.join(hints) if hints else 'it needs a machine with more memory'}")
-    return layers
+    return base + slice_span(config, dtype, base, FILL * room - heads)
 
 
-def drop_last_layer(model: Any) -> None:
-    """Remove the last decoder layer of a Hugging Face causal LM in place (its config says one layer fewer)."""
+def slice_span(config: Any, dtype: torch.dtype, base: int, room: float) -> int:
+    """Layers past the first `base` a slice times: enough for `SPAN_BYTES` of layer weights, at least 1, at most
+    up to half the shape's layers and what fits in `room` bytes with the embedding and the head."""
+    n = int((getattr(config, "text_config", None) or config).num_hidden_layers)
+    one, two = model_bytes(config, dtype, 1), model_bytes(config, dtype, 2)
+    layer, rest = two - one, 2 * one - two  # one decoder layer; the embedding, final norm and head
+    wanted = -(-SPAN_BYTES // max(layer, 1))
+    fits = int((room - rest) // max(layer, 1)) - base
+    return max(1, min(wanted, n // 2 - base, fits))
+
+
+def keep_layers(model: Any, layers: int) -> None:
+    """Keep the first `layers` decoder layers of a Hugging Face causal LM in place (its config says so)."""
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    inner.layers = inner.layers[:-1]
-    cut_layers(model.config, len(inner.layers))
+    inner.layers = inner.layers[:layers]
+    cut_layers(model.config, layers)
 
 
-def scale_table(big: dict, small: dict, big_layers: int, num_layers: int) -> dict:
-    """f(N) per entry of two measured tables (nested dicts of seconds) of slices of `big_layers` and one layer
-    fewer; an entry measured in one of them only is left out. A layer's share below zero (timing noise) counts 0."""
+def scale_table(big: dict, small: dict, big_layers: int, small_layers: int, num_layers: int) -> dict:
+    """f(N) per entry of two measured tables (nested dicts of seconds) of slices of `big_layers` and `small_layers`;
+    an entry measured in one of them only is left out. A layer's share below zero (timing noise) counts 0."""
     out: dict = {}
     for key, value in big.items():
         if key not in small:
             continue
         if isinstance(value, dict):
-            out[key] = scale_table(value, small[key], big_layers, num_layers)
+            out[key] = scale_table(value, small[key], big_layers, small_layers, num_layers)
         else:
-            out[key] = value + (num_layers - big_layers) * max(0.0, value - small[key])
+            per_layer = max(0.0, value - small[key]) / (big_layers - small_layers)
+            out[key] = value + (num_layers - big_layers) * per_layer
     return out

@@ -145,7 +145,7 @@ def sweep(vllm_python: Path, tmp_path_factory) -> dict:
         jobs.append({"name": model_type, "target": str(target), "export": str(export), "dtype": dtype,
                      "prompts": prompts, "max_tokens": MAX_TOKENS, "k": K})
     (root / "jobs.json").write_text(json.dumps(jobs))
-    env = {**server_env(vllm_python, threads=1), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = server_env(vllm_python, threads=1)
     with (root / "sweep.log").open("w") as log:
         done = subprocess.run([str(vllm_python), str(SWEEP), str(root / "jobs.json"), str(root / "results.json")],
                               stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1500)

@@ -66,6 +66,7 @@ def _check_launch_files(accelerate_config: str) -> dict:
 CPU_REAL = {
     "smollm2-eagle3.yaml": dict(family="eagle3", layer_ids=[2, 15, 27], draft_vocab_size=8192),
     "smollm2-dflash.yaml": dict(family="dflash", layer_ids=[2, 15, 27], draft_vocab_size=None),
+    "smollm2-eagle3-adapt.yaml": dict(family="eagle3", layer_ids=[2, 15, 27], draft_vocab_size=8192, traffic=True),
 }
 
 
@@ -77,7 +78,8 @@ def test_every_real_target_recipe_has_expectations() -> None:
 @pytest.mark.parametrize("name", sorted(CPU_REAL))
 def test_packaged_target_recipes_dry_run_without_fetching(name: str, tmp_path: Path) -> None:
     """The SmolLM2 recipes name their target as a package source; a dry run prints it as written and fetches
-    nothing (no network, an empty cache); the data stages of both are the same (one comparison, same rows)."""
+    nothing (no network, an empty cache); the data stages of the training recipes are the same (one comparison, same
+    rows); the traffic recipe continues the EAGLE-3 recipe's export with its speculator's shape."""
     want = CPU_REAL[name]
     env = {**_offline_env(tmp_path), "SPECULATORS_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-m", "speculators.cli", "run", f"recipes/{name}", "--dry-run"], cwd=REPO,
@@ -90,8 +92,13 @@ def test_packaged_target_recipes_dry_run_without_fetching(name: str, tmp_path: P
     assert resolved["capture"]["layer_ids"] == want["layer_ids"]
     assert resolved["speculator"]["draft_vocab_size"] == want["draft_vocab_size"]
     assert resolved["target"]["dtype"] == "auto" and resolved["train"]["num_processes"] == 1
-    eagle3 = load_recipe(REPO / "recipes" / "smollm2-eagle3.yaml", resolve_target=False)  # as written: no fetch
-    assert to_dict(load_recipe(REPO / "recipes" / name, resolve_target=False))["data"] == to_dict(eagle3)["data"]
+    eagle3 = to_dict(load_recipe(REPO / "recipes" / "smollm2-eagle3.yaml", resolve_target=False))  # no fetch
+    mine = to_dict(load_recipe(REPO / "recipes" / name, resolve_target=False))
+    if want.get("traffic"):
+        assert mine["speculator"] == eagle3["speculator"] and mine["train"]["init_from"] == f"{eagle3['run_dir']}/export"
+        assert [source["traffic"] for source in mine["data"]["sources"]] == ["runs/serve/smollm2-traffic"]
+    else:
+        assert mine["data"] == eagle3["data"]
 
 
 @pytest.mark.parametrize("name", sorted(REAL))

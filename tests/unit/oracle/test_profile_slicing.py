@@ -1,11 +1,12 @@
 """Profiles of shapes bigger than memory (oracle/slicing.py): the memory a shape takes is counted before anything is
-allocated, the slice is chosen or refused in one line, a slice drops its last layer in place, and the tables are
-extrapolated by the layer count. Timings are never judged here (docs/results.md has slice vs whole measured)."""
+allocated, the slice is chosen or refused in one line, its timed span covers enough layer weights, a slice keeps
+its first layers in place, and the tables are extrapolated by the layer count. Timings are never judged here (docs/results.md has slice vs whole measured)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from speculators.core.errors import SpeculatorsError
 from speculators.oracle import slicing
@@ -44,19 +45,35 @@ def test_a_slice_is_chosen_when_the_shape_does_not_fit_and_refused_when_even_the
 def test_scaling_extrapolates_each_entry_by_the_layer_count() -> None:
     big = {1: {1: 10.0, 4: 12.0}, 2: {1: 11.0}}
     small = {1: {1: 8.0, 4: 11.0}}  # batch 2 measured only in the big slice: left out
-    assert slicing.scale_table(big, small, 4, 32) == {1: {1: 10.0 + 28 * 2.0, 4: 12.0 + 28 * 1.0}}
-    assert slicing.scale_table({1: 5.0}, {1: 6.0}, 4, 32) == {1: 5.0}  # noise: a layer never costs below 0
+    assert slicing.scale_table(big, small, 4, 3, 32) == {1: {1: 10.0 + 28 * 2.0, 4: 12.0 + 28 * 1.0}}
+    assert slicing.scale_table({1: 5.0}, {1: 6.0}, 4, 3, 32) == {1: 5.0}  # noise: a layer never costs below 0
+    assert slicing.scale_table({1: 30.0}, {1: 6.0}, 15, 3, 30) == {1: 30.0 + 15 * 2.0}  # 12 layers cost 24
+
+
+def test_a_small_model_is_timed_over_enough_layers_to_leave_the_caches(monkeypatch) -> None:
+    """SmolLM2-135M's shape (30 layers of 14 MB in float32): a one-layer difference would be timing noise x 26 and
+    a few layers' weights fit a CPU's caches; the span covers 256 MiB, capped at half the shape and at what fits."""
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+    monkeypatch.setattr(slicing.memory, "available_bytes", lambda device: 22 * GB)
+    assert slicing.plan_slice(config, torch.float32, "cpu", ["eagle3"], "always") == 15  # 3 + 12 (half of 30)
+    assert slicing.plan_slice(config, torch.float32, "cpu", ["medusa"], "always") == 15  # 1 + 14
+    layer = slicing.model_bytes(config, torch.float32, 2) - slicing.model_bytes(config, torch.float32, 1)
+    rest = slicing.model_bytes(config, torch.float32, 1) - layer
+    assert slicing.slice_span(config, torch.float32, 3, rest + 5.5 * layer) == 2  # only 3 + 2 layers fit
+    _, big = shape_model_config("llama-3.1-8b")  # 0.8 GiB a layer: one layer spans 256 MiB
+    assert slicing.slice_span(big, torch.float32, 3, 20 * GB) == 1
 
 
 @pytest.mark.usefixtures("single_thread")
-def test_a_slice_drops_its_last_layer_in_place_and_still_runs() -> None:
+def test_a_slice_keeps_its_first_layers_in_place_and_still_runs() -> None:
     target = random_target("tiny-llama", "cpu", torch.float32, layers=4)
     assert target.model.config.num_hidden_layers == 4
     taps = slicing.slice_taps("eagle3", 8, 4)
     assert taps == [0, 1, 2]
     drafter, _ = random_drafter(target, "eagle3", 2, layer_ids=taps)
     embed = target.model.get_input_embeddings().weight
-    slicing.drop_last_layer(target.model)
+    slicing.keep_layers(target.model, 3)
     assert len(target.model.model.layers) == 3 and target.model.config.num_hidden_layers == 3
     assert target.model.get_input_embeddings().weight is embed  # the same tensors: no second copy
     runner = TargetRunner(target.model, drafter.required_features())
