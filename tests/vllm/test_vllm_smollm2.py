@@ -20,7 +20,9 @@ from tests.vllm.fixtures import free_port
 
 pytestmark = pytest.mark.vllm
 
-# ~8 minutes on 2 cores: 24 rows regenerated in one batch, 30 training steps, one held-out row per cohort
+REPO = Path(__file__).resolve().parents[2]
+# ~4 minutes on 2 cores: 24 rows regenerated in one batch, 30 training steps, one held-out row per cohort, its output
+# capped at 32 tokens for evaluation as for vLLM
 BUDGET = ["data.regenerate.temperature=0.0", "data.regenerate.max_new_tokens=32", "data.regenerate.concurrency=24",
           "data.regenerate.crosscheck_rows=2", "train.max_steps=30", "train.eval_every=30", "train.save_every=30",
           "train.trackers=[jsonl]", "evaluate.max_rows_per_cohort=1", "evaluate.live=false",
@@ -28,11 +30,21 @@ BUDGET = ["data.regenerate.temperature=0.0", "data.regenerate.max_new_tokens=32"
           "vllm.max_new_tokens=32", "vllm.temperature=0"]
 
 
+def _first_rows(into: Path, max_new_tokens: int) -> str:
+    """The first row of every shipped workload cohort, its output capped: a glob for evaluate.workloads."""
+    into.mkdir()
+    for cohort in sorted((REPO / "data" / "workloads").glob("*.jsonl")):
+        row = json.loads(cohort.read_text().splitlines()[0])
+        (into / cohort.name).write_text(json.dumps({**row, "max_new_tokens": max_new_tokens}) + "\n")
+    return str(into / "*.jsonl")
+
+
 def test_smollm2_recipe_runs_every_stage_and_vllm_serves_the_export(tmp_path: Path, vllm_python: Path) -> None:
     chat = write_rows(tmp_path / "chat.jsonl", 24)
     run_dir = tmp_path / "run"
+    workloads = _first_rows(tmp_path / "workloads", 32)
     res = run_cli(["run", "recipes/smollm2-eagle3.yaml", f"run_dir={run_dir}", f"data.sources=[{{path: {chat}}}]",
-                   *BUDGET, f"vllm.python={vllm_python}", f"vllm.port={free_port()}"], timeout=1200, threads=2)
+                   f"evaluate.workloads=[{workloads}]", *BUDGET, f"vllm.python={vllm_python}", f"vllm.port={free_port()}"], timeout=1200, threads=2)
     assert res.returncode == 0, res.stderr[-4000:]
     pairing = json.loads((run_dir / "export" / "pairing.json").read_text())
     assert pairing["target"]["name_or_path"].endswith("smollm2-135m-instruct"), pairing["target"]
