@@ -50,6 +50,11 @@ def taps_needed(families: list[str], num_layers: int) -> int:
     return max([1, *counts])
 
 
+def base_layers(families: list[str], num_layers: int) -> int:
+    """k: the layers a slice is cut to for its second timing, the most taps one of `families` reads (at least 1)."""
+    return min(taps_needed(families, num_layers), num_layers - 1)
+
+
 def slice_taps(family: str, num_layers: int, layers: int) -> list[int] | None:
     """The taps a `family` drafter reads in a slice of `layers` layers: as many as on the whole shape, its first."""
     ids = SPECULATORS[family].capture_request(None, num_layers).tap_layer_ids
@@ -78,7 +83,7 @@ def plan_slice(config: Any, dtype: torch.dtype, device: str, families: list[str]
     need, room = model_bytes(config, dtype) + heads, memory.available_bytes(device)
     dt = str(dtype).removeprefix("torch.")
     with_heads = f" with the {', '.join(families)} heads ({heads / GIB:.1f} GiB)" if heads else ""
-    base = min(taps_needed(families, n), n - 1)
+    base = base_layers(families, n)
     layers = base + 1
     if mode == "never" or (mode == "auto" and need <= FILL * room) or layers >= n:
         if mode == "never" and need > FILL * room:
