@@ -61,13 +61,19 @@ def slice_taps(family: str, num_layers: int, layers: int) -> list[int] | None:
     return None if not ids else list(range(min(len(ids), layers)))
 
 
+def layer_bytes(config: Any, dtype: torch.dtype) -> tuple[int, int]:
+    """(one decoder layer, the rest: embedding, final norm and head) of the config's causal LM, in bytes."""
+    one, two = model_bytes(config, dtype, 1), model_bytes(config, dtype, 2)
+    return two - one, 2 * one - two
+
+
 def drafter_bytes(config: Any, families: list[str], num_steps: int, draft_vocab: int) -> int:
     """What the random heads of `families` take while they are built (float32 on the CPU, as a speculator loads):
     a draft decoder layer the size of the target's, their own output heads (Medusa: one per step) and their frozen
     copies of the target's embedding (EAGLE-3, MTP, DFlash) and head (MTP, DFlash)."""
     text = getattr(config, "text_config", None) or config
     hidden, vocab = int(text.hidden_size), int(text.vocab_size)
-    layer = (model_bytes(config, torch.float32, 2) - model_bytes(config, torch.float32, 1)) // 4  # parameters
+    layer = layer_bytes(config, torch.float32)[0] // 4  # parameters
     per_family = {"eagle3": layer + 3 * hidden * hidden + min(draft_vocab, vocab) * hidden + vocab * hidden,
                   "medusa": num_steps * (hidden * hidden + vocab * hidden),
                   "mtp": layer + 2 * hidden * hidden + 2 * vocab * hidden,
@@ -105,8 +111,7 @@ def slice_span(config: Any, dtype: torch.dtype, base: int, room: float) -> int:
     """Layers past the first `base` a slice times: enough for `SPAN_BYTES` of layer weights, at least 1, at most
     up to half the shape's layers and what fits in `room` bytes with the embedding and the head."""
     n = int((getattr(config, "text_config", None) or config).num_hidden_layers)
-    one, two = model_bytes(config, dtype, 1), model_bytes(config, dtype, 2)
-    layer, rest = two - one, 2 * one - two  # one decoder layer; the embedding, final norm and head
+    layer, rest = layer_bytes(config, dtype)
     wanted = -(-SPAN_BYTES // max(layer, 1))
     fits = int((room - rest) // max(layer, 1)) - base
     return max(1, min(wanted, n // 2 - base, fits))
