@@ -39,8 +39,15 @@ from speculators.oracle.check import check_against_bench
 from speculators.oracle.cost_model import Acceptance, Costs, load_acceptance, predict, predicted_schedule
 from speculators.oracle.profile_report import build_report, write_report
 from speculators.oracle.shapes import DEFAULT_DRAFT_VOCAB, random_drafter, random_target, shape_model_config
-from speculators.oracle.slicing import (base_layers, drafter_bytes, keep_layers, model_bytes, plan_slice, scale_table,
-                                        slice_taps)
+from speculators.oracle.slicing import (
+    base_layers,
+    drafter_bytes,
+    keep_layers,
+    model_bytes,
+    plan_slice,
+    scale_table,
+    slice_taps,
+)
 from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.drafters.load import default_tree, load_drafter
 from speculators.runtime.drafters.model_free import NoDrafter

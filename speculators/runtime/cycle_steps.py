@@ -40,6 +40,7 @@ from speculators.runtime.cycle_host import CycleHost
 from speculators.runtime.drafters.graft import graft_chain
 from speculators.runtime.drafters.load import prune_tree
 from speculators.runtime.drafters.ngram import TokenBuffer, ngram_continuations
+from speculators.runtime.forward.row_products import tune_row_products
 from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.recording import RequestRecord
 from speculators.runtime.requests import DraftWork, GenerationStats, Slot
@@ -103,6 +104,11 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
     if len(prompt_ids) > 1 and engine.speculative:
         ids = torch.tensor(prompt_ids, dtype=torch.long)
         pending.append(({**features, "input_ids": ids[:-1]} if wants_ids else features, ids[1:].to(engine.device)))
+    if not engine.runner.products.tuned:  # before any cost is measured; plain decoding may run 1 row as 2
+        rows = (max(engine.tree.budget, engine.tree.depth, engine.lookup_depth) + engine.graft_nodes + 1
+                if engine.speculative else 2)
+        engine.runner.products = tune_row_products(engine.runner, slot.cache, prompt_ids[-1], rows,
+                                                   engine.runner.product_forms)
     if engine.speculative and engine.adaptive and not engine.cost.calibrated:
         calibrate_verification(engine, prompt_ids[-1], slot.cache)
         if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)

@@ -333,6 +333,7 @@ def _summarise(methods: list[Method]) -> dict:
                 if cell.plans:  # the controller's choices: share of cycles per plan
                     total = sum(cell.plans.values())
                     entry["plan_share"] = {k: round(v / total, 3) for k, v in sorted(cell.plans.items())}
+                entry.update(_cycle_costs(cell.acceptance))
             paired = getattr(m.engine, "paired", None) if cohort == "all" else None
             if paired and paired["cycles"]:
                 token, seq = (1 + paired[k] / paired["cycles"] for k in ("token", "sequence"))
@@ -340,6 +341,32 @@ def _summarise(methods: list[Method]) -> dict:
                                        "gain": round(seq / token - 1, 4), "cycles": int(paired["cycles"])}
             out.setdefault(cohort, {})[m.name] = entry
     return out
+
+
+def _cycle_costs(acc: AcceptanceStats) -> dict:
+    """Where a method's cycles went (ms): per cycle (drafting + target forward + verification and commits), and
+    drafting per drafted token (plan choice, absorbing features and proposing)."""
+    if not acc.target_calls:
+        return {}
+    out = {"cycle_ms": round(1e3 * (acc.draft_seconds + acc.verify_seconds + acc.accept_seconds) / acc.target_calls,
+                             3),
+           "forward_ms": round(1e3 * acc.verify_seconds / acc.target_calls, 3)}
+    if acc.drafted_tokens:
+        out["draft_ms_per_drafted_token"] = round(1e3 * acc.draft_seconds / acc.drafted_tokens, 3)
+    return out
+
+
+def cost_lines(cohorts: dict) -> list[str]:
+    """One line per speculative method (cohort "all"): its cycle and drafting costs in plain steps."""
+    step = cohorts.get("all", {}).get("plain", {}).get("cycle_ms")
+    lines = []
+    for name, e in cohorts.get("all", {}).items():
+        if not step or "draft_ms_per_drafted_token" not in e:
+            continue
+        lines.append(f"`{name}`: a cycle {e['cycle_ms']:.1f} ms = {e['cycle_ms'] / step:.2f} plain steps (its "
+                     f"forward {e['forward_ms'] / step:.2f}); drafting {e['draft_ms_per_drafted_token']:.2f} ms per "
+                     f"drafted token = {e['draft_ms_per_drafted_token'] / step:.3f} of a plain step ({step:.1f} ms).")
+    return lines + [""] if lines else []
 
 
 def format_bench_report(report: dict) -> str:
@@ -362,6 +389,7 @@ def format_bench_report(report: dict) -> str:
                 lines.append(f"| {cohort} | {name} | {e['tokens_per_second']:.1f} | {e['vs_plain']:.2f} | "
                              f"{vs_hf} | {tau} | {acc} | {plan_shares(e.get('plan_share', {}))} | {mism} |")
         lines.append("")
+        lines += cost_lines(cohorts)
         for name, e in cohorts.get("all", {}).items():
             if "paired_tau" in e:
                 pt = e["paired_tau"]

@@ -174,7 +174,7 @@ class ModuleTargetRunner(RunnerBase):
 
     # ---- the forward ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward_batch(self, segments: list[Segment], capture: bool = True) -> list[ForwardOutput]:
+    def run_segments(self, segments: list[Segment], capture: bool = True) -> list[ForwardOutput]:
         """`forward` of each sequence, one decoder call each (see `RunnerBase.forward` for the fields)."""
         return [self._forward_one(seg, capture) for seg in segments]
 

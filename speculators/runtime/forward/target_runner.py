@@ -41,6 +41,7 @@ from speculators.core.target import base_model, text_config
 from speculators.models.base import FeatureRequest
 from speculators.models.fused import rope_heads_last
 from speculators.models.layers import apply_rope
+from speculators.runtime.forward.row_products import FORMS, RowProducts, pad_segment, trim_output
 from speculators.runtime.forward.target_cache import StaticKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -137,7 +138,8 @@ class RunnerBase:
     """What every target runner offers the engine: the features it captures, a cache of the right shape, and
     `forward` / `forward_batch` over new tokens (a prompt chunk, a chain, or a tree with its ancestor mask).
     Subclasses set `model`, `layers`, `embed`, `num_kv_heads`, `head_dim`, `vocab_size`, `device`, `dtype` and
-    implement `forward_batch` and `logits`."""
+    implement `run_segments` and `logits`; `product_forms` names the formulations their products can take
+    (row_products.py)."""
 
     model: Any
     layers: list[Any]
@@ -147,9 +149,30 @@ class RunnerBase:
     vocab_size: int
     device: torch.device
     dtype: torch.dtype
+    products: RowProducts = RowProducts()  # untuned: plain products, no padding (the engine tunes its runner)
+    product_forms: tuple[str, ...] = ("rows",)
+
+    def run_segments(self, segments: list[Segment], capture: bool = True) -> list[ForwardOutput]:
+        raise NotImplementedError
 
     def forward_batch(self, segments: list[Segment], capture: bool = True) -> list[ForwardOutput]:
-        raise NotImplementedError
+        """`run_segments`; one segment runs at the row count `products` finds fastest (padding rows dropped)."""
+        if len(segments) == 1:
+            seg = segments[0]
+            n = int(seg.input_ids.shape[0])
+            rows = self.products.padded_rows(n, seg.cache.free)
+            if rows > n:
+                return [trim_output(self.run_segments([pad_segment(seg, rows)], capture)[0], n)]
+        return self.run_segments(segments, capture)
+
+    def run_segments_with(self, products: RowProducts, input_ids: torch.Tensor, cache: StaticKVCache,
+                          logit_rows: torch.Tensor) -> None:
+        """One forward of `input_ids` [T] as a chain with `products` (unpadded; for `tune_row_products`)."""
+        saved, self.products = self.products, products
+        try:
+            self.run_segments([Segment(cache, input_ids, logit_rows=logit_rows)], capture=False)
+        finally:
+            self.products = saved
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -208,6 +231,8 @@ class RunnerBase:
 
 class TargetRunner(RunnerBase):
     """Runs a loaded Hugging Face causal LM over new tokens with a `StaticKVCache`."""
+
+    product_forms = FORMS
 
     def __init__(self, model: Any, features: FeatureRequest | None = None) -> None:
         self.model = model
@@ -289,7 +314,7 @@ class TargetRunner(RunnerBase):
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         else:
             f = self.fused[i]
-            qkv = F.linear(_rms_norm(h, f.input_norm, f.eps), f.qkv_weight, f.qkv_bias)  # [1, T, (Hq + 2 Hkv) D]
+            qkv = self.products.linear(_rms_norm(h, f.input_norm, f.eps), f.qkv_weight, f.qkv_bias)  # [1, T, (Hq + 2 Hkv) D]
             if self.plain_rope and self.qk_norms[i] == (None, None):
                 # the standard half-rotation RoPE on the queries and keys of all heads in one pass (same math)
                 qk = rope_heads_last(qkv[..., :f.q_rows + f.kv_rows].view(1, n, -1, d), cos[:, :, None],
@@ -313,8 +338,14 @@ class TargetRunner(RunnerBase):
             out = layer.mlp(layer.post_attention_layernorm(h))
             return out[0] if isinstance(out, tuple) else out
         f = self.fused[i]
-        gate_up = F.linear(_rms_norm(h, f.post_norm, f.eps), f.gate_up_weight, f.gate_up_bias)  # [1, T, 2I]
-        return layer.mlp.down_proj(F.silu(gate_up[..., :f.intermediate]) * gate_up[..., f.intermediate:])
+        gate_up = self.products.linear(_rms_norm(h, f.post_norm, f.eps), f.gate_up_weight, f.gate_up_bias)  # [1, T, 2I]
+        return self._project(layer.mlp.down_proj, F.silu(gate_up[..., :f.intermediate]) * gate_up[..., f.intermediate:])
+
+    def _project(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        """A projection module on x [..., In]: a plain nn.Linear in this row count's formulation, else the module."""
+        if type(module) is nn.Linear:
+            return self.products.linear(x, module.weight, module.bias)
+        return module(x)
 
     @staticmethod
     def _window(layer: Any, cfg: Any, model_type: str) -> int | None:
@@ -324,7 +355,7 @@ class TargetRunner(RunnerBase):
         return int(win) if win else None
 
     @torch.no_grad()
-    def forward_batch(self, segments: list[Segment], capture: bool = True) -> list[ForwardOutput]:
+    def run_segments(self, segments: list[Segment], capture: bool = True) -> list[ForwardOutput]:
         """`forward` for several sequences (each with its own cache) in ONE pass: their tokens are stacked into
         one row block for every matrix product (embeddings, q/k/v, o, MLP), attention runs per sequence against
         its own cache and mask. On hardware where a decoding step is bound by reading the weights, B sequences
@@ -345,7 +376,7 @@ class TargetRunner(RunnerBase):
             q, k, v = self._attention_inputs(i, layer, h, cos, sin)  # [1, Hq | Hkv, T, D], RoPE applied
             outs = [self._attend(i, p, q[:, :, p.rows], k[0, :, p.rows], v[0, :, p.rows]) for p in plans]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, T, D]
-            h = h + layer.self_attn.o_proj(out.transpose(1, 2).reshape(1, total, -1))
+            h = h + self._project(layer.self_attn.o_proj, out.transpose(1, 2).reshape(1, total, -1))
             h = h + self._mlp(i, layer, h)  # [1, T, H]
         last = self.norm(h)[0]  # [T, H]
         results = []

@@ -1,0 +1,129 @@
+"""How a target forward of few rows runs fastest on this machine: which formulation of each weight product, and
+how many rows to run (docs/architecture.md §7).
+
+A verify forward carries 2-16 rows (a chain or a small tree), a plain step one. On a CPU the BLAS kernel picked for
+`x @ W^T` with so few rows depends on the row count, and some counts run far below what the weights' memory traffic
+allows. Measured on an AMD EPYC (SmolLM2-135M, forward without the output head, ms):
+
+| rows | 1 | 2 | 3 | 4 | 6 | 8 |
+|---|---:|---:|---:|---:|---:|---:|
+| 1 thread, `x @ W^T` | 45 | 72 | 86 | 61 | 71 | 71 |
+| 1 thread, `(W @ x^T)^T` | 46 | 65 | 73 | 72 | 88 | 92 |
+| 2 threads, `x @ W^T` | 44 | 71 | 83 | 62 | 82 | 64 |
+| 2 threads, `(W @ x^T)^T` | 45 | 40 | 46 | 45 | 55 | 59 |
+
+So `RowProducts` keeps, per row count up to `MAX_TUNED_ROWS`: the formulation ("rows" = `x @ W^T`, "cols" =
+`(W @ x^T)^T`, the same dot products) and the row count to run it at (`pad_segment` appends rows that attend only
+to the prefix and themselves, whose outputs are dropped: at 1 thread 3 rows run fastest as 4). `tune_row_products`
+measures whole forwards (every layer's weights streamed, as in a cycle) once per process, target shape, dtype and
+thread count. Both formulations round alike to ~1e-6 (fp32); like a tree-shaped forward against a one-token one,
+greedy outputs can differ only at exact near-ties (engine.py).
+
+Not here: the output head's rule (`TargetRunner.logits`), GPUs (cuBLAS picks its own kernels: nothing is tuned
+there), the drafter's products, batched forwards' padding (their rows are several requests').
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MAX_TUNED_ROWS = 16
+FORMS = ("rows", "cols")  # x @ W^T | (W @ x^T)^T
+MIN_GAIN = 0.05  # another formulation or a padded count is taken only when measured this much faster
+_TUNED: dict[tuple, RowProducts] = {}  # one table per (target shape, dtype, device, threads, rows) in a process
+
+
+@dataclass
+class RowProducts:
+    """Per row count: the products' formulation and the row count the forward runs at; untuned = plain."""
+
+    form: dict[int, str] = field(default_factory=dict)  # rows -> "rows" | "cols"
+    pad: dict[int, int] = field(default_factory=dict)  # rows -> rows to run (>= rows)
+    seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (form, rows) -> measured forward
+    tuned: bool = False
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, weight, bias) for x [..., In], weight [Out, In] -> [..., Out], in this row count's form."""
+        rows = x.numel() // x.shape[-1]
+        if self.form.get(rows) != "cols":
+            return F.linear(x, weight, bias)
+        out = torch.mm(weight, x.reshape(rows, -1).t()).t().reshape(*x.shape[:-1], weight.shape[0])  # [..., Out]
+        return out if bias is None else out + bias
+
+    def padded_rows(self, rows: int, room: int) -> int:
+        """The row count to run `rows` new tokens at, given `room` free cache slots."""
+        target = self.pad.get(rows, rows)
+        return target if target <= room else rows
+
+
+def pad_segment(segment: Any, rows: int) -> Any:
+    """`segment` (a target_runner.Segment of T rows) with rows appended up to `rows`: copies of its last token, one
+    position past its deepest node, attending to the prefix and themselves only, with no logits. The original rows'
+    masks are unchanged (nothing attends to the padding)."""
+    ids = segment.input_ids  # [T]
+    n, extra = int(ids.shape[0]), rows - int(ids.shape[0])
+    dev = ids.device
+    depths = torch.arange(n, device=dev) if segment.depths is None else segment.depths.to(dev)  # [T]
+    tree = (torch.ones(n, n, dtype=torch.bool, device=dev).tril() if segment.tree_mask is None
+            else segment.tree_mask.to(dev))  # [T, T]
+    mask = torch.zeros(rows, rows, dtype=torch.bool, device=dev)  # [T', T']
+    mask[:n, :n] = tree
+    mask[n:, n:] = torch.eye(extra, dtype=torch.bool, device=dev)
+    logit_rows = torch.arange(n, device=dev) if segment.logit_rows is None else segment.logit_rows
+    return type(segment)(cache=segment.cache, input_ids=torch.cat([ids, ids[-1:].expand(extra)]),
+                         depths=torch.cat([depths, torch.full((extra,), int(depths.max()) + 1, device=dev)]),
+                         tree_mask=mask, logit_rows=logit_rows)
+
+
+def trim_output(out: Any, rows: int) -> Any:
+    """A ForwardOutput of a padded segment cut back to its first `rows` rows (logits cover real rows only)."""
+    out.hidden = out.hidden[:rows]
+    out.features = {name: value[:rows] for name, value in out.features.items()}
+    return out
+
+
+def _shape_key(runner: Any, max_rows: int) -> tuple:
+    cfg = getattr(runner.model, "config", None)
+    return (type(runner).__name__, getattr(cfg, "model_type", None), runner.num_layers, runner.num_kv_heads,
+            runner.head_dim, runner.vocab_size, getattr(cfg, "hidden_size", None),
+            getattr(cfg, "intermediate_size", None), str(runner.dtype), str(runner.device),
+            torch.get_num_threads(), max_rows)
+
+
+def tune_row_products(runner: Any, cache: Any, token: int, max_rows: int, forms: tuple[str, ...] = FORMS
+                      ) -> RowProducts:
+    """Measure forwards (no output head) of 1..`max_rows` rows in each formulation in the scratch slots past
+    `cache`'s committed ones (best of 2 after a warm-up pass), then keep per row count the fastest formulation
+    and the cheapest row count >= it. Memoised per process: a second engine on the same shape reuses the table."""
+    max_rows = max(1, min(max_rows, MAX_TUNED_ROWS, cache.free))
+    key = _shape_key(runner, max_rows)
+    if key in _TUNED:
+        return _TUNED[key]
+    table = RowProducts(tuned=True)
+    if runner.device.type != "cpu" or max_rows < 2:
+        return _TUNED.setdefault(key, table)
+    no_head = torch.empty(0, dtype=torch.long)
+    for rep in range(3):
+        for form in forms:
+            trial = RowProducts(form={n: form for n in range(1, max_rows + 1)})
+            for n in range(1, max_rows + 1):
+                ids = torch.full((n,), int(token), dtype=torch.long)
+                t = time.perf_counter()
+                runner.run_segments_with(trial, ids, cache, no_head)
+                if rep > 0:
+                    seconds = time.perf_counter() - t
+                    table.seconds[(form, n)] = min(table.seconds.get((form, n), seconds), seconds)
+    best: dict[int, float] = {}
+    for n in range(1, max_rows + 1):
+        plain = table.seconds[(forms[0], n)]
+        form, seconds = min(((f, table.seconds[(f, n)]) for f in forms), key=lambda fs: fs[1])
+        table.form[n], best[n] = (form, seconds) if seconds < (1 - MIN_GAIN) * plain else (forms[0], plain)
+    for n in range(1, max_rows + 1):
+        run_at = min(range(n, max_rows + 1), key=lambda m: best[m])
+        table.pad[n] = run_at if best[run_at] < (1 - MIN_GAIN) * best[n] else n
+    return _TUNED.setdefault(key, table)
