@@ -119,6 +119,8 @@ class AdaptiveDepth:
         self.probe_cycles = 0
         self.explore_cycles = 0  # speculative cycles drafted one level deeper, or of another kind, than the best
         self.turned_off = 0  # times it switched from drafting with the model to drafting without it
+        # plan source -> [timed cycles, predicted seconds (as rated), measured seconds (start to next start)]
+        self.seconds_by_source: dict[str, list[float]] = {}
         self.deferred = 0  # cycles whose best plan needed the model while the drafter had no fresh positions
         self._since_explore = 0
         self._explored = 0
@@ -323,6 +325,13 @@ class AdaptiveDepth:
         step = 3 * self.smoothing if self._probing else self.smoothing
         self._update(estimate, counts, drafted_depth, accepted, step)
 
+    def observe_seconds(self, source: str, predicted: float, measured: float) -> None:
+        """One timed cycle of a plan from `source`: the seconds it was rated at against the seconds it took."""
+        row = self.seconds_by_source.setdefault(source, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += predicted
+        row[2] += measured
+
     def observe_lookup(self, proposed: int, matched: int) -> None:
         """Update b_k from one scored continuation: its first `matched` of `proposed` tokens were committed."""
         self._update(self.lookup_estimates, self.lookup_counts, min(proposed, self.lookup_span), matched)
@@ -347,6 +356,8 @@ class AdaptiveDepth:
             "acceptance_estimate": [round(a, 3) for a in self.acceptance],
             "lookup_acceptance_estimate": [round(b, 3) for b in self.lookup_estimates],
             "kind_histogram": dict(sorted(self.kind_histogram.items())),
+            "cycle_seconds_by_plan": {k: {"cycles": int(n), "predicted": round(p, 6), "measured": round(m, 6)}
+                                      for k, (n, p, m) in sorted(self.seconds_by_source.items())},
             "acceptance_by_kind": {k: [round(a, 3) for a in v] for k, v in self.estimates.items()},
             "cost": self.cost.to_dict(),
         }

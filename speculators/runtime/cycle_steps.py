@@ -80,7 +80,8 @@ class RequestState:
     lookup: TokenBuffer | None = None  # the committed context ending with the root (None: no lookup source)
     continuation: list[int] | None = None  # this cycle's lookup continuation of the context
     watch: tuple[int, list[int]] | None = None  # (output length, continuation) not yet scored
-    last: tuple[Plan, float, float] | None = None  # the previous cycle: (plan, start, predicted seconds)
+    # the previous cycle: (plan, start, its parts' predicted seconds, the prediction the controller rated it by)
+    last: tuple[Plan, float, float, float] | None = None
     record: RequestRecord | None = None  # the request's training row, while the engine records traffic
     drafter: Any = None  # the draft revision `draft_state` belongs to (the engine may swap in another)
     revision: str = ""  # its name: the cycles it drafts are counted under it (`revisions.DraftRevisions.record`)
@@ -144,7 +145,8 @@ def choose_plan(engine: CycleHost, req: RequestState, remaining: int) -> Plan:
                                     engine.lookup.min_ngram, num=1)
         req.continuation = found[0] if found else None
     plan = req.ctrl.choose_plan(remaining, len(req.continuation or ()), model_ready=req.synced or bool(req.pending))
-    req.last = (plan, time.perf_counter(), req.ctrl.plan_seconds(plan))
+    predicted = req.ctrl.plan_seconds(plan)
+    req.last = (plan, time.perf_counter(), predicted, predicted * engine.cost.scale_of(plan.source))
     return plan
 
 
@@ -152,8 +154,10 @@ def time_last_cycle(engine: CycleHost, req: RequestState, shared: bool) -> None:
     """The previous cycle, start to now (this cycle's start), against what its plan predicted (a forward shared
     with other requests says little about one request's cycle)."""
     if req.last is not None and not shared and req.ctrl.mode == "adaptive":
-        plan, start, predicted = req.last
-        engine.cost.observe_total(plan.source, predicted, time.perf_counter() - start)
+        plan, start, predicted, rated = req.last
+        measured = time.perf_counter() - start
+        engine.cost.observe_total(plan.source, predicted, measured)
+        req.ctrl.observe_seconds(plan.source, rated, measured)
     req.last = None
 
 

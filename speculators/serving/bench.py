@@ -27,7 +27,9 @@ Runtime requests are unseeded (as served by default: adaptive depth). It reports
 and overall (wall clock including prefill, generated tokens only; also per CPU-second of this process, which other
 processes sharing the cores do not inflate),
 the ratios to `plain` and to `hf`, and for runtime methods tau and per-position acceptance
-(`metrics.AcceptanceStats`). At T = 0 it also counts rows whose tokens differ from `plain` (lossless check).
+(`metrics.AcceptanceStats`) and where their cycles went: a cycle's and its forward's milliseconds, drafting's per
+drafted token (each also in plain steps under the table), and per plan the cycle seconds the controller predicted
+against those measured, start to next start. At T = 0 it also counts rows whose tokens differ from `plain` (lossless check).
 Returns the report and its Markdown table (cli.py prints it); with `out` writes `bench.json` and `bench.md` there
 (atomically).
 
@@ -78,6 +80,8 @@ class _Cell:
     mismatched_rows: int = 0
     kinds: dict[str, int] = field(default_factory=dict)  # speculative cycles per drafted tree kind (runtime)
     plans: dict[str, int] = field(default_factory=dict)  # cycles per plan: plain, lookup, model, model+lookup
+    # plan -> [timed cycles, predicted seconds, measured seconds] (adaptive requests: the controller's own timing)
+    plan_seconds: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -197,6 +201,9 @@ def run_methods(methods: list[Method], rows: list[tuple[str, list[int], int]], t
                         cell.kinds[kind] = cell.kinds.get(kind, 0) + n
                     for plan, n in stats.adaptive.get("plan_histogram", {}).items():
                         cell.plans[plan] = cell.plans.get(plan, 0) + n
+                    for plan, t in stats.adaptive.get("cycle_seconds_by_plan", {}).items():
+                        row = cell.plan_seconds.setdefault(plan, [0, 0.0, 0.0])
+                        row[0], row[1], row[2] = row[0] + t["cycles"], row[1] + t["predicted"], row[2] + t["measured"]
     return outputs
 
 
@@ -334,6 +341,10 @@ def _summarise(methods: list[Method]) -> dict:
                     total = sum(cell.plans.values())
                     entry["plan_share"] = {k: round(v / total, 3) for k, v in sorted(cell.plans.items())}
                 entry.update(_cycle_costs(cell.acceptance))
+                if cell.plan_seconds:  # per plan: mean predicted and measured ms of a cycle, start to next start
+                    entry["plan_cycle_ms"] = {k: {"cycles": int(n), "predicted": round(1e3 * p / n, 3),
+                                                  "measured": round(1e3 * m / n, 3)}
+                                              for k, (n, p, m) in sorted(cell.plan_seconds.items()) if n}
             paired = getattr(m.engine, "paired", None) if cohort == "all" else None
             if paired and paired["cycles"]:
                 token, seq = (1 + paired[k] / paired["cycles"] for k in ("token", "sequence"))
@@ -363,9 +374,12 @@ def cost_lines(cohorts: dict) -> list[str]:
     for name, e in cohorts.get("all", {}).items():
         if not step or "draft_ms_per_drafted_token" not in e:
             continue
+        timed = "; ".join(f"{PLAN_LABELS.get(k, k)} {t['predicted']:.1f} / {t['measured']:.1f} ms"
+                          for k, t in e.get("plan_cycle_ms", {}).items())
         lines.append(f"`{name}`: a cycle {e['cycle_ms']:.1f} ms = {e['cycle_ms'] / step:.2f} plain steps (its "
                      f"forward {e['forward_ms'] / step:.2f}); drafting {e['draft_ms_per_drafted_token']:.2f} ms per "
-                     f"drafted token = {e['draft_ms_per_drafted_token'] / step:.3f} of a plain step ({step:.1f} ms).")
+                     f"drafted token = {e['draft_ms_per_drafted_token'] / step:.3f} of a plain step ({step:.1f} ms)"
+                     + (f"; cycle predicted / measured per plan: {timed}." if timed else "."))
     return lines + [""] if lines else []
 
 

