@@ -38,6 +38,7 @@ from speculators.models.base import Speculator, TargetWeights
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 _PROBES = 16
+DIGEST_CHUNK = 1 << 24  # elements hashed at a time (64 MiB as float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -54,12 +55,19 @@ def probe_indices(numel: int, count: int) -> list[int]:
 
 
 def tensor_digest(t: torch.Tensor) -> dict:
-    """Identity of a (frozen target) tensor: sha256 of its float32 bytes, shape, L2 norm and 16 probe values."""
-    f = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    flat = f.reshape(-1)
+    """Identity of a (frozen target) tensor: sha256 of its float32 bytes, shape, L2 norm and 16 probe values.
+    Read in chunks of `DIGEST_CHUNK` elements: a 70B target's embedding (1.05B values) would otherwise need a float32
+    copy, its bytes and a float64 copy at once (~17 GB)."""
+    flat = t.detach().reshape(-1)
+    sha, squares = hashlib.sha256(), 0.0
+    for start in range(0, flat.numel(), DIGEST_CHUNK):
+        part = flat[start:start + DIGEST_CHUNK].to(device="cpu", dtype=torch.float32).contiguous()
+        sha.update(part.numpy().data)
+        squares += float(part.double().square().sum())
     idx = probe_indices(flat.numel(), _PROBES)
-    return {"shape": list(f.shape), "sha256": hashlib.sha256(f.numpy().tobytes()).hexdigest(),
-            "norm": float(flat.double().norm()), "probe": [float(x) for x in flat[idx]]}
+    probe = flat[torch.tensor(idx, dtype=torch.long, device=flat.device)].to(device="cpu", dtype=torch.float32)
+    return {"shape": list(t.shape), "sha256": sha.hexdigest(), "norm": math.sqrt(squares),
+            "probe": [float(x) for x in probe]}
 
 
 def digests_match(a: dict, b: dict) -> bool:

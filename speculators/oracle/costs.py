@@ -32,6 +32,7 @@ from speculators.core.config import TreeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.runtime.batching import BatchRunner
 from speculators.runtime.drafters.load import depth_tree
+from speculators.runtime.forward.row_products import tune_row_products
 from speculators.runtime.forward.target_runner import RunnerBase, Segment
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
@@ -114,6 +115,8 @@ def measure_forward(runner: RunnerBase, batch_sizes: list[int], nodes: list[int]
             break
         for cache in caches:
             cache.reset(context_len)  # attention over context_len slots costs the same whatever they hold
+        if not runner.products.tuned:  # few-row forwards as the runtime runs them (row_products.py)
+            runner.products = tune_row_products(runner, caches[0], 0, max(nodes), runner.product_forms)
         fns = {}
         for n in nodes:
             ids = torch.randint(0, runner.vocab_size, (b, n), generator=gen)  # [B, n]

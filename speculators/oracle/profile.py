@@ -49,7 +49,7 @@ from speculators.oracle.slicing import (
     slice_taps,
 )
 from speculators.runtime.cycle_costs import CostModel
-from speculators.runtime.drafters.load import default_tree, load_drafter
+from speculators.runtime.drafters.load import default_tree, draft_dtype_on, load_drafter
 from speculators.runtime.drafters.model_free import NoDrafter
 from speculators.runtime.engine import Engine
 from speculators.runtime.forward.module_runner import make_runner
@@ -93,7 +93,7 @@ def _load_target(target: str | None, shape: str | None, device: str, dtype: str,
 
 
 def _slice_plan(shape: str | None, device: str, dtype: str, families: list[str], mode: str, depth: int,
-                speculator: str | None) -> dict | None:
+                speculator: str | None, draft_dtype: str = "auto") -> dict | None:
     """{"layers": L, "num_layers": N, "parameters": P} when the shape is profiled through a slice of L layers."""
     if mode not in ("auto", "always", "never"):
         raise SpeculatorsError(f"--slice must be auto, always or never, got {mode!r}")
@@ -102,7 +102,8 @@ def _slice_plan(shape: str | None, device: str, dtype: str, families: list[str],
     _, config = shape_model_config(shape)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    heads = 0 if speculator else drafter_bytes(config, families, depth, DEFAULT_DRAFT_VOCAB)
+    heads = 0 if speculator else drafter_bytes(config, families, depth, DEFAULT_DRAFT_VOCAB,
+                                               draft_dtype_on(str(dev), dt, draft_dtype))
     layers = plan_slice(config, dt, str(dev), families, mode, heads)
     if layers is None:
         return None
@@ -248,7 +249,8 @@ def profile_command(opts: ProfileOptions) -> tuple[dict, str]:
     acc: Acceptance | None = load_acceptance(acceptance, opts.temperature) if acceptance else None
     depth = max(opts.max_depth, len(acc.chain)) if acc else opts.max_depth
     wanted = families or ([acc.family] if acc and acc.family in FAMILIES else list(FAMILIES))
-    plan = _slice_plan(shape, device, opts.dtype, wanted, opts.slice, depth, speculator)  # before any allocation
+    plan = _slice_plan(shape, device, opts.dtype, wanted, opts.slice, depth, speculator,  # before any allocation
+                       opts.draft_dtype)
     loaded = _load_target(target, shape, device, opts.dtype, plan["layers"] if plan else None)
     drafters = _drafters(loaded, speculator, wanted, depth, opts.draft_dtype, plan)
     primary = acc.family if acc is not None and acc.family in drafters else next(iter(drafters))

@@ -8,7 +8,7 @@ Speed does not depend on the weights, so `speculators profile` times a model *sh
   (no CPU copy of an 8B model), with a synthetic word-level tokenizer of the same vocabulary ("t0 t1 ...") so the
   runtime can run it unchanged. EOS is removed: a profile decodes for as many cycles as it asks for.
 - `random_drafter(target, family, num_steps, ...)`: a family's head (EAGLE-3, Medusa, MTP) built from the target's
-  config with random weights (`Speculator.from_target`, on the CPU, as a speculator is loaded), prepared for drafting as the runtime would (`drafters.prepare_for_drafting`: device, drafting dtype). EAGLE-3 gets a reduced draft vocabulary of `draft_vocab_size` ids (32,000 by
+  config with random weights (`Speculator.from_target`, on the CPU in the drafting dtype), prepared for drafting as the runtime would (`drafters.prepare_for_drafting`: device, drafting dtype). EAGLE-3 gets a reduced draft vocabulary of `draft_vocab_size` ids (32,000 by
   default, the size of published EAGLE-3 heads for Llama-3.1-8B), capped at the target's vocabulary.
 
 Not here: timing (costs.py), the oracle's model (cost_model.py). Real checkpoints load through
@@ -134,8 +134,14 @@ def random_drafter(target: Any, family: str, num_steps: int, draft_vocab_size: i
     cfg = SpeculatorConfig(family=family, num_steps=num_steps, draft_vocab_size=dvocab, mask_token_id=0)
     d2t = torch.zeros(dvocab, dtype=torch.long) if dvocab is not None and dvocab < vocab else None
     torch.manual_seed(seed)
-    # built on the CPU as a loaded speculator is (an 8B shape's Medusa heads: 2.7B float32 parameters, ~11 GB of
-    # host memory for a moment), then moved to the device in the drafting dtype
-    spec = SPECULATORS[family].from_target(target.model.config, cfg, target_weights(target.model), layer_ids=layer_ids,
-                                           d2t=d2t)
-    return spec, prepare_for_drafting(spec, target.device, draft_dtype_for(target, draft_dtype))
+    # built on the CPU directly in the drafting dtype (random weights need no float32 master copy: a 70B shape's
+    # EAGLE-3 head is 8.8 GiB in float32, 4.4 in bfloat16), then moved to the device
+    dtype = draft_dtype_for(target, draft_dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        spec = SPECULATORS[family].from_target(target.model.config, cfg, target_weights(target.model),
+                                               layer_ids=layer_ids, d2t=d2t)
+    finally:
+        torch.set_default_dtype(previous)
+    return spec, prepare_for_drafting(spec, target.device, dtype)

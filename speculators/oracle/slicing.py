@@ -67,8 +67,9 @@ def layer_bytes(config: Any, dtype: torch.dtype) -> tuple[int, int]:
     return two - one, 2 * one - two
 
 
-def drafter_bytes(config: Any, families: list[str], num_steps: int, draft_vocab: int) -> int:
-    """What the random heads of `families` take while they are built (float32 on the CPU, as a speculator loads):
+def drafter_bytes(config: Any, families: list[str], num_steps: int, draft_vocab: int,
+                  dtype: torch.dtype = torch.float32) -> int:
+    """What the random heads of `families` take while they are built (on the CPU in the drafting `dtype`):
     a draft decoder layer the size of the target's, their own output heads (Medusa: one per step) and their frozen
     copies of the target's embedding (EAGLE-3, MTP, DFlash) and head (MTP, DFlash)."""
     text = getattr(config, "text_config", None) or config
@@ -78,7 +79,7 @@ def drafter_bytes(config: Any, families: list[str], num_steps: int, draft_vocab:
                   "medusa": num_steps * (hidden * hidden + vocab * hidden),
                   "mtp": layer + 2 * hidden * hidden + 2 * vocab * hidden,
                   "dflash": layer + 2 * vocab * hidden}
-    return 4 * sum(per_family.get(f, layer + 2 * vocab * hidden) for f in families)
+    return dtype.itemsize * sum(per_family.get(f, layer + 2 * vocab * hidden) for f in families)
 
 
 def plan_slice(config: Any, dtype: torch.dtype, device: str, families: list[str], mode: str,

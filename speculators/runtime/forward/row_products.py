@@ -16,8 +16,9 @@ So `RowProducts` keeps, per row count up to `MAX_TUNED_ROWS`: the formulation ("
 `(W @ x^T)^T`, the same dot products) and the row count to run it at (`pad_segment` appends rows that attend only
 to the prefix and themselves, whose outputs are dropped: at 1 thread 3 rows run fastest as 4). `tune_row_products`
 measures whole forwards (every layer's weights streamed, as in a cycle) once per process, target shape, dtype and
-thread count. Both formulations round alike to ~1e-6 (fp32); like a tree-shaped forward against a one-token one,
-greedy outputs can differ only at exact near-ties (engine.py).
+thread count, within a time budget (a big model on a CPU tunes only the row counts it reaches in it). Both
+formulations round alike to ~1e-6 (fp32); like a tree-shaped forward against a one-token one, greedy outputs can
+differ only at exact near-ties (engine.py).
 
 Not here: the output head's rule (`TargetRunner.logits`), GPUs (cuBLAS picks its own kernels: nothing is tuned
 there), the drafter's products, batched forwards' padding (their rows are several requests').
@@ -34,8 +35,11 @@ import torch.nn.functional as F
 
 MAX_TUNED_ROWS = 16
 FORMS = ("rows", "cols")  # x @ W^T | (W @ x^T)^T
-MIN_GAIN = 0.05  # another formulation or a padded count is taken only when measured this much faster
-_TUNED: dict[tuple, RowProducts] = {}  # one table per (target shape, dtype, device, threads, rows) in a process
+# another formulation or a padded count is taken only when measured this much faster: the gains worth having are
+# 25-45% (the table above), timing noise on a shared machine reaches 10%
+MIN_GAIN = 0.15
+TUNE_BUDGET_S = 5.0  # the most a tuning spends (SmolLM2-135M, 16 rows x 2 forms: ~4 s on 2 CPU cores)
+_TUNED: dict[tuple, RowProducts] = {}  # one table per (target shape, dtype, device, threads) in a process
 
 
 @dataclass
@@ -46,6 +50,7 @@ class RowProducts:
     pad: dict[int, int] = field(default_factory=dict)  # rows -> rows to run (>= rows)
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (form, rows) -> measured forward
     tuned: bool = False
+    asked: int = 0  # the most rows it was asked to cover (it covers fewer when the time budget ran out)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, weight, bias) for x [..., In], weight [Out, In] -> [..., Out], in this row count's form."""
@@ -87,43 +92,52 @@ def trim_output(out: Any, rows: int) -> Any:
     return out
 
 
-def _shape_key(runner: Any, max_rows: int) -> tuple:
+def _shape_key(runner: Any) -> tuple:
     cfg = getattr(runner.model, "config", None)
     return (type(runner).__name__, getattr(cfg, "model_type", None), runner.num_layers, runner.num_kv_heads,
             runner.head_dim, runner.vocab_size, getattr(cfg, "hidden_size", None),
-            getattr(cfg, "intermediate_size", None), str(runner.dtype), str(runner.device),
-            torch.get_num_threads(), max_rows)
+            getattr(cfg, "intermediate_size", None), str(runner.dtype), str(runner.device), torch.get_num_threads())
 
 
-def tune_row_products(runner: Any, cache: Any, token: int, max_rows: int, forms: tuple[str, ...] = FORMS
-                      ) -> RowProducts:
-    """Measure forwards (no output head) of 1..`max_rows` rows in each formulation in the scratch slots past
-    `cache`'s committed ones (best of 2 after a warm-up pass), then keep per row count the fastest formulation
-    and the cheapest row count >= it. Memoised per process: a second engine on the same shape reuses the table."""
+def tune_row_products(runner: Any, cache: Any, token: int, max_rows: int, forms: tuple[str, ...] = FORMS,
+                      budget_s: float = TUNE_BUDGET_S) -> RowProducts:
+    """Measure forwards (no output head) of 1, 2, ... rows in each formulation in the scratch slots past `cache`'s
+    committed ones (best of 2, after one warm-up forward), up to `max_rows` or until `budget_s` is spent (a big
+    model on a CPU stops early: the counts it did not reach run plainly), then keep per row count the fastest
+    formulation and the cheapest measured row count >= it. Memoised per process: an engine on a shape already tuned
+    to as many rows (or as many as the budget reached) reuses the table."""
     max_rows = max(1, min(max_rows, MAX_TUNED_ROWS, cache.free))
-    key = _shape_key(runner, max_rows)
-    if key in _TUNED:
-        return _TUNED[key]
-    table = RowProducts(tuned=True)
+    key = _shape_key(runner)
+    known = _TUNED.get(key)
+    if known is not None and (known.asked >= max_rows):
+        return known
+    table = RowProducts(tuned=True, asked=max_rows)
     if runner.device.type != "cpu" or max_rows < 2:
-        return _TUNED.setdefault(key, table)
+        _TUNED[key] = table
+        return table
     no_head = torch.empty(0, dtype=torch.long)
-    for rep in range(3):
-        for form in forms:
-            trial = RowProducts(form={n: form for n in range(1, max_rows + 1)})
-            for n in range(1, max_rows + 1):
-                ids = torch.full((n,), int(token), dtype=torch.long)
-                t = time.perf_counter()
-                runner.run_segments_with(trial, ids, cache, no_head)
-                if rep > 0:
-                    seconds = time.perf_counter() - t
-                    table.seconds[(form, n)] = min(table.seconds.get((form, n), seconds), seconds)
-    best: dict[int, float] = {}
+    trials = {form: RowProducts(form={n: form for n in range(1, max_rows + 1)}) for form in forms}
+    start = time.perf_counter()
+    runner.run_segments_with(trials[forms[0]], torch.full((1,), int(token), dtype=torch.long), cache, no_head)
+    reached = 0
     for n in range(1, max_rows + 1):
+        ids = torch.full((n,), int(token), dtype=torch.long)
+        for _ in range(2):
+            for form in forms:
+                t = time.perf_counter()
+                runner.run_segments_with(trials[form], ids, cache, no_head)
+                seconds = time.perf_counter() - t
+                table.seconds[(form, n)] = min(table.seconds.get((form, n), seconds), seconds)
+        reached = n
+        if time.perf_counter() - start > budget_s:
+            break
+    best: dict[int, float] = {}
+    for n in range(1, reached + 1):
         plain = table.seconds[(forms[0], n)]
         form, seconds = min(((f, table.seconds[(f, n)]) for f in forms), key=lambda fs: fs[1])
         table.form[n], best[n] = (form, seconds) if seconds < (1 - MIN_GAIN) * plain else (forms[0], plain)
-    for n in range(1, max_rows + 1):
-        run_at = min(range(n, max_rows + 1), key=lambda m: best[m])
+    for n in range(1, reached + 1):
+        run_at = min(range(n, reached + 1), key=lambda m: best[m])
         table.pad[n] = run_at if best[run_at] < (1 - MIN_GAIN) * best[n] else n
-    return _TUNED.setdefault(key, table)
+    _TUNED[key] = table
+    return table

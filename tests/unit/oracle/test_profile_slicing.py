@@ -80,3 +80,17 @@ def test_a_slice_keeps_its_first_layers_in_place_and_still_runs() -> None:
     cache = runner.new_cache(16)
     out = runner.forward(cache, torch.tensor([1, 2, 3]), capture=True)
     assert out.logits.shape[-1] == 4096 and out.features["taps"].shape[-1] == 3 * 128
+
+
+def test_random_heads_are_built_in_the_drafting_dtype() -> None:
+    """A 70B shape's EAGLE-3 head is counted (and built) in bfloat16: half its float32 size; the default dtype is
+    left as it was."""
+    _, config = shape_model_config("llama-3.1-70b")
+    fp32 = slicing.drafter_bytes(config, ["eagle3"], 3, 32000)
+    bf16 = slicing.drafter_bytes(config, ["eagle3"], 3, 32000, torch.bfloat16)
+    assert bf16 * 2 == fp32 and 4.0 * GB < bf16 < 5.0 * GB
+    target = random_target("tiny-llama", "cpu", torch.bfloat16)
+    for family in ("eagle3", "medusa", "dflash"):
+        drafter, _ = random_drafter(target, family, 2)
+        assert {p.dtype for p in drafter.parameters()} == {torch.bfloat16}, family
+        assert torch.get_default_dtype() == torch.float32

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from speculators.core.trees import ancestor_mask, depths_of
 from speculators.models.base import FeatureRequest
+from speculators.runtime.forward import row_products
 from speculators.runtime.forward.module_runner import make_runner
 from speculators.runtime.forward.row_products import MAX_TUNED_ROWS, RowProducts, pad_segment, tune_row_products
 from speculators.runtime.forward.target_runner import Segment
@@ -90,7 +91,8 @@ def test_padded_and_reformulated_forwards_equal_the_plain_one(family: str, path:
     assert RowProducts(pad={4: 9}).padded_rows(4, room=8) == 4 and RowProducts(pad={4: 9}).padded_rows(4, 9) == 9
 
 
-def test_tuning_gives_a_complete_table_once_per_shape() -> None:
+def test_tuning_gives_a_complete_table_once_per_shape(monkeypatch) -> None:
+    monkeypatch.setattr(row_products, "_TUNED", {})
     runner = _runner("llama")
     cache = runner.new_cache(64)
     runner.forward(cache, torch.arange(5))
@@ -102,13 +104,23 @@ def test_tuning_gives_a_complete_table_once_per_shape() -> None:
     assert {(f, n) for f, n in table.seconds} == {(f, n) for f in ("rows", "cols") for n in range(1, 7)}
     assert cache.length == 5, "tuning runs in scratch slots: nothing is committed"
     assert tune_row_products(runner, cache, token=3, max_rows=6, forms=runner.product_forms) is table
+    assert tune_row_products(runner, cache, token=3, max_rows=4, forms=runner.product_forms) is table, "covered"
+    monkeypatch.setattr(row_products, "_TUNED", {})
     small = runner.new_cache(8)
     small.length = 6  # 2 free slots: the table covers only what fits
     assert set(tune_row_products(runner, small, 3, max_rows=6, forms=runner.product_forms).form) == {1, 2}
+    bigger = tune_row_products(runner, cache, 3, max_rows=6, forms=runner.product_forms)  # asks more: tuned again
+    assert set(bigger.form) == set(range(1, 7))
+    monkeypatch.setattr(row_products, "_TUNED", {})
+    spent = tune_row_products(runner, cache, 3, max_rows=5, forms=runner.product_forms, budget_s=0.0)
+    assert spent.tuned and spent.form == {1: "rows"} and spent.pad == {1: 1}, "out of time after one row count"
+    assert spent.padded_rows(4, room=50) == 4
 
 
-def test_engines_tune_their_runner_before_the_first_cycle(house_target) -> None:
+def test_engines_tune_their_runner_before_the_first_cycle(house_target, monkeypatch) -> None:
     from speculators.serving import Engine, SamplingParams
+
+    monkeypatch.setattr(row_products, "_TUNED", {})
 
     plain, lookup = Engine.from_pretrained(str(house_target), None), Engine.from_pretrained(str(house_target), "ngram")
     for engine in (plain, lookup):
