@@ -27,7 +27,7 @@ class AcceptanceMemory:
 
     MAX_BUCKET: ClassVar[float] = 2.0
     half_life: float = 512.0
-    prior_weight: float = 4.0
+    prior_weight: float = 1.0  # 4 held a drafter that never paid at 0.16 after 11 missed cycles: above break-even
     default: float = 0.6
     counts: dict[tuple[float, str], list[tuple[float, float]]] = field(default_factory=dict)  # -> [(tries, hits)]
     probes: dict[float, int] = field(default_factory=dict)  # temperature bucket -> the last request's probe interval
@@ -55,11 +55,20 @@ class AcceptanceMemory:
         self.counts[key] = [(decay * t0 + t1, decay * h0 + h1) for (t0, h0), (t1, h1) in zip(pad(old), pad(counts),
                                                                                             strict=True)]
 
-    def estimates(self, temperature: float, kind: str, depth: int) -> list[float]:
-        """[depth] per-position acceptance estimates of `kind` at `temperature` (see the class docstring)."""
+    def _nearest(self, temperature: float, kind: str) -> list[tuple[float, float]]:
+        """The (tries, hits) per depth of `kind` at the nearest temperature seen (greedy and sampled apart)."""
         seen = [b for b, k in self.counts if k == kind and (b == 0) == (self.bucket(temperature) == 0)]
         near = min(seen, key=lambda b: abs(b - self.bucket(temperature)), default=None)
-        counts = self.counts.get((near, kind), []) if near is not None else []
+        return self.counts.get((near, kind), []) if near is not None else []
+
+    def evidence(self, temperature: float, kind: str, depth: int) -> list[float]:
+        """[depth] decayed cycles behind each of `estimates`' values (0 where nothing was seen)."""
+        counts = self._nearest(temperature, kind)
+        return [counts[k][0] if k < len(counts) else 0.0 for k in range(depth)]
+
+    def estimates(self, temperature: float, kind: str, depth: int) -> list[float]:
+        """[depth] per-position acceptance estimates of `kind` at `temperature` (see the class docstring)."""
+        counts = self._nearest(temperature, kind)
         out, centre = [], self.default
         for k in range(depth):
             tries, hits = counts[k] if k < len(counts) else (0.0, 0.0)

@@ -8,8 +8,8 @@ The lookup's continuation is found BEFORE the choice (it is cheap), so the looku
 where the context has a recurring suffix, and their value is judged on the lookup's own record.
 
 Model (per cycle): a plan's expected committed tokens over its seconds. The model drafter to depth d yields
-E(d) = 1 + sum_{k<=d} prod_{j<=k} a_j (`metrics.simulated_tau` of the request's per-position acceptance a_k, an EWMA
-over its own cycles, seeded from the engine's `AcceptanceMemory`) and costs draft(d) + cycle(1 + nodes(d)) seconds;
+E(d) = 1 + sum_{k<=d} prod_{j<=k} a_j (`metrics.simulated_tau` of the request's per-position acceptance a_k, see
+Estimates below) and costs draft(d) + cycle(1 + nodes(d)) seconds;
 the lookup alone to length L yields simulated_tau(b[:L]) for cycle(1 + L), with b_k the lookup's per-position
 acceptance; the graft yields 1 + sum_k max(A_k, B_k) (A_k, B_k: the model's and the lookup's chances to reach depth
 k; the max, not the union, because the two are right on the same easy tokens) for draft(d) + cycle(1 + nodes(d) +
@@ -19,6 +19,15 @@ it: a_k learns from the model's own nodes only; b_k is scored on every cycle wha
 compares the lookup's continuation with the tokens the target then commits: at T = 0 a lookup token is accepted iff
 it is the target's token, at T > 0 a deterministic proposal x is accepted with probability p(x), the chance that the
 committed token is x), so the controller sees the lookup's gain even while it drafts nothing.
+
+Estimates: every a_k and b_k is a mean over decayed evidence. The prior (the engine's `AcceptanceMemory`: what the
+server's earlier requests measured, or 0.6 before any) counts as `prior_weight` cycles plus the cycles the memory
+holds behind it, at most `max_prior_weight`; each cycle that tried position k adds one (a probe three) after the
+older evidence decays by 1 - `smoothing`. With no history the first cycles move an estimate by a third to a fifth
+each, where a fixed EWMA step of 0.1 moved it by a tenth (a drafter that never pays drafted 11 cycles before it was
+dropped): the evidence condemns a bad drafter within a few cycles, while a prior built from the traffic holds
+through a few unlucky misses; later cycles move it by `smoothing`, as before (a larger step made depths look poor
+after one rejected draft and kept trees shallow). tests/unit/runtime/test_controller_regret.py measures it.
 
 Off, probes and warm-up: the model drafter is left out when no plan using it beats the best plan without it (by 5%
 once it is drafting: hysteresis). While it is out, the controller probes one model plan after `probe_every` cycles
@@ -92,6 +101,11 @@ class AdaptiveDepth:
     # per-depth acceptance EWMA step: 0.3 let one rejected draft at a depth drop its estimate by 30% and keep
     # trees shallow (house target, code cohorts: 1.75x plain vs 1.80x with 0.1, tau 2.95 vs 3.31)
     smoothing: float = 0.1
+    # cycles of evidence a prior counts as (see Estimates in the module docstring): `prior_weight`, plus the cycles
+    # behind it in the engine's memory (`prior_evidence`: per kind, per depth), up to `max_prior_weight`
+    prior_weight: float = 2.0
+    prior_evidence: dict[str, list[float]] = field(default_factory=dict)
+    max_prior_weight: float = 8.0
     default_acceptance: float = 0.6
     kinds: tuple[str, ...] = ("",)  # tree kinds to choose among (cost model keys); the first is the configured one
     lookup_depth: int = 0  # the longest lookup chain drafted alone (0: no lookup source)
@@ -105,10 +119,13 @@ class AdaptiveDepth:
         seed = lambda key, n: [priors.get(key, [])[k] if k < len(priors.get(key, [])) else  # noqa: E731
                                self.default_acceptance for k in range(n)]
         self.estimates: dict[str, list[float]] = {kind: seed(kind, self.max_depth) for kind in self.kinds}
+        # per kind and depth: the decayed cycles of evidence behind each estimate (the prior's included)
+        self.weights: dict[str, list[float]] = {kind: self._prior_weights(kind, self.max_depth) for kind in self.kinds}
         # per kind and depth: (cycles that reached the depth, cycles that accepted it), for the engine's memory
         self.counts: dict[str, list[tuple[int, int]]] = {kind: [(0, 0)] * self.max_depth for kind in self.kinds}
         self.lookup_span = max(self.lookup_depth, self.max_depth + self.graft_nodes) if self.has_lookup else 0
         self.lookup_estimates = seed(LOOKUP, self.lookup_span)
+        self.lookup_weights = self._prior_weights(LOOKUP, self.lookup_span)
         self.lookup_counts: list[tuple[int, int]] = [(0, 0)] * self.lookup_span
         self.kind = self.kinds[0]  # the model kind of the last choice
         self.depth_histogram: dict[int, int] = {}
@@ -134,6 +151,10 @@ class AdaptiveDepth:
         self._probe_interval = min(self.probe_interval, 2 * self.probe_every) or self.probe_every
         self._probing = False
         self.mode = self._mode()
+
+    def _prior_weights(self, key: str, n: int) -> list[float]:
+        seen = self.prior_evidence.get(key, [])
+        return [min(self.max_prior_weight, self.prior_weight + (seen[k] if k < len(seen) else 0.0)) for k in range(n)]
 
     def _mode(self) -> str:
         if self.max_depth <= 0 and not self.has_lookup:
@@ -318,12 +339,12 @@ class AdaptiveDepth:
     def observe(self, drafted_depth: int, accepted: int, kind: str | None = None) -> None:
         """Update a_k of `kind` (default: the last chosen) for the depths this cycle tried (a depth is tried iff all
         shallower ones were accepted); `accepted` counts the model's own nodes on the accepted path."""
-        estimate, counts = self.estimates[kind or self.kind], self.counts[kind or self.kind]
+        kind = kind or self.kind
         self.accepted_by_source["model"] += accepted
-        # a probe is the only news of a drafter that is out: it moves the estimates 3x as far as a cycle of a drafter
-        # that is in (else a drafter judged on one cohort stays out on the next, where it pays)
-        step = 3 * self.smoothing if self._probing else self.smoothing
-        self._update(estimate, counts, drafted_depth, accepted, step)
+        # a probe is the only news of a drafter that is out: it counts as 3 cycles of evidence (else a drafter
+        # judged on one cohort stays out on the next, where it pays)
+        evidence = 3.0 if self._probing else 1.0
+        self._update(self.estimates[kind], self.weights[kind], self.counts[kind], drafted_depth, accepted, evidence)
 
     def observe_seconds(self, source: str, predicted: float, measured: float) -> None:
         """One timed cycle of a plan from `source`: the seconds it was rated at against the seconds it took."""
@@ -334,13 +355,17 @@ class AdaptiveDepth:
 
     def observe_lookup(self, proposed: int, matched: int) -> None:
         """Update b_k from one scored continuation: its first `matched` of `proposed` tokens were committed."""
-        self._update(self.lookup_estimates, self.lookup_counts, min(proposed, self.lookup_span), matched)
+        self._update(self.lookup_estimates, self.lookup_weights, self.lookup_counts, min(proposed, self.lookup_span),
+                     matched)
 
-    def _update(self, estimate: list[float], counts: list[tuple[int, int]], tried: int, accepted: int,
-                step: float | None = None) -> None:
+    def _update(self, estimate: list[float], weights: list[float], counts: list[tuple[int, int]], tried: int,
+                accepted: int, evidence: float = 1.0) -> None:
+        """The positions this cycle tried (all shallower ones accepted): the older evidence decays by 1 - smoothing,
+        this cycle adds `evidence` cycles, and each estimate moves to the new mean."""
         for k in range(min(tried, accepted + 1)):
             hit = 1.0 if accepted > k else 0.0
-            estimate[k] += (step or self.smoothing) * (hit - estimate[k])
+            weights[k] = (1.0 - self.smoothing) * weights[k] + evidence
+            estimate[k] += evidence * (hit - estimate[k]) / weights[k]
             counts[k] = (counts[k][0] + 1, counts[k][1] + int(hit))
 
     def report(self) -> dict:

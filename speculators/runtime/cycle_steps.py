@@ -124,9 +124,10 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
     memory = engine.acceptance_memory
     prior = {kind: memory.estimates(temperature, kind, depth) for kind in kinds}
     prior[LOOKUP] = memory.estimates(temperature, LOOKUP, max(lookup_depth, depth + graft))
+    evidence = {kind: memory.evidence(temperature, kind, len(values)) for kind, values in prior.items()}
     graftable = tuple(k for k in kinds if tree_verify_mode(k, params, engine.tree.verify) not in SAMPLED_MODES)
     ctrl = AdaptiveDepth(cost=engine.cost, max_depth=depth, max_new_tokens=params.max_new_tokens, enabled=adaptive,
-                         prior=prior, kinds=kinds, lookup_depth=lookup_depth, graft_nodes=graft, graftable=graftable,
+                         prior=prior, prior_evidence=evidence, kinds=kinds, lookup_depth=lookup_depth, graft_nodes=graft, graftable=graftable,
                          probe_interval=memory.probe_interval(temperature))
     if seeded and engine.adaptive and ctrl.mode.startswith("fixed"):
         ctrl.mode += " (seeded sampled request: reproducible)"

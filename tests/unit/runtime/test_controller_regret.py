@@ -1,0 +1,60 @@
+"""The plan controller against its own parts on counted work (tests/unit/runtime/controller_sim.py: known
+per-position acceptance, SmolLM2's one-thread cycle costs in plain steps): a drafter that never pays is dropped
+within a few cycles and then costs only bounded probes, a good one is kept, prompt lookup alone is chosen where it is
+the best part, and the combination commits per second at least what its best part alone does, minus 3%, averaged
+over seeds (each seed's requests run one after another through the engine's acceptance memory)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from tests.unit.runtime.controller_sim import STEP, Workload, simulate
+
+LOOKUP_GOOD = [0.8, 0.75, 0.7, 0.65, 0.6, 0.6]
+SCENARIOS = {  # name -> workload (the model's a_k, the lookup's b_k and how often it finds a continuation)
+    "decoy model, good lookup": Workload(model=[0.02] * 4, lookup=LOOKUP_GOOD, lookup_share=0.5),
+    "weak model, fair lookup (SmolLM2-like)": Workload(model=[0.25, 0.15, 0.1, 0.1], lookup=[0.6] * 6,
+                                                       lookup_share=0.4),
+    "good model, poor lookup": Workload(model=[0.85, 0.75, 0.7, 0.65], lookup=[0.3] * 6, lookup_share=0.3),
+    "both moderate": Workload(model=[0.6, 0.5, 0.4, 0.3], lookup=[0.7, 0.7, 0.6, 0.6, 0.5, 0.5], lookup_share=0.5),
+    "copy-heavy": Workload(model=[0.3, 0.2, 0.15, 0.1], lookup=[0.9, 0.9, 0.85, 0.85, 0.8, 0.8], lookup_share=0.8),
+    "marginal model alone": Workload(model=[0.2, 0.1, 0.1, 0.1]),
+}
+SEEDS = range(6)
+
+
+def test_a_drafter_that_never_pays_is_dropped_within_a_few_cycles_then_only_probed() -> None:
+    out = simulate([Workload(model=[0.0] * 4)] * 5, "model", cycles_per_request=150)
+    first = [source for source, _ in out.trace[:150]]
+    assert first.index("plain") <= 7, first[:12]  # no history: dropped after at most 7 cycles
+    assert out.model_cycles_by_request[0] <= 12  # and probed with a growing interval afterwards
+    assert max(out.model_cycles_by_request[1:]) <= 4  # later requests start from the memory: probes only (<= 3%)
+
+
+def test_a_good_drafter_is_kept() -> None:
+    for seed in SEEDS:
+        out = simulate([Workload(model=[0.8, 0.7, 0.6, 0.5])] * 3, "model", cycles_per_request=100, seed=seed)
+        assert out.model_cycles >= 0.97 * out.cycles, (seed, out.sources)
+
+
+def test_the_lookup_alone_is_chosen_where_it_is_the_best_part() -> None:
+    out = simulate([Workload(model=[0.02] * 4, lookup=[0.9] * 6, lookup_share=0.6)] * 4, "both",
+                   cycles_per_request=100)
+    later = out.trace[100:]  # after the first request has dropped the decoy
+    found = [source for source, has in later if has]
+    assert found.count("lookup") >= 0.95 * len(found), {s: found.count(s) for s in set(found)}
+    assert [source for source, has in later if not has].count("plain") >= 0.95 * sum(not has for _, has in later)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_the_combination_commits_at_least_what_its_best_part_does(name: str) -> None:
+    work = SCENARIOS[name]
+    ratios = []
+    for seed in SEEDS:
+        rates = {parts: simulate([work] * 4, parts, cycles_per_request=60, seed=seed).rate
+                 for parts in ("model", "lookup", "both")}
+        ratios.append(rates["both"] / max(rates["model"], rates["lookup"], 1 / STEP))
+    assert statistics.mean(ratios) >= 0.97, (name, [round(r, 3) for r in ratios])
+    assert min(ratios) >= 0.93, (name, [round(r, 3) for r in ratios])
