@@ -1,14 +1,26 @@
-"""Running the real `speculators` CLI in a subprocess for the runtime's integration tests."""
+"""Running the real `speculators` CLI for the integration tests: in a subprocess (`cli`: the console entry point as
+a user runs it), or in this process (`cli_here`: `speculators.cli.main` with its output captured, for the many
+bad-input cases of one command, each ~5 s cheaper than a process that imports torch and transformers anew; every test
+file that uses it also runs at least one case through `cli`)."""
 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
 import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from speculators.cli import main as cli_main
+from speculators.core.logs import configure
 
 REPO_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1"}
@@ -18,6 +30,38 @@ def cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess
     """`python -m speculators.cli ARGS` with captured text output."""
     return subprocess.run([sys.executable, "-m", "speculators.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**REPO_ENV, **(env or {})})
+
+
+def cli_here(*args: str, cwd: str | Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`speculators ARGS` through `speculators.cli.main` in this process: its exit status, stdout and stderr (the
+    package's log lines included) as `cli` returns them; an exception that escapes the CLI is a traceback on stderr
+    and status 1, as in a process. `env` is set for the call only; torch's thread count is restored after."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    configure()
+    console = [h for h in logging.getLogger("speculators").handlers if getattr(h, "speculators_console", False)]
+    streams = [h.setStream(err) for h in console]
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(cwd or os.getcwd()):
+            try:
+                cli_main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            except Exception:  # noqa: BLE001 - a traceback, as the process would print it
+                traceback.print_exc()
+                code = 1
+    finally:
+        for handler, stream in zip(console, streams, strict=True):
+            handler.setStream(stream)
+        torch.set_num_threads(threads)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return subprocess.CompletedProcess(["speculators", *args], code, out.getvalue(), err.getvalue())
 
 
 def error_line(proc: subprocess.CompletedProcess) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from speculators.core.workloads import load_workloads
 from tests.conftest import REPO
-from tests.integration.cli_helpers import cli, error_line, serve_process
+from tests.integration.cli_helpers import cli, cli_here, error_line, serve_process
 
 pytestmark = pytest.mark.integration
 
@@ -69,14 +69,14 @@ def test_record_vllm_refuses_bad_input_in_one_line_before_starting_vllm(house_ta
     env = {"SPECULATORS_VLLM_PYTHON": sys.executable}  # found, never started: every refusal comes first
     missing = cli("record-vllm", str(tmp_path / "nowhere"), "--record", str(tmp_path / "r0"), env=env)
     assert "local target directory" in error_line(missing)
-    bad_layers = cli("record-vllm", str(house_target), "--record", str(tmp_path / "r1"), "--layers", "2,99", env=env)
+    bad_layers = cli_here("record-vllm", str(house_target), "--record", str(tmp_path / "r1"), "--layers", "2,99", env=env)
     assert "99" in error_line(bad_layers)
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     manifest = {"format": "speculators.features/v1", "recording": {"kind": "traffic"}, "layer_ids": [2, 4, 5],
                 "target": {"name_or_path": "another", "revision": "r9", "content_hash": "0" * 64}, "shards": []}
     (theirs / "manifest.json").write_text(json.dumps(manifest))
-    other = cli("record-vllm", str(house_target), "--record", str(theirs), env=env)
+    other = cli_here("record-vllm", str(house_target), "--record", str(theirs), env=env)
     assert "another@r9" in error_line(other)
     assert json.loads((theirs / "manifest.json").read_text()) == manifest
     assert sorted(p.name for p in theirs.iterdir()) == ["manifest.json"], "something was written beside it"

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.integration.cli_helpers import cli, error_line
+from tests.integration.cli_helpers import cli, cli_here, error_line
 from tests.unit.runtime.runtime_helpers import make_speculator_dir
 
 pytestmark = pytest.mark.integration
@@ -69,8 +69,8 @@ def test_bench_table_and_report(house_target, tmp_path) -> None:
 def test_bench_bad_inputs_fail_with_one_line(house_target) -> None:
     base = ["bench", "--target", str(house_target), "--device", "cpu"]
     assert "--rows-per-cohort must be >= 1" in error_line(cli(*base, "--rows-per-cohort", "0"))
-    assert "--batch must be >= 0" in error_line(cli(*base, "--batch", "-1"))
-    assert "--temperatures must be non-negative" in error_line(cli(*base, "--temperatures", "-1"))
+    assert "--batch must be >= 0" in error_line(cli_here(*base, "--batch", "-1"))
+    assert "--temperatures must be non-negative" in error_line(cli_here(*base, "--temperatures", "-1"))
 
 
 def test_bench_fixed_depth_chains_without_hf(house_target, tmp_path) -> None:
@@ -92,5 +92,5 @@ def test_bench_fixed_depth_chains_without_hf(house_target, tmp_path) -> None:
     manifest = json.loads((tmp_path / "rec" / "eagle3-eagle3" / "manifest.json").read_text())
     assert manifest["counts"]["sequences"] >= 1 and manifest["recording"]["kind"] == "traffic"
     assert "--tree must be one of dynamic, static, chain, sampled, best_first" in error_line(
-        cli("bench", "--target", str(house_target), "--tree", "forest", "--device", "cpu"))
-    assert "--depth must be >= 1" in error_line(cli("bench", "--target", str(house_target), "--depth", "0"))
+        cli_here("bench", "--target", str(house_target), "--tree", "forest", "--device", "cpu"))
+    assert "--depth must be >= 1" in error_line(cli_here("bench", "--target", str(house_target), "--depth", "0"))

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.conftest import HOUSE_TARGET
+from tests.integration.cli_helpers import cli_here
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "data" / "datasets" / "stdlib-chat" / "train.jsonl"
@@ -95,13 +96,13 @@ def test_bad_inputs_fail_in_one_line_and_keep_outputs(setup):
     bad_rows.write_text(CHAT.read_text().splitlines()[0] + "\n" + json.dumps(
         {"id": "broken-7", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]})
         + "\n")
-    fails(_cli("prepare", str(recipe), f"data.sources=[{{path: {bad_rows}}}]"), "'broken-7'")
+    fails(cli_here("prepare", str(recipe), f"data.sources=[{{path: {bad_rows}}}]", cwd=REPO), "'broken-7'")
     bad_rows.write_text('{"id": "x1", "messages": [{"role": "user"}]}\n')
-    fails(_cli("prepare", str(recipe), f"data.sources=[{{path: {bad_rows}}}]"), "'x1'")
+    fails(cli_here("prepare", str(recipe), f"data.sources=[{{path: {bad_rows}}}]", cwd=REPO), "'x1'")
 
     bare = root / "no-template"
     if not bare.exists():
         shutil.copytree(target, bare)
         (bare / "chat_template.jinja").unlink()
-    fails(_cli("prepare", str(recipe), f"target.name_or_path={bare}"), "no chat template")
+    fails(cli_here("prepare", str(recipe), f"target.name_or_path={bare}", cwd=REPO), "no chat template")
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == snapshot

@@ -23,6 +23,7 @@ from evalexport_helpers import build_speculator, save_checkpoint, small_workload
 from speculators.core.recipes import load_recipe  # noqa: E402
 from speculators.core.target import fingerprint_target, load_target  # noqa: E402
 from speculators.export.validate import validate_vllm_export  # noqa: E402
+from tests.integration.cli_helpers import cli_here  # noqa: E402
 
 pytestmark = pytest.mark.integration
 CLI = str(Path(sys.executable).parent / "speculators")
@@ -96,9 +97,9 @@ def test_bad_input_is_one_line_and_exit_2(run_recipe: Path, tmp_path: Path) -> N
     assert res.returncode == 2 and res.stderr.startswith("error: ")
     assert "eagle3 speculator but the recipe says speculator.family=medusa" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
-    res = _cli("evaluate", str(run_recipe), f"run_dir={tmp_path / 'empty'}", check=False)
+    res = cli_here("evaluate", str(run_recipe), f"run_dir={tmp_path / 'empty'}")
     assert res.returncode == 2 and "no checkpoints to evaluate" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
-    res = _cli("export", str(run_recipe), f"run_dir={tmp_path / 'empty'}", check=False)
+    res = cli_here("export", str(run_recipe), f"run_dir={tmp_path / 'empty'}")
     assert res.returncode == 2 and "no checkpoints to export" in res.stderr
     assert not (tmp_path / "empty" / "export").exists()

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.integration.cli_helpers import cli, error_line
+from tests.integration.cli_helpers import cli, cli_here, error_line
 from tests.unit.runtime.runtime_helpers import hf_greedy, loaded_target, make_speculator_dir
 
 pytestmark = pytest.mark.integration
@@ -56,10 +56,11 @@ def test_chat_and_workload(house_target, tmp_path) -> None:
 def test_bad_inputs_fail_with_one_line(house_target, tmp_path) -> None:
     base = ["generate", "--target", str(house_target), "--device", "cpu"]
     assert "max_new_tokens must be >= 1" in error_line(cli(*base, "--prompt", "x", "--max-new-tokens", "0"))
-    assert "top_p must be in (0, 1]" in error_line(cli(*base, "--prompt", "x", "--top-p", "1.5"))
-    assert "exactly one of" in error_line(cli(*base))
-    assert "--batch must be >= 1" in error_line(cli(*base, "--prompt", "x", "--batch", "0"))
-    assert "the prompt has" in error_line(cli(*base, "--prompt", "word " * 1500))
+    # the rest through speculators.cli.main in this process (the console entry point is proven just above)
+    assert "top_p must be in (0, 1]" in error_line(cli_here(*base, "--prompt", "x", "--top-p", "1.5"))
+    assert "exactly one of" in error_line(cli_here(*base))
+    assert "--batch must be >= 1" in error_line(cli_here(*base, "--prompt", "x", "--batch", "0"))
+    assert "the prompt has" in error_line(cli_here(*base, "--prompt", "word " * 1500))
     # a speculator trained for another revision of the target (same shapes and tokenizer, other content)
     other = tmp_path / "other-target"
     shutil.copytree(house_target, other)
@@ -67,11 +68,12 @@ def test_bad_inputs_fail_with_one_line(house_target, tmp_path) -> None:
     config["note"] = "another revision"
     (other / "config.json").write_text(json.dumps(config))
     spec = make_speculator_dir(other, "medusa", tmp_path / "medusa")
-    line = error_line(cli(*base, "--prompt", "x", "--speculator", str(spec)))
+    line = error_line(cli_here(*base, "--prompt", "x", "--speculator", str(spec)))
     record = json.loads((spec / "pairing.json").read_text())
     assert "target revision mismatch" in line and record["target"]["revision"] in line
     assert "--allow-revision-mismatch" in line
-    ok = cli(*base, "--prompt", "x", "--max-new-tokens", "2", "--speculator", str(spec), "--allow-revision-mismatch")
+    ok = cli_here(*base, "--prompt", "x", "--max-new-tokens", "2", "--speculator", str(spec),
+                  "--allow-revision-mismatch")
     assert ok.returncode == 0 and "warning: target revision mismatch" in ok.stderr
     (spec / "model.safetensors").unlink()
-    assert "missing model.safetensors" in error_line(cli(*base, "--prompt", "x", "--speculator", str(spec)))
+    assert "missing model.safetensors" in error_line(cli_here(*base, "--prompt", "x", "--speculator", str(spec)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.cli_helpers import cli, error_line, serve_process
+from tests.integration.cli_helpers import cli, cli_here, error_line, serve_process
 
 pytestmark = pytest.mark.integration
 
@@ -66,5 +66,5 @@ def test_openai_client_streaming_chat(server: str) -> None:
 def test_limits_that_contradict_the_context_fail_with_one_line(house_target) -> None:
     line = error_line(cli("serve", "--target", str(house_target), "--device", "cpu", "--max-prompt-tokens", "2048"))
     assert "max_prompt_tokens=2048 leaves no room to generate in the model's 1024-token context" in line
-    line = error_line(cli("serve", "--target", str(house_target), "--max-batch-size", "0"))
+    line = error_line(cli_here("serve", "--target", str(house_target), "--max-batch-size", "0"))
     assert "serve.max_batch_size must be >= 1" in line

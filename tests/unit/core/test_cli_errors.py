@@ -1,4 +1,6 @@
-"""The CLI turns user errors into one line and a non-zero exit, without a traceback."""
+"""The CLI turns user errors into one line and a non-zero exit, without a traceback. The first case runs the console
+entry point in a process; the others `speculators.cli.main` in this one (tests/integration/cli_helpers.py
+`cli_here`: the same exit status and output, without importing torch and transformers anew for each)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,18 @@ import pytest
 from speculators.core.errors import SpeculatorsError
 from speculators.core.recipes import load_recipe
 from speculators.pipeline import run_pipeline
+from tests.integration.cli_helpers import cli_here
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def _process(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "speculators.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return cli_here(*args, cwd=REPO)
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -32,7 +39,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 def test_recipe_key_typo(tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: x\ntrain:\n  bach_size: 4\n")
-    line = _one_error_line(_cli("train", str(recipe)))
+    line = _one_error_line(_process("train", str(recipe)))
     assert "train.bach_size" in line and "train.batch_size" in line
 
 

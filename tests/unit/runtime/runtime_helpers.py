@@ -47,6 +47,33 @@ def hf_greedy(path: str | Path, prompt_ids: list[int], max_new_tokens: int) -> l
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_greedy_many(path: str | Path, prompts: list[list[int]], max_new: list[int], batch: int = 32) -> list[list[int]]:
+    """`hf_greedy` of many prompts, `batch` at a time through one left-padded `generate(do_sample=False)` (each row
+    cut at its own `max_new` and after its first EOS, as a single-row call stops there). Padding changes fp32 sums
+    in their last bits only: a row whose greedy path differs from a single-row call's can only do so at an exact
+    near-tie, which the callers' comparisons allow and count (`top2_margin`, from an unpadded forward)."""
+    model = hf_model(str(path))
+    pad = model.generation_config.pad_token_id
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch: less padding
+    out: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch):
+        rows = order[start:start + batch]
+        group, limits = [prompts[i] for i in rows], [max_new[i] for i in rows]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])  # [B, W], left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])  # [B, W]
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(limits),
+                                 pad_token_id=pad)[:, width:]  # [B, <= max(limits)]
+        for i, row, limit in zip(rows, gen.tolist(), limits, strict=True):
+            row = row[:limit]
+            end = next((k for k, t in enumerate(row) if t in eos), None)
+            out[i] = row if end is None else row[:end + 1]
+    return out
+
+
 def top2_margin(path: str | Path, ids: list[int]) -> float:
     """logit(top-1) - logit(top-2) of the target's next-token logits after `ids` (HF forward)."""
     with torch.no_grad():
