@@ -6,7 +6,9 @@ of 8 tokens, which every prompt + output here runs past), in float32:
 - sampled decoding is lossless: the first two tokens of 500 seeded requests follow the exact target law (Pearson
   chi-square, Bonferroni over the module) for EAGLE-3 sampled trees (traversal verification) and the oracle's
   deep trees on every architecture, n-gram chains (drafts that do not depend on the target's hidden states) on one
-  architecture of each runner path, and a broken verifier is rejected by the same test."""
+  architecture of each runner path, and a broken verifier is rejected by the same test. The lossless cases run 8
+  requests behind each target forward (batching.py: each request is the engine's own coroutine, as alone); the
+  broken verifier runs one request at a time."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 
 from speculators.core.config import TreeConfig
 from speculators.core.sampling import sample
+from speculators.runtime.batching import generate_batch
 from speculators.runtime.forward.module_runner import ModuleTargetRunner, TargetRunner
 from speculators.serving import Engine, SamplingParams
 from tests.conftest import TINY_EXTRAS, make_tiny_target
@@ -76,15 +79,18 @@ def test_greedy_parity_with_hf_generate(arch_dirs, arch: str) -> None:
             assert engine.totals.tau > 2.5, (arch, engine.totals.tau)
 
 
-def _chi_square(engine: Engine, target: str, seed: int) -> float:
+def _chi_square(engine: Engine, target: str, seed: int, max_batch: int = 0) -> float:
+    """The chi-square p-value of the first two tokens of SAMPLES seeded requests, one at a time or `max_batch`
+    behind each target forward."""
     params = SamplingParams(max_new_tokens=3, **SAMPLING)
     law, support = exact_prefix_law(hf_model(target), PROMPTS[0], params, 2, min_mass=5.0 / SAMPLES,
                                     eos=engine.eos_ids)
-    keys = []
-    for i in range(SAMPLES):
-        out = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=3, seed=seed + i, **SAMPLING))
-        keys.append(tuple(out.token_ids[:2]))
-        assert keys[-1][0] in support, f"token {keys[-1][0]} has probability 0 under the filtered target"
+    requests = [SamplingParams(max_new_tokens=3, seed=seed + i, **SAMPLING) for i in range(SAMPLES)]
+    outs = (generate_batch(engine, [PROMPTS[0]] * SAMPLES, requests, max_batch=max_batch) if max_batch
+            else [engine.generate(PROMPTS[0], r) for r in requests])
+    keys = [tuple(out.token_ids[:2]) for out in outs]
+    outside = sorted({key[0] for key in keys if key[0] not in support})
+    assert not outside, f"tokens {outside} have probability 0 under the filtered target"
     return chi_square_p(law, keys, SAMPLES)
 
 
@@ -92,7 +98,7 @@ def _chi_square(engine: Engine, target: str, seed: int) -> float:
 def test_sampling_is_lossless(arch_dirs, arch: str, drafter: str) -> None:
     target, spec = arch_dirs[arch]
     engine = _engine(target, spec, drafter, CHI_CASES[drafter])
-    p_value = _chi_square(engine, target, seed=7919 * ARCHITECTURES.index(arch))
+    p_value = _chi_square(engine, target, seed=7919 * ARCHITECTURES.index(arch), max_batch=8)
     assert engine.totals.drafted_tokens > 0, "nothing was drafted: the test would prove nothing"
     assert p_value > FAMILY_ALPHA / NUM_TESTS, f"{arch} {drafter}: p = {p_value:.3g}"
 
