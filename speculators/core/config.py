@@ -141,8 +141,7 @@ class CaptureConfig:
     shard_tokens: int = 65536
     batch_size: int = 8
     num_processes: int = 1  # > 1: `accelerate launch` that many capture processes (each rank writes its shards)
-    # hf: Hugging Face forwards in this process (small targets); vllm: vLLM's extract_hidden_states method in the
-    # vLLM environment (big targets: its kernels, tensor / data parallelism; data/vllm_capture.py)
+    # hf: Hugging Face forwards in this process (small targets); vllm: vLLM's extract_hidden_states in the vLLM env
     backend: Literal["hf", "vllm"] = "hf"
     vllm: CaptureVllmConfig = field(default_factory=CaptureVllmConfig)
     # multi-node capture into one shared run_dir: node r of n writes shards r, r + n, ...; whichever node finds
@@ -162,9 +161,8 @@ class SpeculatorConfig:
     intermediate_size: int | None = None  # None = the target's (dense) intermediate size
     step_loss_decay: float = 0.8  # per-step (per-head) loss weight = decay ** k
     init_lm_head_from_target: bool = True
-    # eagle3 training levers (issue 46; defaults = the behaviour before them): keep the copied rows of the target's
-    # head frozen (vLLM's speculators trains them frozen), and start the draft's final norm from the target's final
-    # norm weights instead of 1 (MTP always does)
+    # eagle3 training levers (issue 46): keep the copied rows of the target's head frozen (as vLLM's speculators
+    # does), start the draft's final norm from the target's final norm weights instead of 1 (MTP always does)
     freeze_lm_head: bool = False
     norm_from_target: bool = False
     # eagle3, EAGLE 3.1 normalisation (vLLM reads the same flags): one RMSNorm per tap before fc (fc_norm), or one
@@ -267,6 +265,10 @@ def tree_config(kind: str | None, depth: int | None, topk: int | None, budget: i
 # house target's 10-epoch EAGLE-3 (5 rows x 5 cohorts, T = 0): tau 3.24 -> 3.48 with 3 nodes (6: 3.43), tokens/s
 # +1.3% (6: +2.1%) — small, since every extra verified node costs target time on a CPU
 DEFAULT_NGRAM_GRAFT = 3
+GRAFT_HELP = "graft at most this many prompt-lookup (n-gram) nodes onto a speculator's trees (0: off)"
+REVISION_MISMATCH_HELP = "serve a speculator trained on another target revision (never another tokenizer)"
+COST_CACHE_HELP = ("start from the cycle costs an engine like this one measured on this machine (kept in the cache "
+                   "root, refreshed by observed cycles) instead of measuring them on the first request")
 
 
 @dataclass
@@ -330,28 +332,26 @@ class ServeConfig:
     api_key_env: str | None = field(default=None, metadata=_help(
         "name of an environment variable holding the API key; /v1/* then needs 'Authorization: Bearer <key>' "
         "(unset: no key)"))
-    max_prompt_tokens: int | None = field(default=None, metadata=_help(
-        "longest prompt accepted, in tokens (unset: the model's context minus one)"))
+    max_prompt_tokens: int | None = field(default=None, metadata=_help("longest prompt accepted, in tokens (unset: "
+                                                                       "the model's context minus one)"))
     max_new_tokens: int = field(default=512, metadata=_help(
-        "most tokens one request may generate; a request without max_tokens gets this, or what still fits in the "
-        "context"))
-    max_concurrent_requests: int = field(default=4, metadata=_help(
-        "requests running or waiting; more get 429 with Retry-After"))
+        "most tokens one request may generate; a request without max_tokens gets this, or what fits in the context"))
+    max_concurrent_requests: int = field(default=4, metadata=_help("requests running or waiting; more get 429 with "
+                                                                   "Retry-After"))
     max_batch_size: int = field(default=4, metadata=_help("running requests that share each target forward"))
     max_model_len: int | None = field(default=None, metadata=_help(
         "tokens each running request's KV cache holds, prompt and output (unset: the model's context, at most "
         "8192); the server refuses at start when max_batch_size such caches do not fit in memory"))
     max_request_bytes: int = field(default=4 * 1024 * 1024, metadata=_help(
         "largest request body accepted, in bytes (larger: 413 before the body is read)"))
-    allow_revision_mismatch: bool = field(default=False, metadata=_help(
-        "serve a speculator trained on another target revision (never another tokenizer)"))
-    ngram_graft: int = field(default=DEFAULT_NGRAM_GRAFT, metadata=_help(
-        "graft at most this many prompt-lookup (n-gram) nodes onto a speculator's trees (0: off)"))
+    allow_revision_mismatch: bool = field(default=False, metadata=_help(REVISION_MISMATCH_HELP))
+    ngram_graft: int = field(default=DEFAULT_NGRAM_GRAFT, metadata=_help(GRAFT_HELP))
     record: str | None = field(default=None, metadata=_help(
         "write every finished request as a training row into this directory (the feature-shard format: training "
         "reads it as a data source of kind traffic)"))
     record_budget_gb: float = field(default=2.0, metadata=_help(
         "disk budget of --record, in GiB: the oldest rows are dropped beyond it"))
+    cost_cache: bool = field(default=True, metadata=_help(COST_CACHE_HELP))
     tree: TreeConfig = field(default_factory=TreeConfig, metadata=_help("draft tree settings (recipe only)", False))
 
     def validate(self) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculators.core.config import DEFAULT_NGRAM_GRAFT
+from speculators.core.config import COST_CACHE_HELP, DEFAULT_NGRAM_GRAFT, GRAFT_HELP, REVISION_MISMATCH_HELP
 from speculators.core.errors import SpeculatorsError
 
 
@@ -34,7 +34,6 @@ def option(default: Any, help: str, *, flag: str | None = None, argument: bool =
 
 THREADS_HELP = ("CPU threads for torch (0 = torch's default, one per core); 1 is much faster when the cores are "
                 "shared with other jobs")
-GRAFT_HELP = "graft at most this many prompt-lookup (n-gram) nodes onto a speculator's trees (0: off)"
 DEVICE_HELP = "auto | cpu | cuda | cuda:N"
 DTYPE_HELP = "auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -74,11 +73,11 @@ class GenerateOptions(TorchThreads):
     draft_dtype: str = option("auto", "weights of the draft: auto | float32 | float16 | bfloat16 (auto: float16 on "
                                       "CPU for a float32 target, run as packed float16 products with float32 "
                                       "activations)")
-    allow_revision_mismatch: bool = option(False, "serve a speculator trained on another target revision (never "
-                                                  "another tokenizer)")
+    allow_revision_mismatch: bool = option(False, REVISION_MISMATCH_HELP)
     ngram_graft: int = option(DEFAULT_NGRAM_GRAFT, GRAFT_HELP)
     as_json: bool = option(False, "print one JSON object per generation", flag="--json")
     batch: int = option(1, "workload rows sharing each target forward (1: one at a time)")
+    cost_cache: bool = option(True, COST_CACHE_HELP, flag="--cost-cache/--no-cost-cache")
     threads: int = option(0, THREADS_HELP)
 
 
@@ -135,6 +134,7 @@ class BenchOptions(TorchThreads):
     compare_verify: bool = option(False, "at T > 0 also run each speculator at a fixed tree: a sampled chain verified "
                                          "token-wise vs by block verification, a sampled tree token-wise vs by "
                                          "traversal verification")
+    cost_cache: bool = option(True, COST_CACHE_HELP, flag="--cost-cache/--no-cost-cache")
     threads: int = option(0, THREADS_HELP)
 
 

@@ -39,6 +39,7 @@ class CostModel:
     # plan source (plain, lookup, model, model+lookup) -> EWMA of (measured / predicted) seconds of whole cycles
     scale: dict[str, float] = field(default_factory=dict)
     smoothing: float = 0.2
+    origin: str = "measured"  # or where the tables were loaded from (runtime/cost_cache.py)
     _cached: tuple = field(default=(None, []), repr=False, compare=False)  # (points, `_table`)
 
     @staticmethod
@@ -172,9 +173,26 @@ class CostModel:
         """Seconds of a cycle verifying `nodes` nodes of a `kind` tree: `cycle` + the kind's measured excess."""
         return self.cycle(nodes) + self.excess.get(kind, 0.0)
 
+    def state(self) -> dict:
+        """Every measured table, exactly (JSON-ready): what `from_state` rebuilds (runtime/cost_cache.py)."""
+        by_depth = lambda tables: {k: {str(d): v for d, v in t.items()} for k, t in tables.items()}  # noqa: E731
+        return {"points": {str(b): list(p) for b, p in self.points.items()}, "draft": by_depth(self.draft),
+                "nodes": by_depth(self.nodes), "absorb": self.absorb, "excess": dict(self.excess),
+                "scale": dict(self.scale)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> CostModel:
+        by_depth = lambda tables: {k: {int(d): float(v) for d, v in t.items()} for k, t in tables.items()}  # noqa: E731
+        absorb = state.get("absorb")
+        return cls(points={int(b): (float(n), float(t)) for b, (n, t) in state["points"].items()},
+                   draft=by_depth(state["draft"]), nodes=by_depth(state["nodes"]),
+                   absorb=None if absorb is None else float(absorb),
+                   excess={k: float(v) for k, v in state["excess"].items()},
+                   scale={k: float(v) for k, v in state["scale"].items()})
+
     def to_dict(self) -> dict:
         ms = lambda x: None if x is None else round(1000 * x, 3)  # noqa: E731
-        return {"cycle_ms_by_nodes": {str(round(n, 1)): ms(t) for n, t in sorted(self.points.values())},
+        return {"origin": self.origin, "cycle_ms_by_nodes": {str(round(n, 1)): ms(t) for n, t in sorted(self.points.values())},
                 "cycle_excess_ms_by_kind": {k: ms(v) for k, v in sorted(self.excess.items())},
                 "draft_ms_by_depth": {k: {str(d): ms(t) for d, t in sorted(v.items())} for k, v in self.draft.items()},
                 "absorb_ms": ms(self.absorb),

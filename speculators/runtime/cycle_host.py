@@ -40,6 +40,8 @@ class CycleHost(Protocol):
     speculative: bool
     adaptive: bool
     prefix_caching: bool
+    cost_cache: bool  # costs from / kept in the cache root (cost_cache.py)
+    adaptive_requests: int  # requests served under the adaptive controller
     max_len: int
     eos_ids: set[int]
     recorder: TrafficRecorder | None  # served requests written as training rows

@@ -36,6 +36,7 @@ from speculators.core.trees import SAMPLED_MODES, DraftTree, tree_verify_mode, v
 from speculators.runtime.acceptance_memory import AcceptanceMemory
 from speculators.runtime.adaptive import LOOKUP, AdaptiveDepth, Plan
 from speculators.runtime.calibration import calibrate_drafting, calibrate_verification
+from speculators.runtime.cost_cache import SAVE_EVERY, load_costs, save_costs
 from speculators.runtime.cycle_host import CycleHost
 from speculators.runtime.drafters.graft import graft_chain
 from speculators.runtime.drafters.load import prune_tree
@@ -111,10 +112,7 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
         engine.runner.products = tune_row_products(engine.runner, slot.cache, prompt_ids[-1], rows,
                                                    engine.runner.product_forms)
     if engine.speculative and engine.adaptive and not engine.cost.calibrated:
-        calibrate_verification(engine, prompt_ids[-1], slot.cache)
-        if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)
-            absorb_pending(drafter, state, pending)
-        calibrate_drafting(engine, drafter, state, prompt_ids[-1])
+        price_cycles(engine, prompt_ids[-1], slot, state, pending)
     stats.prefill_seconds = time.perf_counter() - t0
     seeded = params.seed is not None and not params.greedy
     adaptive = engine.adaptive and not seeded
@@ -136,6 +134,20 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
                         engine.eos_ids | set(params.stop_token_ids or ()), temperature, stats.work,
                         lookup=TokenBuffer(prompt_ids) if engine.lookup is not None else None, record=record,
                         drafter=drafter, revision=revision_name(engine.info))
+
+
+def price_cycles(engine: CycleHost, root: int, slot: Slot, state: Any,
+                 pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
+    """Costs for the first request's plans: those an engine like this one left on this machine (`cost_cache`),
+    else measured now on the request's slot and drafter state (and kept for the next engine)."""
+    if engine.cost_cache and load_costs(engine):
+        return
+    calibrate_verification(engine, root, slot.cache)
+    if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)
+        absorb_pending(engine.drafter, state, pending)
+    calibrate_drafting(engine, engine.drafter, state, root)
+    if engine.cost_cache:
+        save_costs(engine)
 
 
 def choose_plan(engine: CycleHost, req: RequestState, remaining: int) -> Plan:
@@ -272,3 +284,6 @@ def close_request(engine: CycleHost, req: RequestState, stats: GenerationStats) 
                                  sum(req.ctrl.source_histogram.values()))
     if req.ctrl.mode == "adaptive":  # a drafter still losing its probes is probed as rarely by the next request
         engine.acceptance_memory.probes[AcceptanceMemory.bucket(req.temperature)] = req.ctrl.next_probe_interval
+        engine.adaptive_requests += 1
+        if engine.cost_cache and engine.adaptive_requests % SAVE_EVERY == 0:  # what observed cycles corrected
+            save_costs(engine)

@@ -42,11 +42,14 @@ TreeFlags = tuple[str | None, int | None, int | None, int | None]  # --tree, --d
 
 def _command_engine(target: str | None, speculator: str | None, device: str, dtype: str,
                     allow_revision_mismatch: bool, tree: TreeFlags | None = None, draft_dtype: str = "auto",
-                    ngram_graft: int = DEFAULT_NGRAM_GRAFT, max_len: int | None = None) -> Engine:
-    """The engine of a command; `tree`: (kind, depth, topk, budget) flags applied over the drafter's own tree."""
+                    ngram_graft: int = DEFAULT_NGRAM_GRAFT, max_len: int | None = None,
+                    cost_cache: bool = True) -> Engine:
+    """The engine of a command; `tree`: (kind, depth, topk, budget) flags applied over the drafter's own tree;
+    `cost_cache`: costs from / kept in the cache root (runtime/cost_cache.py)."""
     engine = Engine.from_pretrained(target, None if speculator in (None, "", "none") else speculator, device=device,
                                     dtype=dtype, allow_revision_mismatch=allow_revision_mismatch,
                                     draft_dtype=draft_dtype, ngram_graft=ngram_graft, max_len=max_len)
+    engine.cost_cache = cost_cache
     for warning in engine.info.pairing_warnings:
         log.warning(warning)
     if engine.info.precision:
@@ -95,7 +98,8 @@ def generate_command(opts: GenerateOptions) -> Iterator[Output]:
     tree_config(opts.tree, opts.depth, opts.topk, opts.budget, None)  # the flags' errors before any loading
     rows = _rows(opts)
     engine = _command_engine(opts.target, opts.speculator, opts.device, opts.dtype, opts.allow_revision_mismatch,
-                             (opts.tree, opts.depth, opts.topk, opts.budget), opts.draft_dtype, opts.ngram_graft)
+                             (opts.tree, opts.depth, opts.topk, opts.budget), opts.draft_dtype, opts.ngram_graft,
+                             cost_cache=opts.cost_cache)
     per_cohort: dict[str, dict] = {}
     requests = [dataclasses.replace(params, max_new_tokens=mnt) for _, _, _, mnt in rows]
     if opts.batch > 1:
@@ -165,7 +169,7 @@ def serve_command(opts: ServeOptions, recipe: Recipe | None = None) -> None:
             raise SpeculatorsError(f"--api-key-env {config.api_key_env}: that environment variable is unset or "
                                    f"empty; export it, or drop the option to serve without a key")
     engine = _command_engine(target, speculator, device, dtype, config.allow_revision_mismatch,
-                             ngram_graft=config.ngram_graft, max_len=config.max_model_len)
+                             ngram_graft=config.ngram_graft, max_len=config.max_model_len, cost_cache=config.cost_cache)
     if config.record:
         recorder = engine.record_to(RecordingSpec(Path(config.record), int(config.record_budget_gb * 2**30)))
         log.info("recording finished requests into %s (%d rows there already)", config.record, len(recorder.entries))

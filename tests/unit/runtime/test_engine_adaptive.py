@@ -163,7 +163,7 @@ def test_cost_model_interpolates_and_ignores_preempted_spikes() -> None:
     c.set_draft(3, 6, 0.003)
     assert c.draft_nodes(3) == 6 and abs(c.draft_cost(3) - c.absorb - 0.003) < 1e-12
     assert set(c.to_dict()) == {"cycle_ms_by_nodes", "cycle_excess_ms_by_kind", "draft_ms_by_depth", "absorb_ms",
-                                "draft_nodes_by_depth", "measured_over_predicted_by_plan"}
+                                "draft_nodes_by_depth", "measured_over_predicted_by_plan", "origin"}
 
 
 def test_a_kind_whose_cycles_cost_more_than_their_size_says_is_rated_by_its_own_cost() -> None:

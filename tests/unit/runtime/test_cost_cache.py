@@ -1,0 +1,99 @@
+"""Cycle costs kept per machine (runtime/cost_cache.py): an engine with `cost_cache` measures its costs on its first
+request and keeps them in the cache root; the next engine like it starts from them (no calibration) and reports
+where they came from; another thread count, or a cache file that is damaged, is measured anew; engines without
+`cost_cache` write nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speculators.core.config import TreeConfig
+from speculators.runtime import cycle_steps
+from speculators.runtime.cost_cache import cost_key, cost_path
+from speculators.runtime.cycle_costs import CostModel
+from speculators.serving import Engine, SamplingParams
+from tests.unit.runtime.runtime_helpers import hf_greedy, loaded_target, make_speculator_dir, single_thread  # noqa: F401
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 100, 200, 5, 6]
+TREE = TreeConfig(kind="dynamic", depth=3, topk=2, budget=6, adaptive=True)
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULATORS_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def spec_dir(tiny_llama, tmp_path_factory) -> str:
+    return str(make_speculator_dir(tiny_llama, "eagle3", tmp_path_factory.mktemp("cost-cache") / "eagle3", seed=3))
+
+
+def _engine(tiny_llama, spec_dir: str, cost_cache: bool = True) -> Engine:
+    engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), spec_dir, tree=TREE, ngram_graft=2)
+    engine.cost_cache = cost_cache
+    return engine
+
+
+def _calibrations(monkeypatch) -> list[int]:
+    """Count the first-request measurements (the real calibration still runs)."""
+    calls: list[int] = []
+    real = cycle_steps.calibrate_verification
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cycle_steps, "calibrate_verification", counted)
+    return calls
+
+
+def test_the_state_round_trips_exactly() -> None:
+    cost = CostModel()
+    for nodes, seconds in ((1, 0.01), (2, 0.012), (5, 0.02)):
+        cost.observe_cycle(nodes, seconds, "dynamic")
+    cost.set_draft(2, 3, 0.004, "dynamic")
+    cost.observe_absorb(0.001)
+    cost.observe_total("model", 0.02, 0.025)
+    again = CostModel.from_state(json.loads(json.dumps(cost.state())))
+    assert again == cost and again.rate([0.5, 0.4], 2, "dynamic") == cost.rate([0.5, 0.4], 2, "dynamic")
+
+
+def test_the_next_engine_starts_from_the_costs_this_one_measured(tiny_llama, spec_dir, cache, monkeypatch) -> None:
+    calls = _calibrations(monkeypatch)
+    first = _engine(tiny_llama, spec_dir)
+    out = first.generate(PROMPT, SamplingParams(max_new_tokens=12))
+    assert calls == [1] and out.stats.adaptive["cost"]["origin"] == "measured"
+    path = cost_path(cost_key(first))
+    saved = json.loads(path.read_text())
+    assert saved["key"]["threads"] == torch.get_num_threads() and saved["key"]["drafter"]["family"] == "eagle3"
+
+    second = _engine(tiny_llama, spec_dir)
+    out = second.generate(PROMPT, SamplingParams(max_new_tokens=12))
+    assert calls == [1], "the second engine measured again"
+    assert out.stats.adaptive["cost"]["origin"] == f"cached: {path}"
+    assert out.token_ids == hf_greedy(tiny_llama, PROMPT, 12)  # costs choose plans; the output is the target's
+
+
+def test_another_thread_count_or_a_damaged_file_is_measured_anew(tiny_llama, spec_dir, cache, monkeypatch) -> None:
+    calls = _calibrations(monkeypatch)
+    _engine(tiny_llama, spec_dir).generate(PROMPT, SamplingParams(max_new_tokens=8))
+    torch.set_num_threads(2)
+    try:
+        _engine(tiny_llama, spec_dir).generate(PROMPT, SamplingParams(max_new_tokens=8))
+    finally:
+        torch.set_num_threads(1)
+    assert calls == [1, 1] and len(list((cache / "costs").glob("*.json"))) == 2
+    engine = _engine(tiny_llama, spec_dir)
+    cost_path(cost_key(engine)).write_text("{not json")
+    engine.generate(PROMPT, SamplingParams(max_new_tokens=8))
+    assert calls == [1, 1, 1] and json.loads(cost_path(cost_key(engine)).read_text())["cost"]["points"]
+
+
+def test_an_engine_without_the_cache_writes_nothing(tiny_llama, spec_dir, cache) -> None:
+    engine = _engine(tiny_llama, spec_dir, cost_cache=False)
+    engine.generate(PROMPT, SamplingParams(max_new_tokens=8))
+    assert engine.cost.calibrated and not cache.exists()
