@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from speculators.core.atomic import write_json_atomic
+from speculators.core.machine import device_name
 from speculators.core.target_sources import cache_root
 from speculators.runtime.cycle_costs import CostModel
 
@@ -31,23 +31,10 @@ SAVE_EVERY = 16  # requests between saves of a cached engine's costs
 FORMAT = "speculators.costs/v1"
 
 
-def processor_name(device: torch.device) -> str:
-    """The GPU's name on CUDA, else the CPU model (/proc/cpuinfo, else `platform.processor()`)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cost_key(engine: Any) -> dict:
     """What the engine's cycle costs depend on (see the module docstring)."""
     target, tree, config = engine.target, engine.tree, engine.target.config
-    return {"processor": processor_name(engine.device), "device": engine.device.type,
+    return {"processor": device_name(engine.device), "device": engine.device.type,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "target": {"name_or_path": str(target.cfg.name_or_path), "revision": target.cfg.revision,
                        "model_type": getattr(config, "model_type", None),
