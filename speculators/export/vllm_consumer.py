@@ -91,6 +91,8 @@ def server_args(port: int, *, max_model_len: int = 1024, dtype: str = "float32",
 class VllmServer:
     """A vLLM server process (own process group) logging to `log`; a context manager that waits for /health."""
 
+    POLL_S = 0.5  # between /health probes (a refused connection answers at once): a ready server waits < 0.5 s
+
     def __init__(self, command: list[str], *, port: int, env: dict[str, str], log: Path,
                  startup_timeout: float = 600.0) -> None:
         self.command, self.port, self.env, self.log = command, port, env, Path(log)
@@ -117,7 +119,7 @@ class VllmServer:
                         return self
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(2)
+            time.sleep(self.POLL_S)
         self.stop()
         raise SpeculatorsError(f"vLLM did not answer /health within {self.startup_timeout:.0f} s: "
                                f"{last_error_line(self.log)} (log {self.log})")

@@ -64,12 +64,16 @@ def fit_to_greedy(spec, loaded, sequences: list[list[int]], starts: list[int] | 
 
 
 def fitted_export(root: Path, target: Path, family: str, rows: list[WorkloadRow], fitted: int, *, k: int,
-                  lr: float, draft_vocab_size: int | None = None, steps: int = 150
+                  lr: float, draft_vocab_size: int | None = None, steps: int = 60
                   ) -> tuple[Path, list[RowPrediction]]:
     """A run dir under `root` holding one `family` checkpoint of `target` (k steps / heads, the full vocabulary
     unless `draft_vocab_size`: then the tokens the fitted continuations use first), fitted for `steps` Adam steps
     to the target's greedy continuations of the first `fitted` rows, saved as the train stage saves checkpoints and
-    exported by the real export stage. Returns (export dir, per-row predictions for the export as loaded back)."""
+    exported by the real export stage. Returns (export dir, per-row predictions for the export as loaded back).
+
+    60 steps suffice for the house target's EAGLE-3 and Medusa drafts of tests/vllm (lr 3e-3, 2 of 4 rows fitted):
+    every draft on the fitted rows predicted accepted ([16, 16, 16] each), as after 150 steps, at 0.4x the time;
+    after 30, EAGLE-3 still predicted [16, 12, 7] and [19, 12, 10]."""
     sys.path.insert(0, str(REPO / "tests" / "unit" / "evaluate"))
     from evalexport_helpers import make_recipe, save_checkpoint
 

@@ -7,11 +7,13 @@ when vLLM refuses to start they fail with vLLM's own error line (`vllm_consumer.
 
 Fixtures: `vllm_python` (the environment's interpreter), `house_eagle3_run` (a run dir whose export was made by
 `speculators export` from the trained house EAGLE-3 checkpoint shipped in data/speculators/), `export_of(family,
-...)` (exports of untrained speculators of any family, written by the real export stage), `vllm_server(cmd, ...)`.
+...)` (exports of untrained speculators of any family, written by the real export stage), `vllm_server(cmd, ...)`,
+`house_ngram_server` (one server of the house target with vLLM's own n-gram drafter for the whole session).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -117,3 +119,18 @@ def vllm_server(vllm_python: Path, tmp_path_factory) -> Callable[..., object]:
             yield server
 
     return start
+
+
+# vLLM's own prompt-lookup drafter (the n-gram baseline of test_vllm_medusa_ngram.py)
+NGRAM_K = 3
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": NGRAM_K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+@pytest.fixture(scope="session")
+def house_ngram_server(vllm_server) -> Iterator[VllmServer]:
+    """The house target served by `vllm serve` with vLLM's n-gram drafter (NGRAM_CONFIG), started once: the n-gram
+    baseline reads its counters around its own requests, and the regenerate test's claim (a regenerated turn is what
+    the same server answers directly at T = 0) holds for any server of the target; a second launch cost ~30 s."""
+    with vllm_server(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(HOUSE_TARGET),
+                      "--speculative-config", json.dumps(NGRAM_CONFIG)], "house-ngram") as server:
+        yield server

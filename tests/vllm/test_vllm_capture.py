@@ -31,10 +31,8 @@ def _recipe(tmp_path: Path, run: str, vllm_python: Path, **capture: object) -> P
 def _both(tmp_path: Path, vllm_python: Path, **capture: object) -> tuple[Path, Path]:
     hf = _recipe(tmp_path, "hf", vllm_python, **capture)
     vl = _recipe(tmp_path, "vllm", vllm_python, backend="vllm", **capture)
-    cli("prepare", str(hf))
-    cli("capture", str(hf))
-    cli("prepare", str(vl))
-    cli("capture", str(vl))
+    for recipe in (hf, vl):  # both stages in one process: one interpreter start, not two
+        cli("run", str(recipe), "--only", "prepare,capture")
     return tmp_path / "hf" / "features", tmp_path / "vllm" / "features"
 
 

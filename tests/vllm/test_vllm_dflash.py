@@ -106,8 +106,8 @@ def _fit_checkpoint(recipe_path: Path) -> None:
 @pytest.fixture(scope="session")
 def house_dflash_run(tmp_path_factory, vllm_python: Path) -> Path:
     """A recipe whose run dir holds one DFlash checkpoint of the house target (shipped or fitted, see the module
-    docstring), evaluated by `speculators evaluate` (to depth 5 < k = 7: the launch plan prices the fixed k with the
-    lower bound tau(7) >= tau(5)) and exported by `speculators export`."""
+    docstring), evaluated by the evaluate stage (to depth 5 < k = 7: the launch plan prices the fixed k with the
+    lower bound tau(7) >= tau(5)) and exported by the export stage (`speculators run --only evaluate,export`)."""
     root = tmp_path_factory.mktemp("house-dflash")
     recipe = write_recipe(root / "house-dflash.yaml", root / "run",
                           speculator={"family": "dflash", "num_steps": K, "num_layers": LAYERS},
@@ -121,8 +121,7 @@ def house_dflash_run(tmp_path_factory, vllm_python: Path) -> Path:
         shutil.copytree(SHIPPED_DFLASH, root / "run" / "checkpoints" / "step-0000001")
     else:
         _fit_checkpoint(recipe)
-    cli("evaluate", str(recipe))
-    cli("export", str(recipe))
+    cli("run", str(recipe), "--only", "evaluate,export")  # both stages in one process
     return recipe
 
 

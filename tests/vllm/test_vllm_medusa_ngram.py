@@ -1,12 +1,12 @@
 """Medusa (vLLM 0.32's Medusa method: k fixed to num_heads, never a schedule with k = 0) and vLLM's own n-gram
-drafter, the baseline, on the same rows: lossless against vLLM alone. The Medusa heads are fitted to the target's
+drafter, the baseline (the session's `house_ngram_server`, which test_vllm_regenerate.py shares), on the same rows:
+lossless against vLLM alone. The Medusa heads are fitted to the target's
 greedy continuations of two of the four rows (tests/vllm/fitting.py; the other two held out), and vLLM's per-row
 acceptance counters must equal the offline prediction, position by position: T = 0 identity holds for any draft, so
 only the counters show a head-order or offset bug."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from speculators.export.vllm_check import serve_rows
 from speculators.export.vllm_consumer import complete_ids, counts_between, served_model, spec_counters
 from tests.conftest import HOUSE_TARGET
 from tests.vllm.fitting import fitted_export
+from tests.vllm.fixtures import NGRAM_K
 from tests.vllm.test_vllm_eagle3 import _rows_and_reference, assert_served_as_predicted, served_rows
 
 pytestmark = pytest.mark.vllm
@@ -31,16 +32,12 @@ def test_medusa_export_serves_losslessly_with_the_predicted_acceptance(house_eag
     assert_served_as_predicted("medusa", served, predicted, reference, 3)
 
 
-@pytest.mark.parametrize("k", [3])
-def test_vllm_ngram_baseline(house_eagle3_run: Path, vllm_server, k: int) -> None:
-    """vLLM's prompt-lookup drafter on the same rows: lossless, and on copy-heavy rows it accepts drafts."""
+def test_vllm_ngram_baseline(house_eagle3_run: Path, house_ngram_server) -> None:
+    """vLLM's prompt-lookup drafter (k = 3) on the same rows: lossless, and on copy-heavy rows it accepts drafts."""
     prompts, lengths, reference = _rows_and_reference(house_eagle3_run, 6)
-    config = json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                         "prompt_lookup_min": 2})
-    with vllm_server(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(HOUSE_TARGET),
-                      "--speculative-config", config], "ngram") as server:
-        model = served_model(server.url)
-        before = spec_counters(server.url)
-        assert [complete_ids(server.url, model, p, n) for p, n in zip(prompts, lengths, strict=True)] == reference
-        moved = counts_between(before, spec_counters(server.url), k)
+    server = house_ngram_server
+    model = served_model(server.url)
+    before = spec_counters(server.url)
+    assert [complete_ids(server.url, model, p, n) for p, n in zip(prompts, lengths, strict=True)] == reference
+    moved = counts_between(before, spec_counters(server.url), NGRAM_K)
     assert moved.drafts > 0 and sum(moved.accepted) > 0, moved.to_dict()

@@ -35,7 +35,7 @@ def _wait_for(what, predicate, proc: subprocess.Popen, log: Path, timeout: float
     while not predicate():
         assert proc.poll() is None, f"record-vllm exited ({proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s:\n{log.read_text()[-3000:]}"
-        time.sleep(1)
+        time.sleep(0.25)
 
 
 def _rows_listed(rec: Path) -> int:

@@ -3,9 +3,10 @@ in ONE process, one engine after the other (vLLM imported once; an engine starts
 half a minute), for tests/vllm/test_vllm_architectures.py.
 
 usage: VLLM_ENABLE_V1_MULTIPROCESSING=0 python serve_sweep.py JOBS.json RESULTS.json
-JOBS: [{"name", "target", "export", "dtype", "prompts": [[ids]], "max_tokens", "k"}]. Per job, the target alone
-generates every prompt at T = 0, then the target with the export as its EAGLE-3 drafter (the speculative config the
-export's launch.sh passes) generates them one at a time, reading vLLM's spec-decode counters after each.
+JOBS: [{"name", "target", "export", "dtype", "prompts": [[ids]], "max_tokens", "k"}]. Per job, the target with the
+export as its EAGLE-3 drafter (the speculative config the export's launch.sh passes) generates every prompt at T = 0,
+one at a time, reading vLLM's spec-decode counters after each; then the target alone generates them (not started
+where vLLM refused the drafter: an MLA target on a CPU without AMX).
 RESULTS: {name: {"plain": [[ids]], "spec": [[ids]], "counts": [{"drafts", "draft_tokens", "accepted": [k]}]} |
 {"error": "vLLM's exception, one line"}}. vLLM's log (stdout) has a line `== job NAME` before each job's engines.
 """
@@ -56,8 +57,8 @@ def main() -> int:
     for job in jobs:
         print(f"== job {job['name']}", flush=True)  # the log's sections: the test reads each job's aux-layer line
         try:
-            plain = _generate(job, None)
             spec = _generate(job, {"model": job["export"], "method": "eagle3", "num_speculative_tokens": int(job["k"])})
+            plain = _generate(job, None)
             results[job["name"]] = {"plain": plain["outputs"], "spec": spec["outputs"], "counts": spec["counts"]}
         except Exception as exc:  # one job's failure is its result; the next job runs
             traceback.print_exc()
