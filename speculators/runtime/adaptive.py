@@ -98,8 +98,9 @@ class AdaptiveDepth:
     short_output_tokens: int = 8
     probe_every: int = 8
     explore_every: int = 8
-    # per-depth acceptance EWMA step: 0.3 let one rejected draft at a depth drop its estimate by 30% and keep
-    # trees shallow (house target, code cohorts: 1.75x plain vs 1.80x with 0.1, tau 2.95 vs 3.31)
+    # the decay of older evidence per cycle, i.e. the steady-state step of an estimate: 0.3 let one rejected draft
+    # at a depth drop its estimate by 30% and keep trees shallow (house target, code cohorts: 1.75x plain vs 1.80x
+    # with 0.1, tau 2.95 vs 3.31)
     smoothing: float = 0.1
     # cycles of evidence a prior counts as (see Estimates in the module docstring): `prior_weight`, plus the cycles
     # behind it in the engine's memory (`prior_evidence`: per kind, per depth), up to `max_prior_weight`
