@@ -31,6 +31,12 @@ class AcceptanceMemory:
     default: float = 0.6
     counts: dict[tuple[float, str], list[tuple[float, float]]] = field(default_factory=dict)  # -> [(tries, hits)]
     probes: dict[float, int] = field(default_factory=dict)  # temperature bucket -> the last request's probe interval
+    # temperature bucket -> the cycles without the model drafter the last request ended with: the next request goes on
+    # counting toward its probe (requests shorter than the interval would otherwise never probe a drafter again)
+    off_streaks: dict[float, int] = field(default_factory=dict)
+
+    def off_streak(self, temperature: float) -> int:
+        return self.off_streaks.get(self.bucket(temperature), 0)
 
     def probe_interval(self, temperature: float) -> int:
         """The probe interval the last request at this temperature ended with (0: none yet)."""

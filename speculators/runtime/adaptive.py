@@ -31,7 +31,8 @@ after one rejected draft and kept trees shallow). tests/unit/runtime/test_contro
 
 Off, probes and warm-up: the model drafter is left out when no plan using it beats the best plan without it (by 5%
 once it is drafting: hysteresis). While it is out, the controller probes one model plan after `probe_every` cycles
-without it (the interval doubles, up to 8x, while probes keep losing), and the engine captures no hidden states and
+without it (the interval doubles, up to 8x, while probes keep losing; the cycles are counted across the engine's
+requests, so a stream of requests shorter than the interval still probes), and the engine captures no hidden states and
 feeds the drafter nothing except in the `warm_cycles` cycles before a probe (`wants_features`): the drafter then
 restarts from those positions alone (runtime/cycle_steps.py), so a probe costs at most its own cycle plus absorbing
 `warm_cycles` cycles' tokens. A plan that needs the model while the drafter has no fresh positions
@@ -113,6 +114,7 @@ class AdaptiveDepth:
     graft_nodes: int = 0  # the most lookup nodes grafted onto a model tree (0: no grafting)
     graftable: tuple[str, ...] = ()  # the kinds a lookup may be grafted onto (deterministic trees)
     probe_interval: int = 0  # the first probe's interval (0: probe_every); the engine carries it across requests
+    off_streak: int = 0  # cycles without the model drafter before this request (the engine's traffic): see `probes`
     warm_cycles: int = 8  # cycles before a probe in which the engine captures features for the drafter
 
     def __post_init__(self) -> None:
@@ -144,12 +146,14 @@ class AdaptiveDepth:
         self._explored = 0
         self._last_tried = {kind: 0 for kind in self.kinds}  # cycle count when each kind was last drafted
         self._cycles = 0
-        self._off_streak = 0  # cycles since the model last drafted
+        self._off_streak = self.off_streak  # cycles since the model last drafted, the earlier requests' included
         self._last = PLAIN
         self._wanted = False
-        # a request starts from the interval the engine's last one ended with, at most twice the first: the
-        # workload may have changed since (a drafter that lost on code may pay on the next request's prose)
-        self._probe_interval = min(self.probe_interval, 2 * self.probe_every) or self.probe_every
+        # a request goes on from the interval and the cycles without the model that the engine's last one ended
+        # with: the back-off follows the traffic (capping it at each request start probed a drafter that never pays
+        # every 16 cycles of a stream of short requests); a probe that wins counts as 3 cycles of evidence, so a
+        # drafter that lost on code and pays on the next request's prose is back within one probe
+        self._probe_interval = self.probe_interval or self.probe_every
         self._probing = False
         self.mode = self._mode()
 
@@ -307,6 +311,11 @@ class AdaptiveDepth:
         self._last = plan
         self.depth_histogram[plan.depth] = self.depth_histogram.get(plan.depth, 0) + 1
         self.source_histogram[plan.source] = self.source_histogram.get(plan.source, 0) + 1
+
+    @property
+    def cycles_without_model(self) -> int:
+        """The cycles since the model drafter last drafted (earlier requests' included): the next request's start."""
+        return self._off_streak
 
     @property
     def next_probe_interval(self) -> int:

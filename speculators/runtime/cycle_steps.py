@@ -125,8 +125,9 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
     evidence = {kind: memory.evidence(temperature, kind, len(values)) for kind, values in prior.items()}
     graftable = tuple(k for k in kinds if tree_verify_mode(k, params, engine.tree.verify) not in SAMPLED_MODES)
     ctrl = AdaptiveDepth(cost=engine.cost, max_depth=depth, max_new_tokens=params.max_new_tokens, enabled=adaptive,
-                         prior=prior, prior_evidence=evidence, kinds=kinds, lookup_depth=lookup_depth, graft_nodes=graft, graftable=graftable,
-                         probe_interval=memory.probe_interval(temperature))
+                         prior=prior, prior_evidence=evidence, kinds=kinds, lookup_depth=lookup_depth,
+                         graft_nodes=graft, graftable=graftable,
+                         probe_interval=memory.probe_interval(temperature), off_streak=memory.off_streak(temperature))
     if seeded and engine.adaptive and ctrl.mode.startswith("fixed"):
         ctrl.mode += " (seeded sampled request: reproducible)"
     record = engine.recorder.start(prompt_ids, temperature, features.get("taps")) if engine.recorder else None
@@ -284,6 +285,7 @@ def close_request(engine: CycleHost, req: RequestState, stats: GenerationStats) 
                                  sum(req.ctrl.source_histogram.values()))
     if req.ctrl.mode == "adaptive":  # a drafter still losing its probes is probed as rarely by the next request
         engine.acceptance_memory.probes[AcceptanceMemory.bucket(req.temperature)] = req.ctrl.next_probe_interval
+        engine.acceptance_memory.off_streaks[AcceptanceMemory.bucket(req.temperature)] = req.ctrl.cycles_without_model
         engine.adaptive_requests += 1
         if engine.cost_cache and engine.adaptive_requests % SAVE_EVERY == 0:  # what observed cycles corrected
             save_costs(engine)

@@ -84,7 +84,7 @@ def simulate(workloads: list[Workload], parts: str = "both", cycles_per_request:
         ctrl = AdaptiveDepth(cost=machine_costs(), max_depth=depth, max_new_tokens=10_000, prior=prior,
                              prior_evidence=evidence, kinds=(KIND,),
                              lookup_depth=looks, graft_nodes=graft, graftable=(KIND,),
-                             probe_interval=memory.probe_interval(0.0))
+                             probe_interval=memory.probe_interval(0.0), off_streak=memory.off_streak(0.0))
         captured, model_cycles = True, 0
         for _ in range(cycles_per_request):
             found = lookup_depth if (looks or graft) and rng.random() < work.lookup_share else 0
@@ -107,4 +107,5 @@ def simulate(workloads: list[Workload], parts: str = "both", cycles_per_request:
         memory.add(0.0, KIND, ctrl.counts[KIND], sum(ctrl.kind_histogram.values()))
         memory.add(0.0, LOOKUP, ctrl.lookup_counts, cycles_per_request)
         memory.probes[0.0] = ctrl.next_probe_interval
+        memory.off_streaks[0.0] = ctrl.cycles_without_model
     return out

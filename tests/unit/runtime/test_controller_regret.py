@@ -33,6 +33,13 @@ def test_a_drafter_that_never_pays_is_dropped_within_a_few_cycles_then_only_prob
     assert max(out.model_cycles_by_request[1:]) <= 4  # later requests start from the memory: probes only (<= 3%)
 
 
+def test_a_stream_of_short_requests_still_probes_a_drafter_that_is_out() -> None:
+    """Requests shorter than the probe interval: the cycles without the model are counted across them."""
+    out = simulate([Workload(model=[0.0] * 4)] * 40, "model", cycles_per_request=10)
+    later = out.model_cycles_by_request[4:]  # after the first requests dropped it
+    assert 0.01 * 10 * len(later) <= sum(later) <= 0.04 * 10 * len(later), later
+
+
 def test_a_good_drafter_is_kept() -> None:
     for seed in SEEDS:
         out = simulate([Workload(model=[0.8, 0.7, 0.6, 0.5])] * 3, "model", cycles_per_request=100, seed=seed)
@@ -40,12 +47,17 @@ def test_a_good_drafter_is_kept() -> None:
 
 
 def test_the_lookup_alone_is_chosen_where_it_is_the_best_part() -> None:
-    out = simulate([Workload(model=[0.02] * 4, lookup=[0.9] * 6, lookup_share=0.6)] * 4, "both",
-                   cycles_per_request=100)
-    later = out.trace[100:]  # after the first request has dropped the decoy
-    found = [source for source, has in later if has]
-    assert found.count("lookup") >= 0.95 * len(found), {s: found.count(s) for s in set(found)}
-    assert [source for source, has in later if not has].count("plain") >= 0.95 * sum(not has for _, has in later)
+    lookup_share, plain_share = [], []
+    for seed in SEEDS:
+        out = simulate([Workload(model=[0.02] * 4, lookup=[0.9] * 6, lookup_share=0.6)] * 4, "both",
+                       cycles_per_request=100, seed=seed)
+        later = out.trace[100:]  # after the first request has dropped the decoy
+        found = [source for source, has in later if has]
+        lookup_share.append(found.count("lookup") / len(found))
+        missing = [source for source, has in later if not has]
+        plain_share.append(missing.count("plain") / len(missing))  # a lucky probe may bring the decoy back briefly
+    assert statistics.mean(lookup_share) >= 0.95 and min(lookup_share) >= 0.9, lookup_share
+    assert statistics.mean(plain_share) >= 0.95 and min(plain_share) >= 0.85, plain_share
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
