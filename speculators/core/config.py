@@ -267,8 +267,8 @@ def tree_config(kind: str | None, depth: int | None, topk: int | None, budget: i
 DEFAULT_NGRAM_GRAFT = 3
 GRAFT_HELP = "graft at most this many prompt-lookup (n-gram) nodes onto a speculator's trees (0: off)"
 REVISION_MISMATCH_HELP = "serve a speculator trained on another target revision (never another tokenizer)"
-COST_CACHE_HELP = ("start from the cycle costs an engine like this one measured on this machine (kept in the cache "
-                   "root, refreshed by observed cycles) instead of measuring them on the first request")
+COST_CACHE_HELP = ("start from the cycle costs an engine like this one left on this machine (cache root) instead of "
+                   "measuring them (off by default: tables measured on a busy machine mislead)")
 
 
 @dataclass
@@ -351,7 +351,7 @@ class ServeConfig:
         "reads it as a data source of kind traffic)"))
     record_budget_gb: float = field(default=2.0, metadata=_help(
         "disk budget of --record, in GiB: the oldest rows are dropped beyond it"))
-    cost_cache: bool = field(default=True, metadata=_help(COST_CACHE_HELP))
+    cost_cache: bool = field(default=False, metadata=_help(COST_CACHE_HELP))
     tree: TreeConfig = field(default_factory=TreeConfig, metadata=_help("draft tree settings (recipe only)", False))
 
     def validate(self) -> None:

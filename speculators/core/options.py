@@ -77,7 +77,7 @@ class GenerateOptions(TorchThreads):
     ngram_graft: int = option(DEFAULT_NGRAM_GRAFT, GRAFT_HELP)
     as_json: bool = option(False, "print one JSON object per generation", flag="--json")
     batch: int = option(1, "workload rows sharing each target forward (1: one at a time)")
-    cost_cache: bool = option(True, COST_CACHE_HELP, flag="--cost-cache/--no-cost-cache")
+    cost_cache: bool = option(False, COST_CACHE_HELP, flag="--cost-cache/--no-cost-cache")
     threads: int = option(0, THREADS_HELP)
 
 
@@ -134,7 +134,7 @@ class BenchOptions(TorchThreads):
     compare_verify: bool = option(False, "at T > 0 also run each speculator at a fixed tree: a sampled chain verified "
                                          "token-wise vs by block verification, a sampled tree token-wise vs by "
                                          "traversal verification")
-    cost_cache: bool = option(True, COST_CACHE_HELP, flag="--cost-cache/--no-cost-cache")
+    cost_cache: bool = option(False, COST_CACHE_HELP, flag="--cost-cache/--no-cost-cache")
     threads: int = option(0, THREADS_HELP)
 
 

@@ -43,7 +43,7 @@ TreeFlags = tuple[str | None, int | None, int | None, int | None]  # --tree, --d
 def _command_engine(target: str | None, speculator: str | None, device: str, dtype: str,
                     allow_revision_mismatch: bool, tree: TreeFlags | None = None, draft_dtype: str = "auto",
                     ngram_graft: int = DEFAULT_NGRAM_GRAFT, max_len: int | None = None,
-                    cost_cache: bool = True) -> Engine:
+                    cost_cache: bool = False) -> Engine:
     """The engine of a command; `tree`: (kind, depth, topk, budget) flags applied over the drafter's own tree;
     `cost_cache`: costs from / kept in the cache root (runtime/cost_cache.py)."""
     engine = Engine.from_pretrained(target, None if speculator in (None, "", "none") else speculator, device=device,
