@@ -113,7 +113,8 @@ def test_tuning_gives_a_complete_table_once_per_shape(monkeypatch) -> None:
     assert set(bigger.form) == set(range(1, 7))
     monkeypatch.setattr(row_products, "_TUNED", {})
     spent = tune_row_products(runner, cache, 3, max_rows=5, forms=runner.product_forms, budget_s=0.0)
-    assert spent.tuned and spent.form == {1: "rows"} and spent.pad == {1: 1}, "out of time after one row count"
+    # out of time after one row count (which form won it is the machine's timing: not asserted)
+    assert spent.tuned and set(spent.form) == {1} and spent.pad == {1: 1}, "out of time after one row count"
     assert spent.padded_rows(4, room=50) == 4
 
 
