@@ -284,8 +284,9 @@ def close_request(engine: CycleHost, req: RequestState, stats: GenerationStats) 
     engine.acceptance_memory.add(req.temperature, LOOKUP, req.ctrl.lookup_counts,
                                  sum(req.ctrl.source_histogram.values()))
     if req.ctrl.mode == "adaptive":  # a drafter still losing its probes is probed as rarely by the next request
-        engine.acceptance_memory.probes[AcceptanceMemory.bucket(req.temperature)] = req.ctrl.next_probe_interval
-        engine.acceptance_memory.off_streaks[AcceptanceMemory.bucket(req.temperature)] = req.ctrl.cycles_without_model
+        bucket = AcceptanceMemory.bucket(req.temperature)
+        engine.acceptance_memory.probes[bucket] = req.ctrl.next_probe_interval
+        engine.acceptance_memory.off_streaks[bucket] = req.ctrl.cycles_without_model
         engine.adaptive_requests += 1
         if engine.cost_cache and engine.adaptive_requests % SAVE_EVERY == 0:  # what observed cycles corrected
             save_costs(engine)

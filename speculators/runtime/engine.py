@@ -135,7 +135,7 @@ class Engine:
         self.eos_ids = set(eos_token_ids(getattr(target.model, "generation_config", None), self.tokenizer))
         self.prefix_caching = prefix_caching
         self.cost = CostModel()
-        self.cost_cache = False  # True: costs from / kept in the cache root per machine (cost_cache.py; the CLI's)
+        self.cost_cache = False  # True: costs from / kept in the cache root per machine (cost_cache.py; --cost-cache)
         self.adaptive_requests = 0
         self.acceptance_memory = AcceptanceMemory()  # every request's acceptance, where the next one starts
         self.totals = AcceptanceStats()  # over every request served (the server's /metrics reads it)

@@ -297,7 +297,7 @@ def _methods(loaded: Any, speculators: list[str], tree: TreeConfig | None, opts:
             name = "plain" if path is None else f"{engine.info.family}:{Path(path).name}"
             engine.record_to(RecordingSpec(Path(opts.record) / name.replace(":", "-")))
             methods.append(Method(f"{name}+record", "runtime", engine))
-    for method in methods:  # each starts from the costs an engine like it left on this machine
+    for method in methods:  # --cost-cache: each starts from the costs an engine like it left on this machine
         method.engine.cost_cache = opts.cost_cache
     if opts.hf:
         methods += [Method("hf", "hf"), Method("hf-assisted", "hf-assisted")]
