@@ -193,8 +193,8 @@ class TrainConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = 0.1
     grad_clip: float = 0.5
-    # auto: bf16 on CUDA, fp32 on CPU; bf16 on the CPU too: autocast (bf16 matmuls; fp32 weights, loss and optimizer
-    # states), measured in docs/acceptance-levers.md section 7
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on the weight matrices, AdamW on the rest (optimizer.py)
+    # auto: bf16 on CUDA, fp32 on CPU; bf16 on the CPU too: autocast (bf16 matmuls; fp32 weights, loss, optimizer), §7
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     accelerate_config: str | None = None  # recipes/accelerate/*.yaml (DDP, DeepSpeed ZeRO-2/3, FSDP)
     num_processes: int = 1

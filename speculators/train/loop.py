@@ -7,7 +7,7 @@ What it does:
   every shard's sha256 is verified before step 1)
   or online capture (`capture.mode: online`: the target runs inside the step on the prepared/regenerated rows).
 - The speculator comes from `SPECULATORS[family].from_target(...)`; the trainer never branches on the family.
-- Optimisation: AdamW, warmup + cosine/linear/constant schedule (transformers' `get_scheduler`, fast-forwarded on resume),
+- Optimisation: AdamW (or Muon on the matrices, optimizer.py), warmup + cosine/linear/constant schedule (transformers' `get_scheduler`, fast-forwarded on resume),
   gradient accumulation, clipping, bf16 mixed precision on CUDA by default and on the CPU with
   `train.precision: bf16` (accelerate's autocast: bf16 matmuls, fp32 weights, loss and optimizer states), fp32
   otherwise; loss = `loss.speculator_loss`.
@@ -66,6 +66,7 @@ from speculators.train.checkpoint import SUMMARY_FILE
 from speculators.train.init_from import load_init_weights
 from speculators.train.learning_curve import LearningCurve, open_curve
 from speculators.train.loss import TeacherShape, VocabMap, speculator_loss
+from speculators.train.optimizer import build_optimizer
 from speculators.train.schedule import lr_schedule, warmup_steps
 from speculators.train.setup import Setup, check_signature, load_setup, train_signature
 from speculators.train.validation import acceptance_rows, evaluate_heldout
@@ -278,7 +279,7 @@ def _open(recipe: Recipe, force: bool) -> _Session:
     acc.wait_for_everyone()
     module = train_module_class()(spec)
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    optimizer = build_optimizer(module, t)
     configure_deepspeed(acc, recipe)
     model, optimizer = acc.prepare(module, optimizer)
     writer = ck.CheckpointWriter(root, acc, t.keep_last)
