@@ -7,7 +7,8 @@ What it does:
   every shard's sha256 is verified before step 1)
   or online capture (`capture.mode: online`: the target runs inside the step on the prepared/regenerated rows).
 - The speculator comes from `SPECULATORS[family].from_target(...)`; the trainer never branches on the family.
-- Optimisation: AdamW (or Muon on the matrices, optimizer.py), warmup + cosine/linear/constant schedule (transformers' `get_scheduler`, fast-forwarded on resume),
+- Optimisation: AdamW (or Muon on the matrices, optimizer.py), warmup + cosine/linear/constant schedule
+  (transformers' `get_scheduler`, fast-forwarded on resume),
   gradient accumulation, clipping, bf16 mixed precision on CUDA by default and on the CPU with
   `train.precision: bf16` (accelerate's autocast: bf16 matmuls, fp32 weights, loss and optimizer states), fp32
   otherwise; loss = `loss.speculator_loss`.

@@ -15,6 +15,7 @@ holds; under DeepSpeed ZeRO the recipe keeps AdamW), or tune the learning rate.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -93,19 +94,26 @@ class MuonAdamW(torch.optim.Optimizer):
         p.add_((state["exp_avg"] / (1.0 - beta1 ** step) / denom).to(p.dtype), alpha=-group["lr"])
 
 
+def check_optimizer_options(t: TrainConfig) -> None:
+    """One error line for an optimizer setting this module cannot run (checked before a run writes anything)."""
+    if t.optimizer not in ("adamw", "muon"):
+        raise SpeculatorsError(f"train.optimizer must be adamw or muon, got {t.optimizer!r}")
+    deepspeed = ("deepspeed" in str(t.accelerate_config or "").lower()
+                 or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true")  # set by accelerate launch
+    if t.optimizer == "muon" and deepspeed:
+        raise SpeculatorsError("train.optimizer=muon is not supported with DeepSpeed (its ZeRO partitions the "
+                               "matrices Muon orthogonalises); use train.optimizer=adamw")
+
+
 def build_optimizer(module: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
     """The optimizer `t.optimizer` names over the module's trainable parameters."""
+    check_optimizer_options(t)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise SpeculatorsError("the speculator has no trainable parameters")
     betas = (float(t.betas[0]), float(t.betas[1]))
     if t.optimizer == "adamw":
         return torch.optim.AdamW([p for _, p in named], lr=t.lr, betas=betas, weight_decay=t.weight_decay)
-    if t.optimizer != "muon":
-        raise SpeculatorsError(f"train.optimizer must be adamw or muon, got {t.optimizer!r}")
-    if t.accelerate_config and "deepspeed" in str(t.accelerate_config):
-        raise SpeculatorsError("train.optimizer=muon is not supported with DeepSpeed (its ZeRO partitions the "
-                               "matrices Muon orthogonalises); use train.optimizer=adamw")
     matrices = [p for n, p in named if is_muon_matrix(n, p)]
     rest = [p for n, p in named if not is_muon_matrix(n, p)]
     groups = [g for g in ({"params": matrices, "muon": True}, {"params": rest, "muon": False}) if g["params"]]

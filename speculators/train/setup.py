@@ -48,6 +48,7 @@ from speculators.models.base import TargetWeights
 from speculators.models.io import read_speculator_config, target_weights
 from speculators.train import checkpoint as ck
 from speculators.train.batches import FeatureSource, PreparedSource, train_val_indices
+from speculators.train.optimizer import check_optimizer_options
 
 _NOT_IN_SIGNATURE = {"resume", "trackers", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "log_every",
                      "num_workers", "eval_every", "keep_last", "accelerate_config", "num_processes", "save_every",
@@ -201,6 +202,7 @@ def _check_training_options(recipe: Recipe) -> None:
         raise SpeculatorsError(f"train.curve_points must be >= 0 (0: no learning curve), train.curve_share in (0, 1] "
                                f"and train.curve_rows >= 1 or unset; got {t.curve_points}, {t.curve_share}, "
                                f"{t.curve_rows}")
+    check_optimizer_options(t)
     levers = [k for k in ("freeze_lm_head", "norm_from_target") if getattr(spec, k)]
     if levers and spec.family != "eagle3":
         raise SpeculatorsError(f"speculator.{levers[0]} is an eagle3 option (mtp always copies the target's head and "

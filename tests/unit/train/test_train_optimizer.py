@@ -5,14 +5,16 @@ trained by it, and its state through a checkpoint round trip."""
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from speculators.core.config import Recipe, SpeculatorConfig, TrainConfig
+from speculators.core.config import SpeculatorConfig, TrainConfig
 from speculators.core.errors import SpeculatorsError
 from speculators.train.optimizer import MuonAdamW, build_optimizer, is_muon_matrix, orthogonalised
+from tests.unit.train.train_helpers import load, prepare, recipe_dict, write_rows
 
 
 @pytest.mark.parametrize("shape", [(576, 1728), (1536, 576), (192, 1152)])  # fc, gate/up, k/v of SmolLM2's draft
@@ -108,10 +110,32 @@ def test_muon_trains_an_eagle3_head_and_its_state_survives_a_round_trip(tiny_lla
         assert torch.equal(a, b), (name, (a - b).abs().max())
 
 
-def test_muon_under_deepspeed_is_refused_in_one_line(tiny_llama: Path) -> None:
-    module = _eagle3(tiny_llama, freeze=False)
-    recipe = Recipe()
-    recipe.train.optimizer = "muon"
-    recipe.train.accelerate_config = "recipes/accelerate/deepspeed-zero2.yaml"
+def test_a_muon_run_trains_checkpoints_and_resumes(tmp_path: Path, tiny_llama: Path) -> None:
+    from speculators.train.train import run
+
+    write_rows(tmp_path / "rows.jsonl", 12)
+    data = recipe_dict(tmp_path / "run", tiny_llama, tmp_path / "rows.jsonl", train={"optimizer": "muon"})
+    prepare(data)
+    first = run(load(data))
+    assert first["steps"] == 6 and math.isfinite(first["final_loss"])
+    state = tmp_path / "run" / "checkpoints" / "step-0000006" / "training_state" / "optimizer.bin"
+    saved = torch.load(state, weights_only=False)  # accelerate's optimizer state: Muon's momentum buffers in it
+    assert any("momentum" in st for st in saved["state"].values())
+    data["train"].update(max_steps=9, resume=str(state.parent.parent))  # continue with a longer schedule
+    again = run(load(data))
+    assert again["resumed_from_step"] == 6 and again["steps"] == 9
+
+
+def test_muon_under_deepspeed_is_refused_before_anything_is_written(tmp_path: Path, tiny_llama: Path) -> None:
+    from speculators.train.train import run
+
+    write_rows(tmp_path / "rows.jsonl", 12)
+    data = recipe_dict(tmp_path / "run", tiny_llama, tmp_path / "rows.jsonl",
+                       train={"optimizer": "muon", "accelerate_config": "recipes/accelerate/deepspeed-zero2.yaml"})
+    prepare(data)
+    kept = tmp_path / "run" / "checkpoints" / "keep.txt"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("an earlier run")
     with pytest.raises(SpeculatorsError, match="not supported with DeepSpeed"):
-        build_optimizer(module, recipe.train)
+        run(load(data), force=True)
+    assert kept.read_text() == "an earlier run"
