@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ from speculators.core.recipes import load_recipe
 from speculators.core.target import load_tokenizer
 from speculators.core.target_sources import resolve_target_source
 from speculators.core.vllm_env import server_env, vllm_python
+from speculators.core.workers import free_port
 from speculators.core.workloads import WorkloadRow
 from speculators.evaluate.teacher import encode_row
 from speculators.export.vllm import verifier_name
@@ -104,12 +104,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if value is not None and value < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def setup(args: argparse.Namespace) -> tuple[Recipe, Path, list[Draft]]:
