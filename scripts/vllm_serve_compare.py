@@ -50,7 +50,7 @@ from speculators.core.workers import free_port
 from speculators.core.workloads import WorkloadRow
 from speculators.evaluate.teacher import encode_row
 from speculators.export.vllm import verifier_name
-from speculators.export.vllm_check import rows_to_check, serve_rows
+from speculators.export.vllm_check import first_difference, rows_to_check, serve_rows
 from speculators.export.vllm_consumer import VllmServer, repaired_env, server_args
 
 FORMAT = "speculators.vllm-serve-compare/v1"
@@ -140,11 +140,6 @@ def prompts_of(recipe: Recipe) -> tuple[list[WorkloadRow], list[list[int]], int]
         raise SpeculatorsError(f"cannot read the config of target {cfg.name_or_path}: {exc}") from None
     positions = int(getattr(config, "max_position_embeddings", 0) or recipe.vllm.max_model_len)
     return rows, prompts, min(recipe.vllm.max_model_len, positions)
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def summarize(draft: Draft, k: int, rows: list[WorkloadRow], plain: list[list[int]], outs: list[list[int]],

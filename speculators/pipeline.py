@@ -79,19 +79,40 @@ def _timed(run: Callable[..., dict | None], recipe: Recipe, force: bool) -> dict
     return summary
 
 
-def busy_machine_line(name: str) -> str | None:
-    """One line when this machine is already busier than its cores as a stage starts (two torch processes on 2
-    cores run 5-7x slower than one after the other): the load, the cores and the threads the stage will use."""
-    cores = os.cpu_count() or 1
+def cpu_use(window_s: float = 0.3) -> tuple[float, float] | None:
+    """(cores busy on the whole machine, cores busy in this process) over the next `window_s` seconds, from
+    /proc/stat and this process's CPU time; None where the kernel keeps no /proc/stat."""
+
+    def machine_busy_s() -> float:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+        return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already in user
+
     try:
-        load = os.getloadavg()[0]
-    except OSError:  # no load average on this platform
+        machine0, own0 = machine_busy_s(), time.process_time()
+    except (OSError, ValueError, IndexError):
         return None
-    if load < cores:
+    time.sleep(window_s)
+    return (machine_busy_s() - machine0) / window_s, (time.process_time() - own0) / window_s
+
+
+def busy_machine_line(name: str, use: tuple[float, float] | None = None) -> str | None:
+    """One line when other processes already keep at least half of this machine's cores busy as a stage starts
+    (two torch processes on 2 cores run 5-7x slower than one after the other): the cores they use, the cores and the
+    threads the stage will use. Measured over a moment now (`cpu_use`), not from the load average, which still holds
+    this pipeline's previous stage for a minute. `use`: (machine, own) busy cores, measured when not given."""
+    cores = os.cpu_count() or 1
+    use = use if use is not None else cpu_use()
+    if use is None:
+        return None
+    others = max(0.0, use[0] - use[1])
+    if others < max(1.0, cores / 2) * 0.9:
         return None
     threads = os.environ.get("OMP_NUM_THREADS") or f"{cores} (one per core)"
-    return (f"[{name}] this machine is already busy (load {load:.1f} on {cores} cores): the stage's {threads} torch "
-            "threads will share them and run slower; set OMP_NUM_THREADS or run it when the other work is done")
+    return (f"[{name}] this machine is already busy (other processes use {others:.1f} of its {cores} cores): the "
+            f"stage's {threads} torch threads will share them and run slower; set OMP_NUM_THREADS or run it when "
+            "the other work is done")
 
 
 def use_threads(recipe: Recipe) -> None:

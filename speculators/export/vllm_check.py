@@ -207,7 +207,7 @@ def build_vllm_check_report(key: str, k: int, rows: list[WorkloadRow], predicted
         per_row.append({"id": row.id, "cohort": row.cohort, "vllm_equals_vllm_plain": served[i] == plain[i],
                         "vllm_equals_ours_fp32": served[i] == predicted[i].output_ids,
                         "runtime_equals_ours_fp32": live[i][0] == predicted[i].output_ids,
-                        "first_difference_vs_ours": _first_difference(served[i], predicted[i].output_ids),
+                        "first_difference_vs_ours": first_difference(served[i], predicted[i].output_ids),
                         "tokens": len(served[i]), "vllm_plain_output": plain[i],
                         "predicted": predicted[i].counts.to_dict(),
                         "vllm": counts[i].to_dict(), "live": live[i][1].to_dict()})
@@ -257,7 +257,8 @@ def sampled_report(k: int, temperature: float, rows: list[WorkloadRow], predicte
                      for r, p, g in zip(rows, predicted, got_rows, strict=True)]}
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one's length when one extends the other; None: equal)."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                 None if len(a) == len(b) else min(len(a), len(b)))
 

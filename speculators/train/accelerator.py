@@ -54,6 +54,11 @@ def _reset_accelerate_state() -> None:
     GradientState._reset_state()
 
 
+def deepspeed_launched() -> bool:
+    """Whether `accelerate launch` started this process under DeepSpeed (it says so in the environment)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def make_accelerator(recipe: Recipe) -> Any:
     _reset_accelerate_state()
     cuda = torch.cuda.is_available() and not recipe.target.device.startswith("cpu")
@@ -65,8 +70,7 @@ def make_accelerator(recipe: Recipe) -> Any:
     handlers: list[Any] = [DistributedDataParallelKwargs(find_unused_parameters=False)]
     kwargs: dict[str, Any] = {"gradient_accumulation_steps": recipe.train.grad_accum, "mixed_precision": mixed,
                               "step_scheduler_with_optimizer": False}
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if not cuda and deepspeed:
+    if not cuda and deepspeed_launched():
         # accelerate disables DeepSpeed under cpu=True; gloo keeps DeepSpeed and gives every rank its index
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     elif not cuda:

@@ -37,6 +37,7 @@ from speculators.core.errors import SpeculatorsError
 from speculators.core.recipes import dump_recipe, load_recipe
 from speculators.core.workers import accelerate_command, run_workers
 from speculators.train.loop import train
+from speculators.train.optimizer import check_optimizer_options
 from speculators.train.setup import SHARDS_VERIFIED_ENV, preflight
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ def launch_command(recipe: Recipe, recipe_file: Path) -> list[str]:
 def launch(recipe: Recipe, *, force: bool = False) -> dict:
     """Run training under `accelerate launch` and return rank 0's summary."""
     if recipe.train.accelerate_config:
-        check_accelerate_config(recipe.train.accelerate_config)
+        cfg = check_accelerate_config(recipe.train.accelerate_config)
+        check_optimizer_options(recipe.train, deepspeed=str(cfg["distributed_type"]).upper() == "DEEPSPEED")
     preflight(recipe, force=force)
     tmp = Path(tempfile.mkdtemp(prefix="speculators-train-"))
     try:

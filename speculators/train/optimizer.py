@@ -15,13 +15,13 @@ holds; under DeepSpeed ZeRO the recipe keeps AdamW), or tune the learning rate.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
 
 from speculators.core.config import TrainConfig
 from speculators.core.errors import SpeculatorsError
+from speculators.train.accelerator import deepspeed_launched
 
 MUON_WEIGHT_DECAY = 0.1  # the Muon group's decoupled weight decay (vLLM's trainer's default)
 MUON_MOMENTUM = 0.95
@@ -94,12 +94,14 @@ class MuonAdamW(torch.optim.Optimizer):
         p.add_((state["exp_avg"] / (1.0 - beta1 ** step) / denom).to(p.dtype), alpha=-group["lr"])
 
 
-def check_optimizer_options(t: TrainConfig) -> None:
-    """One error line for an optimizer setting this module cannot run (checked before a run writes anything)."""
+def check_optimizer_options(t: TrainConfig, deepspeed: bool | None = None) -> None:
+    """One error line for an optimizer setting this module cannot run (checked before a run writes anything).
+    `deepspeed`: whether the run is (or will be launched) under DeepSpeed; None: as `accelerate launch` said in this
+    process's environment (the launcher passes what the recipe's parsed accelerate config says)."""
     if t.optimizer not in ("adamw", "muon"):
         raise SpeculatorsError(f"train.optimizer must be adamw or muon, got {t.optimizer!r}")
-    deepspeed = ("deepspeed" in str(t.accelerate_config or "").lower()
-                 or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true")  # set by accelerate launch
+    if deepspeed is None:
+        deepspeed = deepspeed_launched()
     if t.optimizer == "muon" and deepspeed:
         raise SpeculatorsError("train.optimizer=muon is not supported with DeepSpeed (its ZeRO partitions the "
                                "matrices Muon orthogonalises); use train.optimizer=adamw")

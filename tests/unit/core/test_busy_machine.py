@@ -1,9 +1,13 @@
-"""A stage that starts on a machine already busier than its cores says so in one line (pipeline.py), with the
-threads it will use; a machine with room says nothing."""
+"""A stage that starts while other processes keep the machine busy says so in one line (pipeline.py), with the
+threads it will use; a machine with room, or busy with this process's own work, says nothing."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
@@ -13,18 +17,44 @@ from speculators import pipeline
 def test_a_busy_machine_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    monkeypatch.setattr(os, "getloadavg", lambda: (3.4, 3.0, 2.0))
-    line = pipeline.busy_machine_line("capture")
+    line = pipeline.busy_machine_line("capture", use=(2.0, 0.1))  # others keep 1.9 cores busy
     assert line is not None and "\n" not in line
-    assert line.startswith("[capture] this machine is already busy (load 3.4 on 2 cores)") and "2 torch threads" in line
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.7, 0.5, 0.2))
-    assert pipeline.busy_machine_line("capture") is None
+    assert line.startswith("[capture] this machine is already busy (other processes use 1.9 of its 2 cores)")
+    assert "2 torch threads" in line
+    assert pipeline.busy_machine_line("capture", use=(0.4, 0.0)) is None
+    # this process's own work (the pipeline's previous stage, whose load the load average still holds) is not others'
+    assert pipeline.busy_machine_line("capture", use=(2.0, 1.9)) is None
+
+
+def test_cpu_use_tells_other_processes_from_this_one() -> None:
+    """Measured, not assumed: a thread of this process spinning counts as its own; a child spinning as others'."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        use = pipeline.cpu_use(0.5)
+    finally:
+        stop.set()
+        worker.join()
+    assert use is not None
+    machine, own = use
+    assert own >= 0.5 and machine >= own - 0.15, use
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 20\nwhile time.time() < t: pass"])
+    try:
+        time.sleep(0.5)  # the child's interpreter has started and spins
+        machine, own = pipeline.cpu_use(0.5)
+    finally:
+        child.kill()
+        child.wait()
+    assert machine - own >= 0.3 and own < 0.3, (machine, own)
 
 
 def test_the_recipes_threads_set_the_pool_of_the_stage_and_the_processes_it_starts(monkeypatch) -> None:
-    import subprocess
-    import sys
-
     import torch
 
     from speculators.core.config import Recipe

@@ -13,7 +13,13 @@ import torch
 
 from speculators.core.config import SpeculatorConfig, TrainConfig
 from speculators.core.errors import SpeculatorsError
-from speculators.train.optimizer import MuonAdamW, build_optimizer, is_muon_matrix, orthogonalised
+from speculators.train.optimizer import (
+    MuonAdamW,
+    build_optimizer,
+    check_optimizer_options,
+    is_muon_matrix,
+    orthogonalised,
+)
 from tests.unit.train.train_helpers import load, prepare, recipe_dict, write_rows
 
 
@@ -126,12 +132,21 @@ def test_a_muon_run_trains_checkpoints_and_resumes(tmp_path: Path, tiny_llama: P
     assert again["resumed_from_step"] == 6 and again["steps"] == 9
 
 
-def test_muon_under_deepspeed_is_refused_before_anything_is_written(tmp_path: Path, tiny_llama: Path) -> None:
+@pytest.mark.parametrize("named", ["repo", "renamed"])
+def test_muon_under_deepspeed_is_refused_before_anything_is_written(tmp_path: Path, tiny_llama: Path,
+                                                                    named: str) -> None:
+    """Refused from the accelerate config's parsed distributed_type, whatever the file is called."""
     from speculators.train.train import run
 
+    config = Path("recipes/accelerate/deepspeed-zero2.yaml")
+    if named == "renamed":  # a DeepSpeed config whose name does not say so
+        text = config.read_text().replace("recipes/deepspeed/zero2.json", str(Path("recipes/deepspeed/zero2.json")
+                                                                               .resolve()))
+        config = tmp_path / "cluster.yaml"
+        config.write_text(text)
     write_rows(tmp_path / "rows.jsonl", 12)
     data = recipe_dict(tmp_path / "run", tiny_llama, tmp_path / "rows.jsonl",
-                       train={"optimizer": "muon", "accelerate_config": "recipes/accelerate/deepspeed-zero2.yaml"})
+                       train={"optimizer": "muon", "accelerate_config": str(config)})
     prepare(data)
     kept = tmp_path / "run" / "checkpoints" / "keep.txt"
     kept.parent.mkdir(parents=True)
@@ -139,3 +154,16 @@ def test_muon_under_deepspeed_is_refused_before_anything_is_written(tmp_path: Pa
     with pytest.raises(SpeculatorsError, match="not supported with DeepSpeed"):
         run(load(data), force=True)
     assert kept.read_text() == "an earlier run"
+
+
+def test_deepspeed_refusal_follows_the_launch_not_a_file_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = TrainConfig(optimizer="muon", accelerate_config="my-deepspeed-free-ddp.yaml")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    check_optimizer_options(t)  # a name proves nothing
+    check_optimizer_options(t, deepspeed=False)
+    with pytest.raises(SpeculatorsError, match="not supported with DeepSpeed"):
+        check_optimizer_options(t, deepspeed=True)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch sets in every worker
+    with pytest.raises(SpeculatorsError, match="not supported with DeepSpeed"):
+        check_optimizer_options(t)
+    check_optimizer_options(TrainConfig(optimizer="adamw"))
