@@ -348,8 +348,12 @@ class AdaptiveDepth:
 
     def observe(self, drafted_depth: int, accepted: int, kind: str | None = None) -> None:
         """Update a_k of `kind` (default: the last chosen) for the depths this cycle tried (a depth is tried iff all
-        shallower ones were accepted); `accepted` counts the model's own nodes on the accepted path."""
+        shallower ones were accepted); `accepted` counts the model's own nodes on the accepted path. A drafter that
+        proposed nothing (`drafted_depth` 0: prompt lookup without a match) yielded what a miss at depth 1 yields: a
+        plan's tokens are per cycle it is chosen, and an n-gram drafter matching 5% of cycles had kept its 40% per
+        match and drafted every cycle at 0.77x plain (house target, T = 1)."""
         kind = kind or self.kind
+        drafted_depth = max(drafted_depth, 1)
         self.accepted_by_source["model"] += accepted
         # a probe is the only news of a drafter that is out: it counts as 3 cycles of evidence (else a drafter
         # judged on one cohort stays out on the next, where it pays)

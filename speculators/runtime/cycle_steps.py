@@ -267,7 +267,7 @@ def observe_cycle(engine: CycleHost, req: RequestState, acc: AcceptanceStats, tr
     req.work.target_nodes += tree.size
     by_model = sum(1 for i in accepted if i < model_nodes)
     req.ctrl.accepted_by_source[LOOKUP] += len(accepted) - by_model
-    if plan.depth > 0 and model_nodes > 1:  # the controller models the drafter's own depths (not a graft)
+    if plan.depth > 0:  # the controller models the drafter's own depths (not a graft); 0: it proposed nothing
         model_depth = int(tree.depths[:model_nodes].max()) if model_nodes > 1 else 0
         req.ctrl.observe(min(model_depth, plan.depth), min(by_model, plan.depth), plan.kind)
         engine.cost.observe_draft(plan.depth, model_nodes - 1, t_verify - t_propose, plan.kind)

@@ -40,12 +40,14 @@ def machine_costs() -> CostModel:
 
 @dataclass
 class Workload:
-    """Per-position acceptance of the model drafter (`model`) and of the lookup (`lookup`), and the share of cycles
-    in which the lookup finds a continuation."""
+    """Per-position acceptance of the model drafter (`model`) and of the lookup (`lookup`), the share of cycles
+    in which the lookup finds a continuation, and the share in which the model drafter proposes anything (an n-gram
+    drafter in the model's place proposes only where it finds a match)."""
 
     model: list[float]
     lookup: list[float] = field(default_factory=list)
     lookup_share: float = 0.0
+    model_share: float = 1.0
 
 
 @dataclass
@@ -91,9 +93,10 @@ def simulate(workloads: list[Workload], parts: str = "both", cycles_per_request:
             plan = ctrl.choose_plan(10_000, found, model_ready=captured)
             captured = ctrl.wants_features()
             matched = _leading(work.lookup, found, rng) if found else 0
-            accepted = _leading(work.model, plan.depth, rng) if plan.depth else 0
+            proposes = bool(plan.depth) and rng.random() < work.model_share
+            accepted = _leading(work.model, plan.depth, rng) if proposes else 0
             if plan.depth:
-                ctrl.observe(plan.depth, accepted, plan.kind)
+                ctrl.observe(plan.depth if proposes else 0, accepted, plan.kind)
                 model_cycles += 1
             if found:
                 ctrl.observe_lookup(found, matched)

@@ -33,6 +33,16 @@ def test_a_drafter_that_never_pays_is_dropped_within_a_few_cycles_then_only_prob
     assert max(out.model_cycles_by_request[1:]) <= 4  # later requests start from the memory: probes only (<= 3%)
 
 
+def test_a_drafter_that_rarely_proposes_is_judged_by_the_cycles_it_is_chosen_for() -> None:
+    """An n-gram drafter in the model's place matches in 5% of cycles, at 40% acceptance when it does: its plan yields
+    1.02 tokens per cycle, not 1.4. Cycles that proposed nothing count as misses, so it is dropped like a decoy."""
+    out = simulate([Workload(model=[0.4, 0.3, 0.3, 0.3], model_share=0.05)] * 5, "model", cycles_per_request=150)
+    assert out.model_cycles_by_request[0] <= 20, out.model_cycles_by_request
+    assert max(out.model_cycles_by_request[1:]) <= 6, out.model_cycles_by_request
+    kept = simulate([Workload(model=[0.8, 0.7, 0.6, 0.5], model_share=0.9)] * 3, "model", cycles_per_request=100)
+    assert kept.model_cycles >= 0.95 * kept.cycles, kept.sources  # one that proposes most cycles and pays is kept
+
+
 def test_a_stream_of_short_requests_still_probes_a_drafter_that_is_out() -> None:
     """Requests shorter than the probe interval: the cycles without the model are counted across them."""
     out = simulate([Workload(model=[0.0] * 4)] * 40, "model", cycles_per_request=10)

@@ -198,6 +198,20 @@ def test_engine_reports_choices_and_stays_lossless(tiny_llama) -> None:
     assert short.token_ids == out.token_ids[:3]
 
 
+def test_every_cycle_drafted_with_the_model_counts_even_when_it_proposed_nothing(tiny_llama) -> None:
+    """Prompt lookup in the model drafter's place proposes only where the context repeats; the cycles it was chosen
+    for and found nothing are misses at depth 1 (else its estimate is per match, and it drafts where it never pays)."""
+    prompt = list(range(10, 40))  # no n-gram repeats: the first cycles find nothing
+    engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram",
+                                    tree=TreeConfig(kind="chain", depth=4, adaptive=False))
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=24))
+    assert out.token_ids == hf_greedy(tiny_llama, prompt, 24)
+    model_cycles = out.stats.adaptive["kind_histogram"]["chain"]
+    tries, _ = engine.acceptance_memory.counts[(0.0, "chain")][0]
+    assert model_cycles == out.stats.target_calls and tries == model_cycles  # every cycle tried depth 1
+    assert out.stats.acceptance.drafted_tokens < 4 * model_cycles  # and some proposed nothing
+
+
 # ---- the plan controller: plain, the lookup alone, the model, the model with the lookup grafted on ----------------
 
 
