@@ -18,7 +18,12 @@ first request and then following the measured cycles. Every accepted token is cr
 it: a_k learns from the model's own nodes only; b_k is scored on every cycle whatever was drafted (the engine
 compares the lookup's continuation with the tokens the target then commits: at T = 0 a lookup token is accepted iff
 it is the target's token, at T > 0 a deterministic proposal x is accepted with probability p(x), the chance that the
-committed token is x), so the controller sees the lookup's gain even while it drafts nothing.
+committed token is x), so the controller sees the lookup's gain even while it drafts nothing. A model drafter that
+may propose nothing (prompt lookup in the model's place: only where the context repeats) keeps a_k and its tables
+over the cycles it proposed, and a proposal share s per kind: its plan yields s x the drafted cycle's tokens + (1 - s)
+x a plain cycle's, for the same mix of seconds (the drafter's attempt included), so it drafts exactly where its
+proposals pay (its estimates per match alone had an n-gram drafter that matched in 5% of cycles draft every cycle
+at 0.77x plain; counting empty cycles as misses at the mean node count dropped one that paid, 1.14x -> 1.08x).
 
 Estimates: every a_k and b_k is a mean over decayed evidence. The prior (the engine's `AcceptanceMemory`: what the
 server's earlier requests measured, or 0.6 before any) counts as `prior_weight` cycles plus the cycles the memory
@@ -83,7 +88,8 @@ class Plan:
 
 PLAIN = Plan()
 LOOKUP = "lookup"  # the lookup's key in `AcceptanceMemory` and in the cost model's per-kind tables
-HYSTERESIS = 1.05  # leave the model drafter only when a plan without it is clearly faster
+HYSTERESIS = 1.02  # leave the model drafter only when a plan without it is faster by 2%: 5% let a drafter that never
+# paid stay at up to 0.95x plain (and one proposing in 30% of cycles, which can cost at most 4.5%, stay for good)
 
 
 @dataclass
@@ -126,6 +132,10 @@ class AdaptiveDepth:
         self.weights: dict[str, list[float]] = {kind: self._prior_weights(kind, self.max_depth) for kind in self.kinds}
         # per kind and depth: (cycles that reached the depth, cycles that accepted it), for the engine's memory
         self.counts: dict[str, list[tuple[int, int]]] = {kind: [(0, 0)] * self.max_depth for kind in self.kinds}
+        # per kind: the share of its cycles in which the drafter proposed anything (prompt lookup in the model's place
+        # proposes only where the context repeats; a trained drafter always does), and the evidence behind it
+        self.proposal_share: dict[str, float] = {}
+        self.share_weights: dict[str, float] = {}
         self.lookup_span = max(self.lookup_depth, self.max_depth + self.graft_nodes) if self.has_lookup else 0
         self.lookup_estimates = seed(LOOKUP, self.lookup_span)
         self.lookup_weights = self._prior_weights(LOOKUP, self.lookup_span)
@@ -192,8 +202,22 @@ class AdaptiveDepth:
         kind = kind or self.kinds[0]
         return self.cost.rate(self.estimates[kind], depth, kind)
 
+    def _update_share(self, kind: str, proposed: bool) -> None:
+        """A cycle drafted with the model: whether its drafter proposed anything (a mean over decayed evidence)."""
+        weight = (1.0 - self.smoothing) * self.share_weights.get(kind, self.prior_weight) + 1.0
+        share = self.proposal_share.get(kind, 1.0)
+        self.share_weights[kind] = weight
+        self.proposal_share[kind] = share + (float(proposed) - share) / weight
+
     def plan_tokens(self, plan: Plan) -> float:
-        """Expected committed tokens of one cycle of `plan` (see the module docstring)."""
+        """Expected committed tokens of one cycle of `plan` (see the module docstring): with the model's proposal
+        share s, s x those of its drafted tree + (1 - s) x those of the plan without the model."""
+        share = self.proposal_share.get(plan.kind, 1.0) if plan.depth else 1.0
+        drafted = self._drafted_tokens(plan)
+        return drafted if share >= 1.0 else share * drafted + (1.0 - share) * self._drafted_tokens(
+            Plan("", 0, plan.lookup))
+
+    def _drafted_tokens(self, plan: Plan) -> float:
         a = self.estimates[plan.kind] if plan.depth else []
         if plan.lookup == 0:
             return simulated_tau(a[:plan.depth])
@@ -206,8 +230,17 @@ class AdaptiveDepth:
         return tokens
 
     def plan_seconds(self, plan: Plan) -> float:
-        """Seconds of one cycle of `plan` as the cost tables predict them (drafting, then verifying its nodes)."""
-        if plan.depth == 0:
+        """Seconds of one cycle of `plan` as the cost tables predict them (drafting, then verifying its nodes); with
+        the model's proposal share s < 1, the mean of a drafted cycle and one whose drafter proposed nothing."""
+        share = self.proposal_share.get(plan.kind, 1.0) if plan.depth else 1.0
+        drafted = self.cycle_seconds(plan, proposed=True)
+        return drafted if share >= 1.0 else share * drafted + (1.0 - share) * self.cycle_seconds(plan, proposed=False)
+
+    def cycle_seconds(self, plan: Plan, proposed: bool = True) -> float:
+        """Predicted seconds of one cycle of `plan` whose model drafter proposed its tree (else nothing: the lookup's
+        nodes alone; a drafter that can come back empty searches for a match, which costs next to nothing, and the
+        whole-cycle scale of its plan source absorbs what it does cost)."""
+        if plan.depth == 0 or not proposed:
             return self.cost.cycle_of(1 + plan.lookup, LOOKUP if plan.lookup else "")
         nodes = 1 + self.cost.draft_nodes(plan.depth, plan.kind) + plan.lookup
         return self.cost.draft_cost(plan.depth, plan.kind) + self.cost.cycle_of(nodes, plan.kind)
@@ -349,11 +382,12 @@ class AdaptiveDepth:
     def observe(self, drafted_depth: int, accepted: int, kind: str | None = None) -> None:
         """Update a_k of `kind` (default: the last chosen) for the depths this cycle tried (a depth is tried iff all
         shallower ones were accepted); `accepted` counts the model's own nodes on the accepted path. A drafter that
-        proposed nothing (`drafted_depth` 0: prompt lookup without a match) yielded what a miss at depth 1 yields: a
-        plan's tokens are per cycle it is chosen, and an n-gram drafter matching 5% of cycles had kept its 40% per
-        match and drafted every cycle at 0.77x plain (house target, T = 1)."""
+        proposed nothing (`drafted_depth` 0: prompt lookup without a match) updates only the kind's proposal share
+        (see `proposal_share`)."""
         kind = kind or self.kind
-        drafted_depth = max(drafted_depth, 1)
+        self._update_share(kind, drafted_depth > 0)
+        if drafted_depth == 0:
+            return
         self.accepted_by_source["model"] += accepted
         # a probe is the only news of a drafter that is out: it counts as 3 cycles of evidence (else a drafter
         # judged on one cohort stays out on the next, where it pays)
@@ -395,6 +429,7 @@ class AdaptiveDepth:
             "acceptance_estimate": [round(a, 3) for a in self.acceptance],
             "lookup_acceptance_estimate": [round(b, 3) for b in self.lookup_estimates],
             "kind_histogram": dict(sorted(self.kind_histogram.items())),
+            "proposal_share": {k: round(v, 3) for k, v in sorted(self.proposal_share.items())},
             "cycle_seconds_by_plan": {k: {"cycles": int(n), "predicted": round(p, 6), "measured": round(m, 6)}
                                       for k, (n, p, m) in sorted(self.seconds_by_source.items())},
             "acceptance_by_kind": {k: [round(a, 3) for a in v] for k, v in self.estimates.items()},

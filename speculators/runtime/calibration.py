@@ -1,6 +1,7 @@
 """Measure what a cycle costs on this machine before the first request's depth choices (docs/architecture.md §7).
 
 - `calibrate_verification`: verify forwards of 1, 2, 4, 8, ... and budget + 1 nodes (forward + verification).
+- `loaded_costs_hold`: whether cost tables loaded from the cache still match this machine now (two cycles timed).
 - `calibrate_drafting`: proposals of every tree kind a request may draft at every depth.
 
 Both feed the engine's `CostModel` (runtime/adaptive.py); nothing here chooses a depth or commits a token.
@@ -19,15 +20,24 @@ from speculators.runtime.cycle_host import CycleHost
 from speculators.runtime.forward.target_cache import StaticKVCache
 from speculators.runtime.requests import NO_LOGIT_ROWS
 
+LOADED_TOLERANCE = 3.0  # cached cycle costs kept while a fresh measurement is within this factor of them
+
 
 def calibrate_verification(engine: CycleHost, token: int, cache: StaticKVCache) -> None:
-    """Time cycles of 1, 2, 4, 8, ... and budget + 1 nodes (best of 3 after a warm-up) in the scratch slots past
-    the committed ones of `cache`, each through the cycle's own forward and verification (`engine.accept`) on a
-    greedy chain, so the first request's depth choices already rest on this machine's costs."""
+    """Time cycles of 1, 2, 4, 8, ... and budget + 1 nodes (`time_cycles`) so the first request's depth choices
+    already rest on this machine's costs."""
     top = min(engine.tree.budget + 1, cache.free)
-    sizes = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s < top} | {top})
     if top < 2:
         return
+    sizes = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s < top} | {top})
+    for size, seconds in time_cycles(engine, token, cache, sizes).items():
+        engine.cost.set_cycle(size, seconds)
+
+
+def time_cycles(engine: CycleHost, token: int, cache: StaticKVCache, sizes: list[int]) -> dict[int, float]:
+    """Seconds of a cycle of each node count in `sizes` (best of 3 after a warm-up), in the scratch slots past the
+    committed ones of `cache`, each through the cycle's own forward and verification (`engine.accept`) on a greedy
+    chain."""
     params = SamplingParams(max_new_tokens=1)
     best: dict[int, float] = {}
     for rep in range(4):
@@ -38,8 +48,23 @@ def calibrate_verification(engine: CycleHost, token: int, cache: StaticKVCache) 
             engine.accept(chain, fwd, params, None)
             if rep > 0:  # rep 0 warms up
                 best[size] = min(best.get(size, float("inf")), time.perf_counter() - t)
-    for size, seconds in best.items():
-        engine.cost.set_cycle(size, seconds)
+    return best
+
+
+def loaded_costs_hold(engine: CycleHost, token: int, cache: StaticKVCache, tolerance: float = LOADED_TOLERANCE
+                      ) -> str | None:
+    """Check cost tables loaded from the cache (cost_cache.py) against a short measurement now: a 1-node and the
+    largest cycle the tables hold. None when each is within a factor `tolerance` of the table; else why not (a table
+    saved while other work shared the cores rated the house EAGLE-3's drafting at 135 ms against 0.5 ms measured
+    fresh, and kept the drafter out). Drafting is not re-timed: the observed cycles correct it within a request."""
+    top = max(int(n) for n, _ in engine.cost.points.values())
+    sizes = sorted({1, min(top, cache.free)})
+    for size, seconds in time_cycles(engine, token, cache, sizes).items():
+        cached = engine.cost.cycle(size)
+        if not cached > 0 or not 1 / tolerance <= seconds / cached <= tolerance:
+            return (f"a {size}-node cycle took {1000 * seconds:.2f} ms, the cached table says "
+                    f"{1000 * cached:.2f} ms")
+    return None
 
 
 def calibrate_drafting(engine: CycleHost, drafter: Any, state: Any, root: int) -> None:

@@ -35,8 +35,9 @@ from speculators.core.sampling import SamplingParams
 from speculators.core.trees import SAMPLED_MODES, DraftTree, tree_verify_mode, verify_mode
 from speculators.runtime.acceptance_memory import AcceptanceMemory
 from speculators.runtime.adaptive import LOOKUP, AdaptiveDepth, Plan
-from speculators.runtime.calibration import calibrate_drafting, calibrate_verification
+from speculators.runtime.calibration import calibrate_drafting, calibrate_verification, loaded_costs_hold
 from speculators.runtime.cost_cache import SAVE_EVERY, load_costs, save_costs
+from speculators.runtime.cycle_costs import CostModel
 from speculators.runtime.cycle_host import CycleHost
 from speculators.runtime.drafters.graft import graft_chain
 from speculators.runtime.drafters.load import prune_tree
@@ -139,10 +140,14 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
 
 def price_cycles(engine: CycleHost, root: int, slot: Slot, state: Any,
                  pending: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
-    """Costs for the first request's plans: those an engine like this one left on this machine (`cost_cache`),
-    else measured now on the request's slot and drafter state (and kept for the next engine)."""
+    """Costs for the first request's plans: those an engine like this one left on this machine (`cost_cache`) while
+    two cycles timed now agree with them (`calibration.loaded_costs_hold`), else measured now on the request's slot
+    and drafter state (and kept for the next engine)."""
     if engine.cost_cache and load_costs(engine):
-        return
+        why = loaded_costs_hold(engine, root, slot.cache)
+        if why is None:
+            return
+        engine.cost = CostModel(origin=f"measured (cached costs dropped: {why})")
     calibrate_verification(engine, root, slot.cache)
     if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)
         absorb_pending(engine.drafter, state, pending)
@@ -270,9 +275,10 @@ def observe_cycle(engine: CycleHost, req: RequestState, acc: AcceptanceStats, tr
     if plan.depth > 0:  # the controller models the drafter's own depths (not a graft); 0: it proposed nothing
         model_depth = int(tree.depths[:model_nodes].max()) if model_nodes > 1 else 0
         req.ctrl.observe(min(model_depth, plan.depth), min(by_model, plan.depth), plan.kind)
-        engine.cost.observe_draft(plan.depth, model_nodes - 1, t_verify - t_propose, plan.kind)
+        if model_nodes > 1:  # the tables hold drafted cycles; the controller weighs in those that proposed nothing
+            engine.cost.observe_draft(plan.depth, model_nodes - 1, t_verify - t_propose, plan.kind)
     if not shared:  # a forward shared with other requests says little about this tree's cost
-        key = plan.kind if plan.depth > 0 else (LOOKUP if tree.size > 1 else "")
+        key = plan.kind if model_nodes > 1 else (LOOKUP if tree.size > 1 else "")
         engine.cost.observe_cycle(tree.size, t_done - t_verify, key)
 
 

@@ -101,7 +101,7 @@ def simulate(workloads: list[Workload], parts: str = "both", cycles_per_request:
             if found:
                 ctrl.observe_lookup(found, matched)
             out.tokens += 1 + max(accepted, min(matched, plan.lookup))
-            out.seconds += ctrl.plan_seconds(plan)
+            out.seconds += ctrl.cycle_seconds(plan, proposed=proposes or not plan.depth)
             out.sources[plan.source] = out.sources.get(plan.source, 0) + 1
             out.trace.append((plan.source, bool(found)))
         out.cycles += cycles_per_request

@@ -33,14 +33,17 @@ def test_a_drafter_that_never_pays_is_dropped_within_a_few_cycles_then_only_prob
     assert max(out.model_cycles_by_request[1:]) <= 4  # later requests start from the memory: probes only (<= 3%)
 
 
-def test_a_drafter_that_rarely_proposes_is_judged_by_the_cycles_it_is_chosen_for() -> None:
-    """An n-gram drafter in the model's place matches in 5% of cycles, at 40% acceptance when it does: its plan yields
-    1.02 tokens per cycle, not 1.4. Cycles that proposed nothing count as misses, so it is dropped like a decoy."""
-    out = simulate([Workload(model=[0.4, 0.3, 0.3, 0.3], model_share=0.05)] * 5, "model", cycles_per_request=150)
-    assert out.model_cycles_by_request[0] <= 20, out.model_cycles_by_request
-    assert max(out.model_cycles_by_request[1:]) <= 6, out.model_cycles_by_request
-    kept = simulate([Workload(model=[0.8, 0.7, 0.6, 0.5], model_share=0.9)] * 3, "model", cycles_per_request=100)
-    assert kept.model_cycles >= 0.95 * kept.cycles, kept.sources  # one that proposes most cycles and pays is kept
+def test_a_drafter_that_rarely_proposes_drafts_where_its_proposals_pay() -> None:
+    """Prompt lookup in the model drafter's place proposes in 10% of cycles: a cycle without a proposal costs a plain
+    one, so it is worth drafting iff its proposals pay. Good proposals: kept (>= 95% of cycles) and at least as fast
+    as plain decoding; poor ones: dropped within the cycles a few proposals take, then only probed."""
+    good = Workload(model=[0.8, 0.7, 0.6, 0.5], model_share=0.1)
+    for seed in SEEDS:
+        out = simulate([good] * 3, "model", cycles_per_request=150, seed=seed)
+        assert out.model_cycles >= 0.95 * out.cycles and out.rate >= 1 / STEP, (seed, out.sources)
+    poor = simulate([Workload(model=[0.02] * 4, model_share=0.3)] * 5, "model", cycles_per_request=150)
+    assert poor.model_cycles_by_request[0] <= 45, poor.model_cycles_by_request
+    assert max(poor.model_cycles_by_request[1:]) <= 6, poor.model_cycles_by_request
 
 
 def test_a_stream_of_short_requests_still_probes_a_drafter_that_is_out() -> None:

@@ -1,7 +1,7 @@
 """Cycle costs kept per machine (runtime/cost_cache.py): an engine with `cost_cache` measures its costs on its first
 request and keeps them in the cache root; the next engine like it starts from them (no calibration) and reports
-where they came from; another thread count, or a cache file that is damaged, is measured anew; engines without
-`cost_cache` write nothing."""
+where they came from; another thread count, a cache file that is damaged, or a table that two cycles timed now
+contradict (saved while other work shared the cores) is measured anew; engines without `cost_cache` write nothing."""
 
 from __future__ import annotations
 
@@ -97,3 +97,24 @@ def test_an_engine_without_the_cache_writes_nothing(tiny_llama, spec_dir, cache)
     engine = _engine(tiny_llama, spec_dir, cost_cache=False)
     engine.generate(PROMPT, SamplingParams(max_new_tokens=8))
     assert engine.cost.calibrated and not cache.exists()
+
+
+def test_a_cached_table_that_this_machine_now_contradicts_is_measured_anew(tiny_llama, spec_dir, cache,
+                                                                          monkeypatch) -> None:
+    """A table saved while other work shared the cores (every cycle 20x dearer than now) is checked against two
+    cycles timed on the first request, dropped, measured again and overwritten."""
+    calls = _calibrations(monkeypatch)
+    first = _engine(tiny_llama, spec_dir)
+    first.generate(PROMPT, SamplingParams(max_new_tokens=8))
+    path = cost_path(cost_key(first))
+    saved = json.loads(path.read_text())
+    fresh_one_node = CostModel.from_state(saved["cost"]).cycle(1)
+    saved["cost"]["points"] = {b: [n, 20 * t] for b, (n, t) in saved["cost"]["points"].items()}
+    path.write_text(json.dumps(saved))
+    second = _engine(tiny_llama, spec_dir)
+    out = second.generate(PROMPT, SamplingParams(max_new_tokens=8))
+    assert calls == [1, 1], "the contradicted table was used"
+    assert out.stats.adaptive["cost"]["origin"].startswith("measured (cached costs dropped: a 1-node cycle took")
+    rewritten = CostModel.from_state(json.loads(path.read_text())["cost"])
+    assert rewritten.cycle(1) < 5 * fresh_one_node  # the fresh measurement replaced the busy machine's table
+    assert out.token_ids == hf_greedy(tiny_llama, PROMPT, 8)

@@ -198,9 +198,10 @@ def test_engine_reports_choices_and_stays_lossless(tiny_llama) -> None:
     assert short.token_ids == out.token_ids[:3]
 
 
-def test_every_cycle_drafted_with_the_model_counts_even_when_it_proposed_nothing(tiny_llama) -> None:
-    """Prompt lookup in the model drafter's place proposes only where the context repeats; the cycles it was chosen
-    for and found nothing are misses at depth 1 (else its estimate is per match, and it drafts where it never pays)."""
+def test_cycles_whose_drafter_proposed_nothing_set_its_share_not_its_acceptance(tiny_llama) -> None:
+    """Prompt lookup in the model drafter's place proposes only where the context repeats: its acceptance is counted
+    over the cycles it proposed, and the cycles it found nothing lower its proposal share (the controller's plan is
+    then a mix of a drafted cycle and a plain one)."""
     prompt = list(range(10, 40))  # no n-gram repeats: the first cycles find nothing
     engine = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram",
                                     tree=TreeConfig(kind="chain", depth=4, adaptive=False))
@@ -208,8 +209,8 @@ def test_every_cycle_drafted_with_the_model_counts_even_when_it_proposed_nothing
     assert out.token_ids == hf_greedy(tiny_llama, prompt, 24)
     model_cycles = out.stats.adaptive["kind_histogram"]["chain"]
     tries, _ = engine.acceptance_memory.counts[(0.0, "chain")][0]
-    assert model_cycles == out.stats.target_calls and tries == model_cycles  # every cycle tried depth 1
-    assert out.stats.acceptance.drafted_tokens < 4 * model_cycles  # and some proposed nothing
+    assert model_cycles == out.stats.target_calls and 0 < tries < model_cycles  # some proposed nothing
+    assert 0 < out.stats.adaptive["proposal_share"]["chain"] < 1
 
 
 # ---- the plan controller: plain, the lookup alone, the model, the model with the lookup grafted on ----------------
