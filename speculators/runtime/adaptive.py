@@ -88,6 +88,7 @@ class Plan:
 
 PLAIN = Plan()
 LOOKUP = "lookup"  # the lookup's key in `AcceptanceMemory` and in the cost model's per-kind tables
+RECHECK_OUT = 4  # while the model drafter is out (no probe due), its plans are rated every this many cycles
 HYSTERESIS = 1.02  # leave the model drafter only when a plan without it is faster by 2%: 5% let a drafter that never
 # paid stay at up to 0.95x plain (and one proposing in 30% of cycles, which can cost at most 4.5%, stay for good)
 
@@ -165,6 +166,7 @@ class AdaptiveDepth:
         # drafter that lost on code and pays on the next request's prose is back within one probe
         self._probe_interval = self.probe_interval or self.probe_every
         self._probing = False
+        self._below_plain = False  # the last full rating found every model plan below plain decoding
         self.mode = self._mode()
 
     def _prior_weights(self, key: str, n: int) -> list[float]:
@@ -299,6 +301,12 @@ class AdaptiveDepth:
         return without, with_model
 
     def _adaptive(self, limit: int, lookup: int, model_ready: bool) -> Plan:
+        if (self._below_plain and not lookup and self._last.depth == 0 and not self._wanted
+                and self._off_streak + 1 < self._probe_interval and self._cycles % RECHECK_OUT):
+            # out, below plain decoding, no lookup this cycle and no probe due: the model's estimates have not moved
+            # since it left (only the costs drift), so its plans are rated again every RECHECK_OUT cycles, not every
+            # cycle (3 kinds x 5 depths at T > 0 cost ~0.1 ms a cycle, 1.5% of a house-target step)
+            return PLAIN
         without, with_model = self._candidates(limit, lookup)
         rates = {plan: self.plan_rate(plan) for plan in without + with_model}
         best_without = max(without, key=rates.__getitem__)
@@ -307,6 +315,7 @@ class AdaptiveDepth:
         best_with = max(with_model, key=rates.__getitem__)
         bonus = HYSTERESIS if self._last.depth > 0 else 1.0
         use_model = rates[best_with] * bonus > rates[best_without]
+        self._below_plain = rates[best_with] * bonus <= rates[PLAIN]
         if not use_model and self._off_streak + 1 < self._probe_interval:
             return best_without
         if not model_ready:  # the drafter has no fresh positions: this cycle without it, features for the next

@@ -40,7 +40,8 @@ class CostModel:
     scale: dict[str, float] = field(default_factory=dict)
     smoothing: float = 0.2
     origin: str = "measured"  # or where the tables were loaded from (runtime/cost_cache.py)
-    _cached: tuple = field(default=(None, []), repr=False, compare=False)  # (points, `_table`)
+    _cached: tuple = field(default=(None, []), repr=False, compare=False)  # (`_version` it was built at, `_table`)
+    _version: int = field(default=0, repr=False, compare=False)  # bumped whenever `points` changes
 
     @staticmethod
     def _bucket(nodes: int) -> int:
@@ -76,6 +77,7 @@ class CostModel:
     def set_cycle(self, nodes: int, seconds: float) -> None:
         """Seed one size from a calibration run."""
         self.points[self._bucket(nodes)] = (float(nodes), seconds)
+        self._version += 1
 
     def observe_cycle(self, nodes: int, seconds: float, kind: str = "") -> None:
         """A measured cycle of `nodes` nodes (root included) of a `kind` tree ("" = the root alone, or not known)."""
@@ -85,6 +87,7 @@ class CostModel:
             old = self.excess.get(kind)
             self.excess[kind] = gap if old is None else old + self.smoothing * (gap - old)
         b = self._bucket(nodes)
+        self._version += 1
         if b not in self.points:
             self.points[b] = (float(nodes), seconds)
             return
@@ -159,14 +162,13 @@ class CostModel:
 
     def _table(self) -> list[tuple[float, float]]:
         """(nodes, seconds) points sorted by nodes, seconds made non-decreasing; rebuilt only when a point changed
-        (the controller reads it a dozen times a cycle)."""
-        key = tuple(self.points.values())
-        if self._cached[0] != key:
+        (the controller reads it a dozen times a cycle; `points` change only through `set_cycle` / `observe_cycle`)."""
+        if self._cached[0] != self._version:
             pts, most = [], 0.0
-            for n, t in sorted(key):
+            for n, t in sorted(self.points.values()):
                 most = max(most, t)
                 pts.append((n, most))
-            self._cached = (key, pts)
+            self._cached = (self._version, pts)
         return self._cached[1]
 
     def cycle_of(self, nodes: float, kind: str = "") -> float:
