@@ -3,14 +3,20 @@ how many rows to run (docs/architecture.md §7).
 
 A verify forward carries 2-16 rows (a chain or a small tree), a plain step one. On a CPU the BLAS kernel picked for
 `x @ W^T` with so few rows depends on the row count, and some counts run far below what the weights' memory traffic
-allows. Measured on an AMD EPYC (SmolLM2-135M, forward without the output head, ms):
+allows. Measured on an AMD EPYC (SmolLM2-135M, forward without the output head, ms, the cols form's result made
+row-major again before the next op: left transposed, every later op of the layer, attention first, ran on a
+row-innermost layout and a 2-row forward cost 74-85 ms instead of 28-39):
 
-| rows | 1 | 2 | 3 | 4 | 6 | 8 |
-|---|---:|---:|---:|---:|---:|---:|
-| 1 thread, `x @ W^T` | 45 | 72 | 86 | 61 | 71 | 71 |
-| 1 thread, `(W @ x^T)^T` | 46 | 65 | 73 | 72 | 88 | 92 |
-| 2 threads, `x @ W^T` | 44 | 71 | 83 | 62 | 82 | 64 |
-| 2 threads, `(W @ x^T)^T` | 45 | 40 | 46 | 45 | 55 | 59 |
+| rows | 1 | 2 | 3 | 4 | 8 |
+|---|---:|---:|---:|---:|---:|
+| 1 thread, `x @ W^T` | 49 | 83 | 95 | 70 | 81 |
+| 1 thread, `(W @ x^T)^T` | 49 | 38 | 53 | 59 | 84 |
+| 2 threads, `x @ W^T` | 48 | 83 | 96 | 72 | 72 |
+| 2 threads, `(W @ x^T)^T` | 49 | 28 | 35 | 40 | 54 |
+
+One row is a matrix-vector product, which the BLAS runs far below the weights' memory traffic (and on one thread):
+two rows in the cols form cost less than one, so a plain step runs as two rows (the second a padding row), and the
+output head on one row as two (`head_pad`, timed by the tuning too).
 
 So `RowProducts` keeps, per row count up to `MAX_TUNED_ROWS`: the formulation ("rows" = `x @ W^T`, "cols" =
 `(W @ x^T)^T`, the same dot products) and the row count to run it at (`pad_segment` appends rows that attend only
@@ -51,13 +57,30 @@ class RowProducts:
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (form, rows) -> measured forward
     tuned: bool = False
     asked: int = 0  # the most rows it was asked to cover (it covers fewer when the time budget ran out)
+    # the output head on ONE row run as two in the "cols" form (the row twice, one result kept): the BLAS
+    # matrix-vector kernel of a 1-row product runs on one thread far below the weights' memory traffic (SmolLM2's
+    # 49,152-row head: 11.3 ms as one row, 6.3 as two at 1 thread; 11.6 / 5.7 at 2 threads)
+    head_pad: bool = False
+
+    def head(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """rows [R, H] @ weight [V, H]^T -> [R, V] (no bias) as the output head runs on a CPU: 2-16 rows as the
+        tall-skinny W @ rows^T (~1.5x faster than rows @ W^T, same dot products), one row padded to two when
+        `head_pad`, else plainly."""
+        n = rows.shape[0]
+        if n == 1 and self.head_pad:
+            return torch.mm(weight, torch.cat([rows, rows]).t())[:, :1].t().contiguous()  # [1, V]
+        if 2 <= n <= MAX_TUNED_ROWS:
+            return torch.mm(weight, rows.t()).t()
+        return F.linear(rows, weight)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, weight, bias) for x [..., In], weight [Out, In] -> [..., Out], in this row count's form."""
         rows = x.numel() // x.shape[-1]
         if self.form.get(rows) != "cols":
             return F.linear(x, weight, bias)
-        out = torch.mm(weight, x.reshape(rows, -1).t()).t().reshape(*x.shape[:-1], weight.shape[0])  # [..., Out]
+        # contiguous again (a copy of rows x Out values): the transposed product left every later op of the layer on
+        # a row-innermost layout, and attention over it ran 3.5x slower (SmolLM2, 2 rows, 1 thread: 276 vs 80 us)
+        out = torch.mm(weight, x.reshape(rows, -1).t()).t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias
 
     def padded_rows(self, rows: int, room: int) -> int:
@@ -139,5 +162,22 @@ def tune_row_products(runner: Any, cache: Any, token: int, max_rows: int, forms:
     for n in range(1, reached + 1):
         run_at = min(range(n, reached + 1), key=lambda m: best[m])
         table.pad[n] = run_at if best[run_at] < (1 - MIN_GAIN) * best[n] else n
+    table.head_pad = _head_pad_pays(runner)
     _TUNED[key] = table
     return table
+
+
+def _head_pad_pays(runner: Any) -> bool:
+    """Whether the output head on one row runs >= MIN_GAIN faster as two rows (best of 3 each, after a warm-up)."""
+    head = getattr(runner, "lm_head", None)
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return False
+    row = torch.zeros(1, head.weight.shape[1], dtype=head.weight.dtype, device=head.weight.device)  # [1, H]
+    seconds = {False: float("inf"), True: float("inf")}
+    for rep in range(4):
+        for pad in (False, True):
+            t = time.perf_counter()
+            RowProducts(head_pad=pad).head(row, head.weight)
+            if rep > 0:  # rep 0 warms up
+                seconds[pad] = min(seconds[pad], time.perf_counter() - t)
+    return seconds[True] < (1 - MIN_GAIN) * seconds[False]

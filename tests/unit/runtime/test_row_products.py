@@ -39,6 +39,24 @@ def test_both_formulations_compute_the_linear_map(rows: int, bias: bool) -> None
         torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=0)
 
 
+def test_the_cols_form_hands_on_a_row_major_result() -> None:
+    """(W @ x^T)^T is a transposed view; every later op of the layer ran on that row-innermost layout (attention 3.5x
+    slower on SmolLM2): the product is made contiguous again."""
+    x, w = torch.randn(1, 3, 48), torch.randn(80, 48)
+    out = RowProducts(form={3: "cols"}).linear(x, w)
+    assert out.is_contiguous() and out.stride() == (240, 80, 1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("head_pad", [False, True])
+def test_the_output_head_computes_the_same_logits_in_every_form(rows: int, head_pad: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    hidden, w = torch.randn(rows, 48, generator=g), torch.randn(300, 48, generator=g)  # [R, H], [V, H]
+    out = RowProducts(head_pad=head_pad).head(hidden, w)  # one row padded to two when head_pad
+    assert out.shape == (rows, 300)
+    torch.testing.assert_close(out, F.linear(hidden, w), atol=1e-5, rtol=0)
+
+
 def test_a_padded_segment_leaves_the_real_rows_alone() -> None:
     parents = torch.tensor([-1, 0, 0, 1])
     seg = Segment(cache=None, input_ids=torch.tensor([5, 6, 7, 8]), depths=depths_of(parents),
@@ -56,7 +74,7 @@ def test_a_padded_segment_leaves_the_real_rows_alone() -> None:
 @pytest.mark.parametrize("family, path", [("llama", "fused"), ("qwen3", "fused"), ("gemma3_text", "modules")])
 def test_padded_and_reformulated_forwards_equal_the_plain_one(family: str, path: str) -> None:
     """A chain and a tree after a committed prefix, run plain, then with every product in the other form and every
-    row count padded (2 -> 5, 4 -> 9, 6 -> 8): same logits, features, hidden rows, and the same cache after the
+    row count padded (1 -> 2, 2 -> 5, 4 -> 9, 6 -> 8) and one head row run as two: same logits, features, hidden rows, and the same cache after the
     commit of an accepted path; a forward with no room in the cache is not padded."""
     runner = _runner(family, path)
     g = torch.Generator().manual_seed(1)
@@ -74,12 +92,13 @@ def test_padded_and_reformulated_forwards_equal_the_plain_one(family: str, path:
         outs.append(runner.forward_batch([Segment(cache, tree, depths_of(parents), ancestor_mask(parents),
                                                   logit_rows=torch.tensor([0, 3, 5]))])[0])
         cache.commit([0, 1, 3])
+        outs.append(runner.forward_batch([Segment(cache, prefix[:1])])[0])  # a plain step: one head row
         outs.append(runner.forward_batch([Segment(cache, prefix[:4])])[0])
         return outs, cache.kv[..., :cache.length, :].clone()
 
     plain, plain_kv = run(RowProducts(tuned=True))
     forms = {n: "cols" for n in range(1, MAX_TUNED_ROWS + 1)}
-    other, other_kv = run(RowProducts(form=forms, pad={2: 5, 4: 9, 6: 8}, tuned=True))
+    other, other_kv = run(RowProducts(form=forms, pad={1: 2, 2: 5, 4: 9, 6: 8}, tuned=True, head_pad=True))
     for a, b in zip(plain, other, strict=True):
         assert b.logits.shape == a.logits.shape and b.hidden.shape == a.hidden.shape
         torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=0)
@@ -103,6 +122,7 @@ def test_tuning_gives_a_complete_table_once_per_shape(monkeypatch) -> None:
     assert all(n <= table.pad[n] <= 6 for n in table.pad)
     assert {(f, n) for f, n in table.seconds} == {(f, n) for f in ("rows", "cols") for n in range(1, 7)}
     assert cache.length == 5, "tuning runs in scratch slots: nothing is committed"
+    assert isinstance(table.head_pad, bool)  # whether one head row runs faster as two: this machine's timing
     assert tune_row_products(runner, cache, token=3, max_rows=6, forms=runner.product_forms) is table
     assert tune_row_products(runner, cache, token=3, max_rows=4, forms=runner.product_forms) is table, "covered"
     monkeypatch.setattr(row_products, "_TUNED", {})
