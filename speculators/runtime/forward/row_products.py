@@ -20,13 +20,13 @@ output head on one row as two (`head_pad`, timed by the tuning too).
 
 So `RowProducts` keeps, per row count up to `MAX_TUNED_ROWS`: the formulation ("rows" = `x @ W^T`, "cols" =
 `(W @ x^T)^T`, the same dot products) and the row count to run it at (`pad_segment` appends rows that attend only
-to the prefix and themselves, whose outputs are dropped: at 1 thread 3 rows run fastest as 4). `tune_row_products`
+to the prefix and themselves, whose outputs are dropped: one row runs fastest as two). `tune_row_products`
 measures whole forwards (every layer's weights streamed, as in a cycle) once per process, target shape, dtype and
 thread count, within a time budget (a big model on a CPU tunes only the row counts it reaches in it). Both
 formulations round alike to ~1e-6 (fp32); like a tree-shaped forward against a one-token one, greedy outputs can
 differ only at exact near-ties (engine.py).
 
-Not here: the output head's rule (`TargetRunner.logits`), GPUs (cuBLAS picks its own kernels: nothing is tuned
+Not here: which head rows a forward computes (`TargetRunner.logits`), GPUs (cuBLAS picks its own kernels: nothing is tuned
 there), the drafter's products, batched forwards' padding (their rows are several requests').
 """
 
