@@ -21,7 +21,7 @@ it is the target's token, at T > 0 a deterministic proposal x is accepted with p
 committed token is x), so the controller sees the lookup's gain even while it drafts nothing. A model drafter that
 may propose nothing (prompt lookup in the model's place: only where the context repeats) keeps a_k and its tables
 over the cycles it proposed, and a proposal share s per kind: its plan yields s x the drafted cycle's tokens + (1 - s)
-x a plain cycle's, for the same mix of seconds (the drafter's attempt included), so it drafts exactly where its
+x a plain cycle's, for the same mix of seconds (an empty attempt priced as a plain cycle), so it drafts exactly where its
 proposals pay (its estimates per match alone had an n-gram drafter that matched in 5% of cycles draft every cycle
 at 0.77x plain; counting empty cycles as misses at the mean node count dropped one that paid, 1.14x -> 1.08x).
 
@@ -34,8 +34,9 @@ dropped): the evidence condemns a bad drafter within a few cycles, while a prior
 through a few unlucky misses; later cycles move it by `smoothing`, as before (a larger step made depths look poor
 after one rejected draft and kept trees shallow). tests/unit/runtime/test_controller_regret.py measures it.
 
-Off, probes and warm-up: the model drafter is left out when no plan using it beats the best plan without it (by 5%
-once it is drafting: hysteresis). While it is out, the controller probes one model plan after `probe_every` cycles
+Off, probes and warm-up: the model drafter is left out when no plan using it beats the best plan without it (by 2%
+once it is drafting: hysteresis; while it is out below plain decoding, its plans are rated every `RECHECK_OUT`-th
+cycle). While it is out, the controller probes one model plan after `probe_every` cycles
 without it (the interval doubles, up to 8x, while probes keep losing; the cycles are counted across the engine's
 requests, so a stream of requests shorter than the interval still probes), and the engine captures no hidden states and
 feeds the drafter nothing except in the `warm_cycles` cycles before a probe (`wants_features`): the drafter then

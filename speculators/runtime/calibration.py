@@ -51,19 +51,29 @@ def time_cycles(engine: CycleHost, token: int, cache: StaticKVCache, sizes: list
     return best
 
 
-def loaded_costs_hold(engine: CycleHost, token: int, cache: StaticKVCache, tolerance: float = LOADED_TOLERANCE
-                      ) -> str | None:
+def loaded_costs_hold(engine: CycleHost, token: int, cache: StaticKVCache, drafter: Any = None, state: Any = None,
+                      tolerance: float = LOADED_TOLERANCE) -> str | None:
     """Check cost tables loaded from the cache (cost_cache.py) against a short measurement now: a 1-node and the
-    largest cycle the tables hold. None when each is within a factor `tolerance` of the table; else why not (a table
-    saved while other work shared the cores rated the house EAGLE-3's drafting at 135 ms against 0.5 ms measured
-    fresh, and kept the drafter out). Drafting is not re-timed: the observed cycles correct it within a request."""
+    largest cycle the tables hold, and (given the request's drafter and its state at `token`) a depth-1 proposal of
+    the configured tree kind. None when each is within a factor `tolerance` of the table; else why not (a table saved
+    while other work shared the cores rated the house EAGLE-3's drafting at 135 ms against 0.5 ms measured fresh,
+    and kept the drafter out)."""
     top = max(int(n) for n, _ in engine.cost.points.values())
-    sizes = sorted({1, min(top, cache.free)})
-    for size, seconds in time_cycles(engine, token, cache, sizes).items():
-        cached = engine.cost.cycle(size)
+    measured = [(f"a {size}-node cycle", seconds, engine.cost.cycle(size))
+                for size, seconds in time_cycles(engine, token, cache, sorted({1, min(top, cache.free)})).items()]
+    kind = engine.tree.kind
+    cached_draft = engine.cost.draft.get(kind, {}).get(1)
+    if drafter is not None and cached_draft and getattr(state, "last_token", token) == token:
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        times = []
+        for _ in range(4):  # best of 3 after a warm-up; proposing writes only scratch slots
+            t = time.perf_counter()
+            drafter.propose(state, token, engine.tree_for(1, kind), params, None)
+            times.append(time.perf_counter() - t)
+        measured.append((f"a depth-1 {kind} proposal", min(times[1:]), cached_draft))
+    for what, seconds, cached in measured:
         if not cached > 0 or not 1 / tolerance <= seconds / cached <= tolerance:
-            return (f"a {size}-node cycle took {1000 * seconds:.2f} ms, the cached table says "
-                    f"{1000 * cached:.2f} ms")
+            return f"{what} took {1000 * seconds:.2f} ms, the cached table says {1000 * cached:.2f} ms"
     return None
 
 

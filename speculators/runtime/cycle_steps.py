@@ -143,14 +143,14 @@ def price_cycles(engine: CycleHost, root: int, slot: Slot, state: Any,
     """Costs for the first request's plans: those an engine like this one left on this machine (`cost_cache`) while
     two cycles timed now agree with them (`calibration.loaded_costs_hold`), else measured now on the request's slot
     and drafter state (and kept for the next engine)."""
+    if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)
+        absorb_pending(engine.drafter, state, pending)
     if engine.cost_cache and load_costs(engine):
-        why = loaded_costs_hold(engine, root, slot.cache)
+        why = loaded_costs_hold(engine, root, slot.cache, engine.drafter, state)
         if why is None:
             return
         engine.cost = CostModel(origin=f"measured (cached costs dropped: {why})")
     calibrate_verification(engine, root, slot.cache)
-    if pending:  # the drafter absorbs the prompt now (it would before its first proposal anyway)
-        absorb_pending(engine.drafter, state, pending)
     calibrate_drafting(engine, engine.drafter, state, root)
     if engine.cost_cache:
         save_costs(engine)

@@ -99,22 +99,27 @@ def test_an_engine_without_the_cache_writes_nothing(tiny_llama, spec_dir, cache)
     assert engine.cost.calibrated and not cache.exists()
 
 
+@pytest.mark.parametrize("inflated", ["points", "draft"])
 def test_a_cached_table_that_this_machine_now_contradicts_is_measured_anew(tiny_llama, spec_dir, cache,
-                                                                          monkeypatch) -> None:
-    """A table saved while other work shared the cores (every cycle 20x dearer than now) is checked against two
-    cycles timed on the first request, dropped, measured again and overwritten."""
+                                                                          monkeypatch, inflated: str) -> None:
+    """A table saved while other work shared the cores (every cycle, or the drafting, 20x dearer than now) is checked
+    against two cycles and a proposal timed on the first request, dropped, measured again and overwritten."""
     calls = _calibrations(monkeypatch)
     first = _engine(tiny_llama, spec_dir)
     first.generate(PROMPT, SamplingParams(max_new_tokens=8))
     path = cost_path(cost_key(first))
     saved = json.loads(path.read_text())
     fresh_one_node = CostModel.from_state(saved["cost"]).cycle(1)
-    saved["cost"]["points"] = {b: [n, 20 * t] for b, (n, t) in saved["cost"]["points"].items()}
+    if inflated == "points":
+        saved["cost"]["points"] = {b: [n, 20 * t] for b, (n, t) in saved["cost"]["points"].items()}
+    else:
+        saved["cost"]["draft"] = {k: {d: 20 * t for d, t in v.items()} for k, v in saved["cost"]["draft"].items()}
     path.write_text(json.dumps(saved))
     second = _engine(tiny_llama, spec_dir)
     out = second.generate(PROMPT, SamplingParams(max_new_tokens=8))
     assert calls == [1, 1], "the contradicted table was used"
-    assert out.stats.adaptive["cost"]["origin"].startswith("measured (cached costs dropped: a 1-node cycle took")
+    what = "a 1-node cycle" if inflated == "points" else f"a depth-1 {TREE.kind} proposal"
+    assert out.stats.adaptive["cost"]["origin"].startswith(f"measured (cached costs dropped: {what} took")
     rewritten = CostModel.from_state(json.loads(path.read_text())["cost"])
     assert rewritten.cycle(1) < 5 * fresh_one_node  # the fresh measurement replaced the busy machine's table
     assert out.token_ids == hf_greedy(tiny_llama, PROMPT, 8)
