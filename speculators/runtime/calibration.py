@@ -52,12 +52,13 @@ def time_cycles(engine: CycleHost, token: int, cache: StaticKVCache, sizes: list
 
 
 def loaded_costs_hold(engine: CycleHost, token: int, cache: StaticKVCache, drafter: Any = None, state: Any = None,
-                      tolerance: float = LOADED_TOLERANCE) -> str | None:
+                      tolerance: float | None = None) -> str | None:
     """Check cost tables loaded from the cache (cost_cache.py) against a short measurement now: a 1-node and the
     largest cycle the tables hold, and (given the request's drafter and its state at `token`) a depth-1 proposal of
     the configured tree kind. None when each is within a factor `tolerance` of the table; else why not (a table saved
     while other work shared the cores rated the house EAGLE-3's drafting at 135 ms against 0.5 ms measured fresh,
-    and kept the drafter out)."""
+    and kept the drafter out). `tolerance`: None = `LOADED_TOLERANCE`."""
+    tolerance = tolerance or LOADED_TOLERANCE
     top = max(int(n) for n, _ in engine.cost.points.values())
     measured = [(f"a {size}-node cycle", seconds, engine.cost.cycle(size))
                 for size, seconds in time_cycles(engine, token, cache, sorted({1, min(top, cache.free)})).items()]

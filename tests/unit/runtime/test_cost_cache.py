@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from speculators.core.config import TreeConfig
-from speculators.runtime import cycle_steps
+from speculators.runtime import calibration, cycle_steps
 from speculators.runtime.cost_cache import cost_key, cost_path
 from speculators.runtime.cycle_costs import CostModel
 from speculators.serving import Engine, SamplingParams
@@ -64,6 +64,8 @@ def test_the_state_round_trips_exactly() -> None:
 
 def test_the_next_engine_starts_from_the_costs_this_one_measured(tiny_llama, spec_dir, cache, monkeypatch) -> None:
     calls = _calibrations(monkeypatch)
+    # the check of a loaded table is the next test's subject: under CI's parallel load a tiny model's cycle varies 3x
+    monkeypatch.setattr(calibration, "LOADED_TOLERANCE", 1e9)
     first = _engine(tiny_llama, spec_dir)
     out = first.generate(PROMPT, SamplingParams(max_new_tokens=12))
     assert calls == [1] and out.stats.adaptive["cost"]["origin"] == "measured"
@@ -107,6 +109,9 @@ def test_a_cached_table_that_this_machine_now_contradicts_is_measured_anew(tiny_
     calls = _calibrations(monkeypatch)
     first = _engine(tiny_llama, spec_dir)
     first.generate(PROMPT, SamplingParams(max_new_tokens=8))
+    if inflated == "draft":  # the cycles timed as the table says (CI's load varies them 3x): the proposal decides
+        monkeypatch.setattr(calibration, "time_cycles", lambda engine, token, cache, sizes: {
+            size: first.cost.cycle(size) for size in sizes})
     path = cost_path(cost_key(first))
     saved = json.loads(path.read_text())
     fresh_one_node = CostModel.from_state(saved["cost"]).cycle(1)
