@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from speculators.core.config import TreeConfig
 from speculators.core.sampling import SamplingParams
 from speculators.core.trees import SAMPLED_KINDS, DraftTree
 from speculators.runtime.cycle_host import CycleHost
@@ -65,13 +66,9 @@ def loaded_costs_hold(engine: CycleHost, token: int, cache: StaticKVCache, draft
     kind = engine.tree.kind
     cached_draft = engine.cost.draft.get(kind, {}).get(1)
     if drafter is not None and cached_draft and getattr(state, "last_token", token) == token:
-        params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        times = []
-        for _ in range(4):  # best of 3 after a warm-up; proposing writes only scratch slots
-            t = time.perf_counter()
-            drafter.propose(state, token, engine.tree_for(1, kind), params, None)
-            times.append(time.perf_counter() - t)
-        measured.append((f"a depth-1 {kind} proposal", min(times[1:]), cached_draft))
+        seconds, _ = time_proposal(drafter, state, token, engine.tree_for(1, kind),
+                                   SamplingParams(max_new_tokens=1, temperature=0.0), None)
+        measured.append((f"a depth-1 {kind} proposal", seconds, cached_draft))
     for what, seconds, cached in measured:
         if not cached > 0 or not 1 / tolerance <= seconds / cached <= tolerance:
             return f"{what} took {1000 * seconds:.2f} ms, the cached table says {1000 * cached:.2f} ms"
@@ -90,10 +87,18 @@ def calibrate_drafting(engine: CycleHost, drafter: Any, state: Any, root: int) -
         params = warm if kind in SAMPLED_KINDS else greedy
         generator = torch.Generator(device=engine.device).manual_seed(0) if kind in SAMPLED_KINDS else None
         for depth in range(1, engine.tree.depth + 1):
-            times, nodes = [], 0
-            for _ in range(4):
-                t = time.perf_counter()
-                nodes = drafter.propose(state, root, engine.tree_for(depth, kind), params, generator).size - 1
-                times.append(time.perf_counter() - t)
+            seconds, nodes = time_proposal(drafter, state, root, engine.tree_for(depth, kind), params, generator)
             if nodes > 0:
-                engine.cost.set_draft(depth, nodes, min(times[1:]), kind)
+                engine.cost.set_draft(depth, nodes, seconds, kind)
+
+
+def time_proposal(drafter: Any, state: Any, root: int, tree: TreeConfig, params: SamplingParams,
+                  generator: torch.Generator | None) -> tuple[float, int]:
+    """(seconds, draft nodes) of one proposal of `tree` from `root` (best of 3 after a warm-up); proposing writes
+    only scratch slots, so `state` is left as it was."""
+    times, nodes = [], 0
+    for _ in range(4):
+        t = time.perf_counter()
+        nodes = drafter.propose(state, root, tree, params, generator).size - 1
+        times.append(time.perf_counter() - t)
+    return min(times[1:]), nodes
