@@ -37,17 +37,19 @@ def test_cpu_use_tells_other_processes_from_this_one() -> None:
     worker = threading.Thread(target=spin)
     worker.start()
     try:
-        use = pipeline.cpu_use(0.5)
+        use = pipeline.cpu_use(1.0)
     finally:
         stop.set()
         worker.join()
     assert use is not None
     machine, own = use
-    assert own >= 0.5 and machine >= own - 0.15, use
+    # a spinning thread gets a share of a core, not a whole one, where the other test worker keeps both cores busy
+    # (CI measured 0.49): 0.2 tells "counted as this process's own" from "not counted" (~0.0) under any such load
+    assert own >= 0.2 and machine >= own - 0.15, use
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 20\nwhile time.time() < t: pass"])
     try:
         time.sleep(0.5)  # the child's interpreter has started and spins
-        machine, own = pipeline.cpu_use(0.5)
+        machine, own = pipeline.cpu_use(1.0)
     finally:
         child.kill()
         child.wait()
