@@ -34,6 +34,24 @@ class AcceptanceMemory:
     # temperature bucket -> the cycles without the model drafter the last request ended with: the next request goes on
     # counting toward its probe (requests shorter than the interval would otherwise never probe a drafter again)
     off_streaks: dict[float, int] = field(default_factory=dict)
+    # (temperature bucket, kind) -> decayed (cycles drafted with the model, cycles in which it proposed anything): a
+    # drafter that may propose nothing (prompt lookup in the model's place) starts each request at the traffic's share
+    shares: dict[tuple[float, str], tuple[float, float]] = field(default_factory=dict)
+
+    def add_share(self, temperature: float, kind: str, cycles: int, proposals: int) -> None:
+        """Fold one request's drafted `cycles` of `kind`, `proposals` of which proposed anything, into the memory
+        (the older counts decay as in `add`)."""
+        if cycles <= 0:
+            return
+        key, decay = (self.bucket(temperature), kind), 0.5 ** (cycles / self.half_life)
+        seen, proposed = self.shares.get(key, (0.0, 0.0))
+        self.shares[key] = (decay * seen + cycles, decay * proposed + proposals)
+
+    def share(self, temperature: float, kind: str) -> tuple[float, float] | None:
+        """(the share of `kind`'s drafted cycles that proposed anything, the decayed cycles behind it) at this
+        temperature; None before any."""
+        seen, proposed = self.shares.get((self.bucket(temperature), kind), (0.0, 0.0))
+        return (proposed / seen, seen) if seen > 0 else None
 
     def off_streak(self, temperature: float) -> int:
         return self.off_streaks.get(self.bucket(temperature), 0)

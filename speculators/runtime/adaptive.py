@@ -49,10 +49,9 @@ that depth is drafted (on the house target the estimates of depths 3-5 otherwise
 while fixed depth-5 trees committed 3.5 tokens per cycle against the controller's 2.5).
 Speculation is off from the start for short outputs (max_new_tokens < `short_output_tokens`).
 
-Tree kinds: given `kinds` (the configured tree kind first; at T > 0 with a drafter that samples its own law the engine
-adds "chain" — a sampled chain, verified by block verification — and "sampled" — a sampled spine with siblings,
-verified by traversal verification), the controller keeps acceptance estimates and drafting costs per kind; the
-verification mode of each kind is fixed by the kind, so choosing the kind is choosing the verifier where it wins.
+Tree kinds (`kinds`: the configured one first; the engine adds "chain", argmax at T = 0 and block-verified at T > 0,
+and at T > 0 "sampled", traversal-verified): acceptance estimates and drafting costs are kept per kind, and a kind
+fixes its verifier, so choosing the kind chooses the verifier, or a chain's one node a level, where it wins.
 
 Every choice is counted in `report()` (the engine's `stats.adaptive`: cycles per plan source, per depth and kind).
 Choosing a plan never changes the output distribution: any tree, including the root alone, is verified losslessly,
@@ -123,6 +122,7 @@ class AdaptiveDepth:
     graftable: tuple[str, ...] = ()  # the kinds a lookup may be grafted onto (deterministic trees)
     probe_interval: int = 0  # the first probe's interval (0: probe_every); the engine carries it across requests
     off_streak: int = 0  # cycles without the model drafter before this request (the engine's traffic): see `probes`
+    prior_share: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind -> (share, cycles behind it)
     warm_cycles: int = 8  # cycles before a probe in which the engine captures features for the drafter
 
     def __post_init__(self) -> None:
@@ -135,9 +135,12 @@ class AdaptiveDepth:
         # per kind and depth: (cycles that reached the depth, cycles that accepted it), for the engine's memory
         self.counts: dict[str, list[tuple[int, int]]] = {kind: [(0, 0)] * self.max_depth for kind in self.kinds}
         # per kind: the share of its cycles in which the drafter proposed anything (prompt lookup in the model's place
-        # proposes only where the context repeats; a trained drafter always does), and the evidence behind it
-        self.proposal_share: dict[str, float] = {}
-        self.share_weights: dict[str, float] = {}
+        # proposes only where the context repeats; a trained drafter always does), the evidence behind it (the
+        # traffic's as the acceptance's), and this request's (drafted cycles, cycles that proposed) for the memory
+        self.proposal_share = {kind: share for kind, (share, _) in self.prior_share.items()}
+        self.share_weights = {kind: min(self.max_prior_weight, self.prior_weight + seen)
+                              for kind, (_, seen) in self.prior_share.items()}
+        self.share_counts: dict[str, tuple[int, int]] = {}
         self.lookup_span = max(self.lookup_depth, self.max_depth + self.graft_nodes) if self.has_lookup else 0
         self.lookup_estimates = seed(LOOKUP, self.lookup_span)
         self.lookup_weights = self._prior_weights(LOOKUP, self.lookup_span)
@@ -210,6 +213,8 @@ class AdaptiveDepth:
         weight = (1.0 - self.smoothing) * self.share_weights.get(kind, self.prior_weight) + 1.0
         share = self.proposal_share.get(kind, 1.0)
         self.share_weights[kind] = weight
+        cycles, proposals = self.share_counts.get(kind, (0, 0))
+        self.share_counts[kind] = (cycles + 1, proposals + int(proposed))
         self.proposal_share[kind] = share + (float(proposed) - share) / weight
 
     def plan_tokens(self, plan: Plan) -> float:
@@ -407,9 +412,7 @@ class AdaptiveDepth:
     def observe_seconds(self, source: str, predicted: float, measured: float) -> None:
         """One timed cycle of a plan from `source`: the seconds it was rated at against the seconds it took."""
         row = self.seconds_by_source.setdefault(source, [0, 0.0, 0.0])
-        row[0] += 1
-        row[1] += predicted
-        row[2] += measured
+        row[0], row[1], row[2] = row[0] + 1, row[1] + predicted, row[2] + measured
 
     def observe_lookup(self, proposed: int, matched: int) -> None:
         """Update b_k from one scored continuation: its first `matched` of `proposed` tokens were committed."""

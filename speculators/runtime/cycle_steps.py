@@ -124,10 +124,13 @@ def open_request(engine: CycleHost, prompt_ids: list[int], params: SamplingParam
     prior = {kind: memory.estimates(temperature, kind, depth) for kind in kinds}
     prior[LOOKUP] = memory.estimates(temperature, LOOKUP, max(lookup_depth, depth + graft))
     evidence = {kind: memory.evidence(temperature, kind, len(values)) for kind, values in prior.items()}
+    for kind in kinds[1:]:  # a kind never drafted starts where the configured one is (for a chain: an upper bound)
+        prior[kind] = prior[kind] if any(evidence[kind]) else prior[kinds[0]]
     graftable = tuple(k for k in kinds if tree_verify_mode(k, params, engine.tree.verify) not in SAMPLED_MODES)
     ctrl = AdaptiveDepth(cost=engine.cost, max_depth=depth, max_new_tokens=params.max_new_tokens, enabled=adaptive,
                          prior=prior, prior_evidence=evidence, kinds=kinds, lookup_depth=lookup_depth,
-                         graft_nodes=graft, graftable=graftable,
+                         graft_nodes=graft, graftable=graftable, prior_share={
+                             k: share for k in kinds if (share := memory.share(temperature, k)) is not None},
                          probe_interval=memory.probe_interval(temperature), off_streak=memory.off_streak(temperature))
     if seeded and engine.adaptive and ctrl.mode.startswith("fixed"):
         ctrl.mode += " (seeded sampled request: reproducible)"
@@ -287,6 +290,8 @@ def close_request(engine: CycleHost, req: RequestState, stats: GenerationStats) 
     cycles = sum(req.ctrl.kind_histogram.values())  # the next requests start from this one's acceptance too
     for kind, counts in req.ctrl.counts.items():
         engine.acceptance_memory.add(req.temperature, kind, counts, cycles)
+    for kind, (drafted, proposals) in req.ctrl.share_counts.items():
+        engine.acceptance_memory.add_share(req.temperature, kind, drafted, proposals)
     engine.acceptance_memory.add(req.temperature, LOOKUP, req.ctrl.lookup_counts,
                                  sum(req.ctrl.source_histogram.values()))
     if req.ctrl.mode == "adaptive":  # a drafter still losing its probes is probed as rarely by the next request

@@ -213,12 +213,13 @@ class Engine:
         return self.recorder
 
     def kinds_for(self, params: SamplingParams, adaptive: bool) -> tuple[str, ...]:
-        """Tree kinds a request may draft, the configured one first: at T > 0 an adaptive request of a drafter that
-        samples its own law may also draft sampled chains and sampled trees (`SAMPLED_KINDS`)."""
-        kinds = (self.tree.kind,)
-        if adaptive and not params.greedy and getattr(self.drafter, "samples_drafts", False):
-            kinds += tuple(k for k in SAMPLED_KINDS if k != self.tree.kind)
-        return kinds
+        """Tree kinds a request may draft, the configured one first: an adaptive request of a drafter that drafts
+        from its own law may also draft chains (at T = 0 the argmax chain: one node a level, where a top-k tree's
+        extra nodes cost more verification than they win) and at T > 0 sampled trees (`SAMPLED_KINDS`)."""
+        if not (adaptive and getattr(self.drafter, "samples_drafts", False)):
+            return (self.tree.kind,)
+        extra = ("chain",) if params.greedy else SAMPLED_KINDS
+        return (self.tree.kind,) + tuple(k for k in extra if k != self.tree.kind)
 
     @property
     def cache(self) -> StaticKVCache:

@@ -129,6 +129,26 @@ def test_acceptance_memory_pools_requests_by_temperature_and_kind() -> None:
     assert {b for b, _ in memory.counts} == {0.7, 1.0, 2.0}
 
 
+def test_the_proposal_share_is_kept_across_requests_and_seeds_the_next() -> None:
+    """A drafter that may propose nothing: the memory keeps its decayed share per temperature and kind, and a new
+    request starts from it, weighted by the cycles behind it (at most `max_prior_weight`)."""
+    memory = AcceptanceMemory(half_life=100.0)
+    assert memory.share(0.0, "chain") is None
+    memory.add_share(0.0, "chain", cycles=0, proposals=0)  # a request that never drafted says nothing
+    assert memory.share(0.0, "chain") is None
+    memory.add_share(0.0, "chain", cycles=100, proposals=20)
+    memory.add_share(0.0, "chain", cycles=100, proposals=80)  # the older request weighs half
+    assert memory.share(0.0, "chain") == pytest.approx(((20 * 0.5 + 80) / 150, 150.0))
+    assert memory.share(1.0, "chain") is None and memory.share(0.0, "dynamic") is None
+    ctrl = AdaptiveDepth(cost=_cost(), max_depth=3, max_new_tokens=100, kinds=("chain",),
+                         prior_share={"chain": (0.2, 3.0)})
+    assert ctrl.proposal_share == {"chain": 0.2} and ctrl.share_weights == {"chain": 5.0}
+    full = AdaptiveDepth(cost=_cost(), max_depth=3, max_new_tokens=100, kinds=("chain",))
+    assert ctrl.plan_tokens(Plan("chain", 3)) < full.plan_tokens(Plan("chain", 3))  # rated as a mix with plain
+    ctrl.observe(0, 0, "chain")  # proposed nothing: the share falls by 0.2 / (0.9 * 5 + 1)
+    assert ctrl.proposal_share["chain"] == pytest.approx(0.2 - 0.2 / 5.5) and ctrl.share_counts == {"chain": (1, 0)}
+
+
 def test_cheap_verification_prefers_depth_over_plain() -> None:
     ctrl = AdaptiveDepth(cost=_cost(per_node=0.0001, draft=0.0001), max_depth=4, max_new_tokens=100,
                          prior=[0.5, 0.5, 0.5, 0.5])
@@ -211,6 +231,13 @@ def test_cycles_whose_drafter_proposed_nothing_set_its_share_not_its_acceptance(
     tries, _ = engine.acceptance_memory.counts[(0.0, "chain")][0]
     assert model_cycles == out.stats.target_calls and 0 < tries < model_cycles  # some proposed nothing
     assert 0 < out.stats.adaptive["proposal_share"]["chain"] < 1
+    # the engine keeps the share: the next request starts from the traffic's, not from "always proposes"
+    share, seen = engine.acceptance_memory.share(0.0, "chain")
+    assert share == pytest.approx((tries + 0.0) / model_cycles) and seen == model_cycles
+    again = engine.generate(prompt, SamplingParams(max_new_tokens=24))
+    assert again.token_ids == out.token_ids
+    second, seen = engine.acceptance_memory.share(0.0, "chain")
+    assert seen > model_cycles and 0 < second < 1
 
 
 # ---- the plan controller: plain, the lookup alone, the model, the model with the lookup grafted on ----------------

@@ -126,13 +126,14 @@ def test_logprobs_are_the_targets_own(tiny_llama, temperature: float) -> None:
 
 def test_adaptive_sampled_requests_choose_among_kinds(tiny_llama, tmp_path, monkeypatch) -> None:
     """At T > 0 an adaptive request of a model drafter may draft the configured tree, sampled chains (block) and
-    sampled trees (traversal); greedy, seeded or n-gram requests keep the configured kind."""
+    sampled trees (traversal); at T = 0 the configured tree or the argmax chain; fixed or n-gram requests keep the
+    configured kind."""
     spec = make_speculator_dir(tiny_llama, "eagle3", tmp_path / "eagle3")
     eng = Engine.from_pretrained(loaded_target(str(tiny_llama)), str(spec),
                                  tree=TreeConfig(kind="dynamic", depth=3, topk=2, budget=6, adaptive=True))
     warm = SamplingParams(max_new_tokens=60, temperature=1.0)
     assert eng.kinds_for(warm, adaptive=True) == ("dynamic", "chain", "sampled")
-    assert eng.kinds_for(SamplingParams(max_new_tokens=60), adaptive=True) == ("dynamic",)
+    assert eng.kinds_for(SamplingParams(max_new_tokens=60), adaptive=True) == ("dynamic", "chain")
     assert eng.kinds_for(warm, adaptive=False) == ("dynamic",)
     ngram = Engine.from_pretrained(loaded_target(str(tiny_llama)), "ngram")
     assert ngram.kinds_for(warm, adaptive=True) == (ngram.tree.kind,)
